@@ -1,0 +1,223 @@
+"""Trains one attention variant on the CPU within a wall-clock budget.
+
+    python3 train/train.py --variant mha --minutes 95 --out out/mha
+
+AdamW; linear warmup, then a cosine schedule over the wall-clock budget, so a run
+ends on time with a decayed learning rate. bf16 autocast, both cores. The
+validation loss (nats/token, each story scored within the context, as the C
+engine's --ppl does) is measured periodically; the best-validation weights are
+kept in OUT/best.pt. OUT/last.pt lets a run resume (--resume). A CSV loss log
+(OUT/log.csv) and its plot (OUT/loss.png) are written at every evaluation.
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import VARIANTS, Config, Transformer, story_windows  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOS_ID = 1
+
+
+def split_stories(tokens):
+    """uint16 stream of BOS ... EOS stories -> list of int arrays (one per story)."""
+    starts = np.flatnonzero(tokens == BOS_ID)
+    ends = np.append(starts[1:], len(tokens))
+    return [tokens[a:b].astype(np.int64) for a, b in zip(starts, ends)]
+
+
+def validation_batches(tokens, ctx, batch_size):
+    """Every story's windows (model.story_windows), padded to ctx, targets -1 where padded."""
+    rows = []
+    for story in split_stories(tokens):
+        for x, y in story_windows(story, ctx):
+            xi = np.zeros(ctx, dtype=np.int64)
+            yi = np.full(ctx, -1, dtype=np.int64)
+            xi[:len(x)] = x
+            yi[:len(y)] = y
+            rows.append((xi, yi))
+    for i in range(0, len(rows), batch_size):
+        xs, ys = zip(*rows[i:i + batch_size])
+        yield torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))
+
+
+@torch.no_grad()
+def evaluate(model, val_batches):
+    """Mean NLL per predicted token (nats) over the validation set."""
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in val_batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        nll = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1),
+                                                ignore_index=-1, reduction="sum")
+        total += float(nll)
+        count += int((y >= 0).sum())
+    model.train()
+    return total / count
+
+
+def lr_at(step, progress, args):
+    """Linear warmup over args.warmup steps, then cosine from lr to min_lr over wall-clock progress."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(max(progress, 0.0), 1.0)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def plot_log(log_path, png_path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = list(csv.DictReader(open(log_path)))
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tr = [(float(r["tokens"]) / 1e6, float(r["train_loss"])) for r in rows if r["train_loss"]]
+    va = [(float(r["tokens"]) / 1e6, float(r["val_loss"])) for r in rows if r["val_loss"]]
+    if tr:
+        ax.plot(*zip(*tr), label="train (smoothed)", alpha=0.8)
+    if va:
+        ax.plot(*zip(*va), "o-", label="validation")
+    ax.set_xlabel("tokens seen (millions)")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    ap.add_argument("--minutes", type=float, required=True, help="wall-clock training budget")
+    ap.add_argument("--out", help="output folder (default out/VARIANT)")
+    ap.add_argument("--data", default=os.path.join(ROOT, "data"), help="folder with train.bin, valid.bin")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--min-lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=100, help="warmup steps")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--eval-minutes", type=float, default=8.0, help="minutes between validations")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    ap.add_argument("--small", action="store_true", help="tiny model for smoke tests")
+    args = ap.parse_args()
+    out = args.out or os.path.join(ROOT, "out", args.variant)
+    os.makedirs(out, exist_ok=True)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+
+    train_tokens = np.fromfile(os.path.join(args.data, "train.bin"), dtype=np.uint16)
+    valid_tokens = np.fromfile(os.path.join(args.data, "valid.bin"), dtype=np.uint16)
+    overrides = dict(dropout=args.dropout, max_seq_len=args.ctx)
+    if args.small:
+        overrides.update(dim=64, n_layers=2, hidden_dim=96)
+    cfg = Config.for_variant(args.variant, **overrides)
+    model = Transformer(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    val_batches = list(validation_batches(valid_tokens, args.ctx, 32))
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+
+    step, tokens_seen, elapsed, best_val = 0, 0, 0.0, float("inf")
+    log_path = os.path.join(out, "log.csv")
+    if args.resume:
+        ck = torch.load(os.path.join(out, "last.pt"))
+        model.load_state_dict(ck["model"])
+        optim.load_state_dict(ck["optim"])
+        step, tokens_seen, elapsed, best_val = ck["step"], ck["tokens"], ck["elapsed"], ck["best_val"]
+        rng.bit_generator.state = ck["rng"]
+    else:
+        with open(log_path, "w") as f:
+            f.write("step,minutes,tokens,lr,train_loss,val_loss\n")
+
+    budget = args.minutes * 60.0
+    B, T = args.batch_size, args.ctx
+    print(f"{args.variant}: {n_params:,} parameters, {len(train_tokens):,} training tokens, "
+          f"{len(valid_tokens):,} validation tokens, budget {args.minutes} min, batch {B}x{T}")
+
+    def save(path, kind):
+        torch.save({"model": model.state_dict(), "config": cfg.__dict__, "step": step, "tokens": tokens_seen,
+                    "elapsed": elapsed, "best_val": best_val, "kind": kind,
+                    **({"optim": optim.state_dict(), "rng": rng.bit_generator.state} if kind == "last" else {})},
+                   path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def log(train_loss, val_loss):
+        with open(log_path, "a") as f:
+            f.write(f"{step},{elapsed / 60:.3f},{tokens_seen},{lr:.3e},"
+                    f"{'' if train_loss is None else f'{train_loss:.4f}'},"
+                    f"{'' if val_loss is None else f'{val_loss:.4f}'}\n")
+
+    def validate():
+        nonlocal best_val
+        val = evaluate(model, val_batches)
+        if val < best_val:
+            best_val = val
+            save(os.path.join(out, "best.pt"), "best")
+        log(None, val)
+        save(os.path.join(out, "last.pt"), "last")
+        plot_log(log_path, os.path.join(out, "loss.png"), f"{args.variant}: loss")
+        return val
+
+    model.train()
+    bar = tqdm(total=int(budget), initial=int(min(elapsed, budget)), unit="s", dynamic_ncols=True, mininterval=5,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s [{elapsed}<{remaining}] {postfix}")
+    smooth, lr, val = None, args.lr, float("nan")
+    last_eval, last_log = elapsed, elapsed
+    t_start = time.time() - elapsed
+    while elapsed < budget:
+        lr = lr_at(step, elapsed / budget, args)
+        for g in optim.param_groups:
+            g["lr"] = lr
+        ix = rng.integers(0, len(train_tokens) - T - 1, B)
+        batch = torch.from_numpy(np.stack([train_tokens[i:i + T + 1] for i in ix]).astype(np.int64))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(batch[:, :-1], batch[:, 1:])
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optim.step()
+        step += 1
+        tokens_seen += B * T
+        now = time.time() - t_start
+        bar.update(int(min(now, budget)) - int(min(elapsed, budget)))
+        elapsed = now
+        smooth = float(loss) if smooth is None else 0.98 * smooth + 0.02 * float(loss)
+        bar.set_postfix_str(f"step {step} loss {smooth:.3f} val {val:.3f} (best {best_val:.3f}) "
+                            f"{tokens_seen / max(elapsed, 1e-9):.0f} tok/s lr {lr:.1e}")
+        if elapsed - last_log >= 30:
+            log(smooth, None)
+            last_log = elapsed
+        if elapsed - last_eval >= args.eval_minutes * 60:
+            val = validate()
+            last_eval = elapsed
+    bar.close()
+    val = validate()
+    print(f"done: {step} steps, {tokens_seen:,} tokens ({tokens_seen / len(train_tokens):.2f} epochs), "
+          f"{elapsed / 60:.1f} min, {tokens_seen / elapsed:.0f} tok/s; final val {val:.4f}, best val {best_val:.4f}")
+
+
+if __name__ == "__main__":
+    main()
