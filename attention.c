@@ -1,0 +1,132 @@
+/* attention.c: the attention variants.
+ *
+ * Each function reads s->xb (T, dim), the normalized input of T tokens at
+ * positions pos0 .. pos0+T-1, appends what the cache keeps for them, and writes
+ * the heads' outputs to s->heads (T, n_heads*head_dim); model.c applies W_O.
+ * Query t attends to positions 0 .. pos0+t, all read from the cache. Without a KV
+ * cache the caller passes a fresh cache and the whole sequence (pos0 = 0), so the
+ * two modes run the very same arithmetic per (head, query, key). */
+#include <math.h>
+#include <string.h>
+
+#include "model.h"
+
+/* The scores of query t of head h against positions 0..n-1 live in this row. */
+static float *att_row(const Model *m, const RunState *s, int h, int t) {
+    int max_seq = m->cfg.max_seq_len;
+    return s->att + ((size_t)h * max_seq + t) * max_seq;
+}
+
+/* Work worth a second thread: (heads x queries x keys) */
+static int attention_is_big(const Model *m, int T, int pos0) { return m->cfg.n_heads * T * (pos0 + T) >= 2048; }
+
+/* ---- MHA, GQA, MQA: n_kv_heads KV heads; query head h reads KV head h / (n_heads/n_kv_heads). ---- */
+void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
+    const Config *c = &m->cfg;
+    const LayerWeights *w = &m->w.layers[l];
+    const int H = c->n_heads, Hkv = c->n_kv_heads, hd = c->head_dim, dim = c->dim;
+    const int group = H / Hkv;
+    const float scale = 1.0f / sqrtf((float)hd);
+
+    matmul(s->q, H * hd, s->xb, dim, w->wq, T);    /* q: (T, H*hd) */
+    matmul(s->k, Hkv * hd, s->xb, dim, w->wk, T);  /* k: (T, Hkv*hd) */
+    matmul(s->v, Hkv * hd, s->xb, dim, w->wv, T);  /* v: (T, Hkv*hd) */
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++) rope(m, s->q + ((size_t)t * H + h) * hd, hd, pos0 + t);
+        for (int g = 0; g < Hkv; g++) {
+            float *k = s->k + ((size_t)t * Hkv + g) * hd;
+            rope(m, k, hd, pos0 + t);
+            memcpy(kv_key(cache, l, g, pos0 + t), k, (size_t)hd * sizeof(float));
+            memcpy(kv_value(cache, l, g, pos0 + t), s->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
+        }
+    }
+
+#pragma omp parallel for schedule(dynamic, 1) if (attention_is_big(m, T, pos0))
+    for (int ht = 0; ht < H * T; ht++) {
+        int h = ht / T, t = ht % T, g = h / group, n = pos0 + t + 1;
+        const float *q = s->q + ((size_t)t * H + h) * hd;
+        float *att = att_row(m, s, h, t);
+        for (int j = 0; j < n; j++) att[j] = dot(q, kv_key(cache, l, g, j), hd) * scale;
+        softmax(att, n);
+        float *out = s->heads + ((size_t)t * H + h) * hd;
+        memset(out, 0, (size_t)hd * sizeof(float));
+        for (int j = 0; j < n; j++) axpy(out, att[j], kv_value(cache, l, g, j), hd);
+    }
+}
+
+/* ---- MLA (DeepSeek-V2, no query compression) ----
+ * q = W_Q x, per head [q_C (head_dim) ; q_R (rope_dim)], q_R rotated;
+ * c = RMSNorm(W_DKV x) (kv_latent); k_R = RoPE(W_KR x) (rope_dim), shared by all heads.
+ * The cache keeps [c ; k_R] per position. Scores are scaled by 1/sqrt(head_dim+rope_dim). */
+static void mla_project(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
+    const Config *c = &m->cfg;
+    const LayerWeights *w = &m->w.layers[l];
+    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
+
+    matmul(s->q, H * qw, s->xb, c->dim, w->wq, T);        /* q: (T, H*(hd+rd)) */
+    matmul(s->latent, dc, s->xb, c->dim, w->wdkv, T);     /* c: (T, dc) */
+    matmul(s->k_rope, rd, s->xb, c->dim, w->wkr, T);      /* k_R: (T, rd) */
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++) rope(m, s->q + ((size_t)t * H + h) * qw + c->head_dim, rd, pos0 + t);
+        float *row = kv_latent(cache, l, pos0 + t);
+        rmsnorm(row, s->latent + (size_t)t * dc, w->kv_norm, dc, c->norm_eps);
+        memcpy(row + dc, s->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
+        rope(m, row + dc, rd, pos0 + t);
+    }
+}
+
+/* Expanded form: every head's keys [W_UK,h c_j ; k_R,j] and values W_UV,h c_j are
+ * materialized for all positions j, then attention runs as in MHA (48-dim keys). */
+void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
+    const Config *c = &m->cfg;
+    const LayerWeights *w = &m->w.layers[l];
+    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd;
+    const int lw = dc + rd, n_keys = pos0 + T;
+    const float scale = 1.0f / sqrtf((float)qw);
+
+    mla_project(m, s, cache, l, T, pos0);
+    /* rows of the cache are [c ; k_R]: the products read the first dc floats of each */
+    matmul(s->k_exp, H * hd, kv_latent(cache, l, 0), lw, w->wuk, n_keys);  /* k_C: (n_keys, H*hd) */
+    matmul(s->v_exp, H * hd, kv_latent(cache, l, 0), lw, w->wuv, n_keys);  /* v:   (n_keys, H*hd) */
+
+#pragma omp parallel for schedule(dynamic, 1) if (attention_is_big(m, T, pos0))
+    for (int ht = 0; ht < H * T; ht++) {
+        int h = ht / T, t = ht % T, n = pos0 + t + 1;
+        const float *q = s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
+        float *att = att_row(m, s, h, t);
+        for (int j = 0; j < n; j++)
+            att[j] = dot_cat(q, s->k_exp + ((size_t)j * H + h) * hd, hd, q + hd, kv_latent(cache, l, j) + dc, rd) * scale;
+        softmax(att, n);
+        float *out = s->heads + ((size_t)t * H + h) * hd;
+        memset(out, 0, (size_t)hd * sizeof(float));
+        for (int j = 0; j < n; j++) axpy(out, att[j], s->v_exp + ((size_t)j * H + h) * hd, hd);
+    }
+}
+
+/* Absorbed form: q_lat,h = W_UK,h^T q_C,h; score_j = [q_lat,h ; q_R,h] . [c_j ; k_R,j];
+ * o_h = W_UV,h (sum_j p_j c_j). Cached latents are never expanded. */
+void attn_mla_absorbed(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
+    const Config *c = &m->cfg;
+    const LayerWeights *w = &m->w.layers[l];
+    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd;
+    const int lw = dc + rd;
+    const float scale = 1.0f / sqrtf((float)qw);
+
+    mla_project(m, s, cache, l, T, pos0);
+
+#pragma omp parallel for schedule(dynamic, 1) if (attention_is_big(m, T, pos0))
+    for (int ht = 0; ht < H * T; ht++) {
+        int h = ht / T, t = ht % T, n = pos0 + t + 1;
+        const float *q = s->q + ((size_t)t * H + h) * qw;          /* [q_C ; q_R] */
+        float *q_abs = s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
+        matmul_serial(q_abs, dc, q, hd, mat_rows(w->wuk_t, h * dc, dc), 1);
+        memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
+        float *att = att_row(m, s, h, t);
+        for (int j = 0; j < n; j++) att[j] = dot(q_abs, kv_latent(cache, l, j), lw) * scale;
+        softmax(att, n);
+        float *ctx = s->ctx_lat + ((size_t)t * H + h) * dc;        /* sum_j p_j c_j: (dc) */
+        memset(ctx, 0, (size_t)dc * sizeof(float));
+        for (int j = 0; j < n; j++) axpy(ctx, att[j], kv_latent(cache, l, j), dc);
+        matmul_serial(s->heads + ((size_t)t * H + h) * hd, hd, ctx, dc, mat_rows(w->wuv, h * hd, hd), 1);
+    }
+}

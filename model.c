@@ -1,0 +1,363 @@
+/* model.c: loading a checkpoint (docs/FORMAT.md) and the forward pass. */
+#include "model.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define HEADER_SIZE 128
+#define FORMAT_VERSION 1
+#define MAX_DIM 65536
+
+static int fail(char *err, size_t errlen, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static uint32_t rd_u32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t rd_u64(const unsigned char *p) { return (uint64_t)rd_u32(p) | (uint64_t)rd_u32(p + 4) << 32; }
+static float rd_f32(const unsigned char *p) {
+    uint32_t u = rd_u32(p);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+const char *variant_name(const Config *c) {
+    static const char *names[] = {"mha", "gqa", "mqa"};
+    static _Thread_local char mla[32];
+    if (c->variant != VARIANT_MLA) return names[c->variant];
+    snprintf(mla, sizeof mla, "mla%d", c->kv_latent);  /* mla64, mla128 */
+    return mla;
+}
+
+void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *ctx) {
+    const int H = c->n_heads, hd = c->head_dim, D = c->dim;
+    visit(ctx, &w->tok_embeddings, c->vocab_size, D);
+    for (int l = 0; l < c->n_layers; l++) {
+        LayerWeights *L = &w->layers[l];
+        visit(ctx, &L->attn_norm, 1, D);
+        if (c->variant == VARIANT_MLA) {
+            visit(ctx, &L->wq, H * (hd + c->rope_dim), D);
+            visit(ctx, &L->wdkv, c->kv_latent, D);
+            visit(ctx, &L->kv_norm, 1, c->kv_latent);
+            visit(ctx, &L->wkr, c->rope_dim, D);
+            visit(ctx, &L->wuk, H * hd, c->kv_latent);
+            visit(ctx, &L->wuv, H * hd, c->kv_latent);
+        } else {
+            visit(ctx, &L->wq, H * hd, D);
+            visit(ctx, &L->wk, c->n_kv_heads * hd, D);
+            visit(ctx, &L->wv, c->n_kv_heads * hd, D);
+        }
+        visit(ctx, &L->wo, D, H * hd);
+        visit(ctx, &L->ffn_norm, 1, D);
+        visit(ctx, &L->w1, c->hidden_dim, D);
+        visit(ctx, &L->w2, D, c->hidden_dim);
+        visit(ctx, &L->w3, c->hidden_dim, D);
+    }
+    visit(ctx, &w->final_norm, 1, D);
+}
+
+static void count_elements(void *ctx, Mat *mat, int rows, int cols) {
+    (void)mat;
+    *(uint64_t *)ctx += (uint64_t)rows * (uint64_t)cols;
+}
+
+typedef struct { const char *p; DType dt; } Cursor;
+
+static void assign_tensor(void *ctx, Mat *mat, int rows, int cols) {
+    Cursor *cur = ctx;
+    mat->data = cur->p;
+    mat->rows = rows;
+    mat->cols = cols;
+    mat->dtype = cur->dt;
+    cur->p += (size_t)rows * (size_t)cols * dtype_size(cur->dt);
+}
+
+size_t model_param_count(const Config *c) {
+    uint64_t n = 0;
+    Weights w;
+    LayerWeights *layers = calloc((size_t)c->n_layers, sizeof *layers);
+    if (!layers) return 0;
+    w.layers = layers;
+    model_walk_tensors(c, &w, count_elements, &n);
+    free(layers);
+    return (size_t)n;
+}
+
+/* Checks the header's numbers; everything later relies on them. */
+static int check_config(const Config *c, char *err, size_t errlen) {
+    const struct { const char *name; int v; } dims[] = {
+        {"dim", c->dim}, {"n_layers", c->n_layers}, {"n_heads", c->n_heads}, {"head_dim", c->head_dim},
+        {"hidden_dim", c->hidden_dim}, {"vocab_size", c->vocab_size}, {"max_seq_len", c->max_seq_len},
+    };
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i].v <= 0 || dims[i].v > MAX_DIM)
+            return fail(err, errlen, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v, MAX_DIM);
+    if (c->n_layers > 256) return fail(err, errlen, "checkpoint: n_layers = %d is absurd", c->n_layers);
+    if (c->max_seq_len > 8192) return fail(err, errlen, "checkpoint: max_seq_len = %d is over 8192", c->max_seq_len);
+    if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
+        return fail(err, errlen, "checkpoint: n_heads * head_dim = %ld is absurd", (long)c->n_heads * c->head_dim);
+    if ((long)c->n_heads * c->max_seq_len * c->max_seq_len > (1L << 28))
+        return fail(err, errlen, "checkpoint: n_heads * max_seq_len^2 is too large for the attention scratch");
+    if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
+        c->n_kv_heads > MAX_DIM)
+        return fail(err, errlen, "checkpoint: n_kv_heads, kv_latent or rope_dim is out of range");
+    switch (c->variant) {
+    case VARIANT_MHA:
+        if (c->n_kv_heads != c->n_heads) return fail(err, errlen, "checkpoint: an MHA model needs n_kv_heads == n_heads (%d != %d)", c->n_kv_heads, c->n_heads);
+        break;
+    case VARIANT_GQA:
+        if (c->n_kv_heads <= 1 || c->n_kv_heads >= c->n_heads || c->n_heads % c->n_kv_heads != 0)
+            return fail(err, errlen, "checkpoint: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)", c->n_kv_heads, c->n_heads);
+        break;
+    case VARIANT_MQA:
+        if (c->n_kv_heads != 1) return fail(err, errlen, "checkpoint: an MQA model needs n_kv_heads == 1 (got %d)", c->n_kv_heads);
+        break;
+    case VARIANT_MLA:
+        if (c->n_kv_heads != 0 || c->kv_latent <= 0 || c->rope_dim <= 0 || c->rope_dim % 2 != 0)
+            return fail(err, errlen, "checkpoint: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0");
+        break;
+    default:
+        return fail(err, errlen, "checkpoint: unknown variant %d", (int)c->variant);
+    }
+    if (c->variant != VARIANT_MLA && (c->kv_latent != 0 || c->rope_dim != 0))
+        return fail(err, errlen, "checkpoint: kv_latent and rope_dim must be 0 for %s", variant_name(c));
+    if (c->head_dim % 2 != 0) return fail(err, errlen, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
+    if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f)) return fail(err, errlen, "checkpoint: rope_theta is not a sane number");
+    if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f)) return fail(err, errlen, "checkpoint: norm_eps is not in (0, 1)");
+    if (c->bos_id < 0 || c->bos_id >= c->vocab_size || c->eos_id < 0 || c->eos_id >= c->vocab_size)
+        return fail(err, errlen, "checkpoint: bos_id or eos_id is outside the vocabulary");
+    return 0;
+}
+
+static int parse_header(Config *c, const unsigned char *h, char *err, size_t errlen) {
+    if (memcmp(h, "AKVC", 4) != 0) return fail(err, errlen, "checkpoint: bad magic (not an AKVC checkpoint)");
+    uint32_t version = rd_u32(h + 4);
+    if (version != FORMAT_VERSION) return fail(err, errlen, "checkpoint: unsupported version %u (this program reads %d)", version, FORMAT_VERSION);
+    uint32_t variant = rd_u32(h + 8), dtype = rd_u32(h + 12);
+    if (variant > VARIANT_MLA) return fail(err, errlen, "checkpoint: unknown variant %u", variant);
+    if (dtype > DTYPE_BF16) return fail(err, errlen, "checkpoint: unknown dtype %u", dtype);
+    c->variant = (Variant)variant;
+    c->dtype = (DType)dtype;
+    int *fields[] = {&c->dim, &c->n_layers, &c->n_heads, &c->head_dim, &c->n_kv_heads, &c->kv_latent,
+                     &c->rope_dim, &c->hidden_dim, &c->vocab_size, &c->max_seq_len};
+    for (int i = 0; i < 10; i++) {
+        uint32_t v = rd_u32(h + 16 + 4 * i);
+        *fields[i] = v > (uint32_t)MAX_DIM ? -1 : (int)v;  /* out of range either way */
+    }
+    c->rope_theta = rd_f32(h + 56);
+    c->norm_eps = rd_f32(h + 60);
+    uint32_t bos = rd_u32(h + 64), eos = rd_u32(h + 68);
+    c->bos_id = bos > (uint32_t)MAX_DIM ? -1 : (int)bos;
+    c->eos_id = eos > (uint32_t)MAX_DIM ? -1 : (int)eos;
+    return check_config(c, err, errlen);
+}
+
+static void init_rope(Model *m) {
+    const Config *c = &m->cfg;
+    int width = c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim, half = width / 2;
+    for (int pos = 0; pos < c->max_seq_len; pos++)
+        for (int i = 0; i < half; i++) {
+            double freq = pow((double)c->rope_theta, -2.0 * i / width);
+            m->rope_cos[(size_t)pos * half + i] = (float)cos(pos * freq);
+            m->rope_sin[(size_t)pos * half + i] = (float)sin(pos * freq);
+        }
+}
+
+void rope(const Model *m, float *v, int width, int pos) {
+    int half = width / 2;
+    const float *cs = m->rope_cos + (size_t)pos * half, *sn = m->rope_sin + (size_t)pos * half;
+    for (int i = 0; i < half; i++) {
+        float v0 = v[2 * i], v1 = v[2 * i + 1];
+        v[2 * i] = v0 * cs[i] - v1 * sn[i];
+        v[2 * i + 1] = v0 * sn[i] + v1 * cs[i];
+    }
+}
+
+/* W_UK,h^T for every head: wuk [H*hd][dc] -> wuk_t [H][dc][hd], in the file's dtype. */
+static int derive_absorbed(Model *m) {
+    const Config *c = &m->cfg;
+    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
+    size_t es = dtype_size(c->dtype), per_layer = (size_t)H * dc * hd * es;
+    char *store = malloc(per_layer * (size_t)c->n_layers);
+    if (!store) return -1;
+    m->derived = store;
+    for (int l = 0; l < c->n_layers; l++) {
+        LayerWeights *L = &m->w.layers[l];
+        char *dst = store + per_layer * (size_t)l;
+        const char *src = L->wuk.data;
+        for (int h = 0; h < H; h++)
+            for (int d = 0; d < hd; d++)
+                for (int k = 0; k < dc; k++)
+                    memcpy(dst + (((size_t)h * dc + k) * hd + d) * es, src + (((size_t)h * hd + d) * dc + k) * es, es);
+        L->wuk_t = (Mat){dst, H * dc, hd, c->dtype};
+    }
+    return 0;
+}
+
+int model_load(Model *m, const char *path, char *err, size_t errlen) {
+    memset(m, 0, sizeof *m);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return fail(err, errlen, "cannot open checkpoint %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return fail(err, errlen, "checkpoint %s is not a regular file", path);
+    }
+    size_t size = (size_t)st.st_size;
+    if (size < HEADER_SIZE) {
+        close(fd);
+        return fail(err, errlen, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", path, size, HEADER_SIZE);
+    }
+    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return fail(err, errlen, "cannot mmap checkpoint %s: %s", path, strerror(errno));
+    m->map = map;
+    m->map_size = size;
+    const unsigned char *h = map;
+    Config *c = &m->cfg;
+    if (parse_header(c, h, err, errlen) != 0) goto bad;
+
+    uint64_t tok_off = rd_u64(h + 72), tok_size = rd_u64(h + 80), w_off = rd_u64(h + 88), w_size = rd_u64(h + 96);
+    if (tok_off < HEADER_SIZE || tok_off > size || tok_size == 0 || tok_size > size - tok_off) {
+        fail(err, errlen, "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
+             (unsigned long long)tok_off, (unsigned long long)tok_size, size);
+        goto bad;
+    }
+    if (w_off % 64 != 0 || w_off < tok_off + tok_size || w_off > size || w_size != size - w_off) {
+        fail(err, errlen, "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should (truncated?)",
+             (unsigned long long)w_off, (unsigned long long)w_size, size);
+        goto bad;
+    }
+    uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
+    if (w_size != expect) {
+        fail(err, errlen, "checkpoint: weights hold %llu bytes but the dimensions imply %llu", (unsigned long long)w_size,
+             (unsigned long long)expect);
+        goto bad;
+    }
+
+    char why[256];
+    m->tokenizer = spm_load_bytes((const char *)map + tok_off, (size_t)tok_size, why, sizeof why);
+    if (!m->tokenizer) {
+        fail(err, errlen, "checkpoint: the embedded tokenizer is corrupt: %s", why);
+        goto bad;
+    }
+    if (spm_vocab_size(m->tokenizer) != c->vocab_size || spm_bos_id(m->tokenizer) != c->bos_id ||
+        spm_eos_id(m->tokenizer) != c->eos_id) {
+        fail(err, errlen, "checkpoint: the embedded tokenizer (%d pieces, bos %d, eos %d) does not match the model (%d, bos %d, eos %d)",
+             spm_vocab_size(m->tokenizer), spm_bos_id(m->tokenizer), spm_eos_id(m->tokenizer), c->vocab_size, c->bos_id, c->eos_id);
+        goto bad;
+    }
+
+    m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
+    int rot = c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim;
+    m->rope_cos = malloc((size_t)c->max_seq_len * (size_t)(rot / 2) * sizeof(float));
+    m->rope_sin = malloc((size_t)c->max_seq_len * (size_t)(rot / 2) * sizeof(float));
+    if (!m->w.layers || !m->rope_cos || !m->rope_sin) {
+        fail(err, errlen, "out of memory loading %s", path);
+        goto bad;
+    }
+    Cursor cur = {(const char *)map + w_off, c->dtype};
+    model_walk_tensors(c, &m->w, assign_tensor, &cur);
+    init_rope(m);
+    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) {
+        fail(err, errlen, "out of memory loading %s", path);
+        goto bad;
+    }
+    return 0;
+bad:
+    model_free(m);
+    return -1;
+}
+
+void model_free(Model *m) {
+    spm_free(m->tokenizer);
+    free(m->w.layers);
+    free(m->rope_cos);
+    free(m->rope_sin);
+    free(m->derived);
+    if (m->map) munmap(m->map, m->map_size);
+    memset(m, 0, sizeof *m);
+}
+
+/* ---- scratch ---- */
+
+int runstate_init(RunState *s, const Config *c) {
+    memset(s, 0, sizeof *s);
+    size_t T = (size_t)c->max_seq_len, H = (size_t)c->n_heads, hd = (size_t)c->head_dim;
+    size_t q_width = hd + (size_t)c->rope_dim, kv = (size_t)c->n_kv_heads * hd;
+    size_t dc = (size_t)c->kv_latent, rd = (size_t)c->rope_dim;
+    struct { float **p; size_t n; } bufs[] = {
+        {&s->x, T * c->dim}, {&s->xb, T * c->dim}, {&s->heads, T * H * hd}, {&s->q, T * H * q_width},
+        {&s->k, T * kv}, {&s->v, T * kv}, {&s->latent, T * dc}, {&s->k_rope, T * rd},
+        {&s->k_exp, dc ? T * H * hd : 0}, {&s->v_exp, dc ? T * H * hd : 0},
+        {&s->q_abs, T * H * (dc + rd)}, {&s->ctx_lat, T * H * dc}, {&s->att, H * T * T},
+        {&s->hb, T * c->hidden_dim}, {&s->hb2, T * c->hidden_dim}, {&s->logits, T * c->vocab_size},
+    };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
+        if (bufs[i].n == 0) continue;
+        *bufs[i].p = calloc(bufs[i].n, sizeof(float));
+        if (!*bufs[i].p) {
+            runstate_free(s);
+            return -1;
+        }
+    }
+    s->mla_absorb = 1;
+    return 0;
+}
+
+void runstate_free(RunState *s) {
+    float *bufs[] = {s->x, s->xb, s->heads, s->q, s->k, s->v, s->latent, s->k_rope, s->k_exp,
+                     s->v_exp, s->q_abs, s->ctx_lat, s->att, s->hb, s->hb2, s->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    memset(s, 0, sizeof *s);
+}
+
+/* ---- the forward pass ---- */
+
+void model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, int pos0,
+                   float *logits, int all_logits) {
+    const Config *c = &m->cfg;
+    const int D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
+
+    for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, tokens[t]);  /* x: (T, D) */
+
+    for (int l = 0; l < c->n_layers; l++) {
+        const LayerWeights *w = &m->w.layers[l];
+        /* x += W_O Attn(RMSNorm(x)) */
+        for (int t = 0; t < T; t++) rmsnorm(s->xb + (size_t)t * D, s->x + (size_t)t * D, w->attn_norm, D, c->norm_eps);
+        if (c->variant != VARIANT_MLA) attn_kv_heads(m, s, cache, l, T, pos0);
+        else if (s->mla_absorb) attn_mla_absorbed(m, s, cache, l, T, pos0);
+        else attn_mla_expanded(m, s, cache, l, T, pos0);
+        matmul(s->xb, D, s->heads, HD, w->wo, T);                      /* (T, D) */
+        for (size_t i = 0; i < (size_t)T * D; i++) s->x[i] += s->xb[i];
+
+        /* x += W2 (silu(W1 h) * W3 h), h = RMSNorm(x) */
+        for (int t = 0; t < T; t++) rmsnorm(s->xb + (size_t)t * D, s->x + (size_t)t * D, w->ffn_norm, D, c->norm_eps);
+        matmul(s->hb, F, s->xb, D, w->w1, T);                          /* (T, F) */
+        matmul(s->hb2, F, s->xb, D, w->w3, T);                         /* (T, F) */
+        swiglu(s->hb, s->hb2, T * F);
+        matmul(s->xb, D, s->hb, F, w->w2, T);                          /* (T, D) */
+        for (size_t i = 0; i < (size_t)T * D; i++) s->x[i] += s->xb[i];
+    }
+    cache->len = pos0 + T;
+
+    /* final norm and the tied head, for the last token or for all */
+    int first = all_logits ? 0 : T - 1, n = T - first;
+    for (int t = first; t < T; t++) rmsnorm(s->xb + (size_t)t * D, s->x + (size_t)t * D, m->w.final_norm, D, c->norm_eps);
+    matmul(logits, c->vocab_size, s->xb + (size_t)first * D, D, m->w.tok_embeddings, n);
+}

@@ -1,0 +1,95 @@
+/* sampler.c: greedy and top-k sampling. */
+#include "sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+int sampler_init(Sampler *s, int vocab_size, int top_k, float temperature, uint64_t seed) {
+    if (top_k < 1 || top_k > vocab_size || !(temperature >= 0.0f) || !isfinite(temperature)) return -1;
+    s->vocab_size = vocab_size;
+    s->top_k = top_k;
+    s->temperature = temperature;
+    s->rng_state = seed ? seed : 0x9E3779B97F4A7C15ull;  /* xorshift needs a nonzero state */
+    s->top = malloc((size_t)top_k * sizeof *s->top);
+    return s->top ? 0 : -1;
+}
+
+void sampler_free(Sampler *s) {
+    free(s->top);
+    s->top = NULL;
+}
+
+static uint32_t random_u32(uint64_t *state) {
+    /* xorshift64*, as in llama2.c */
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return (uint32_t)((*state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+float sampler_random_f32(uint64_t *state) { return (float)(random_u32(state) >> 8) / 16777216.0f; }
+
+int sampler_argmax(const float *logits, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+/* a ranks before b: larger value, then smaller index */
+static int ranks_before(ProbIndex a, ProbIndex b) { return a.value > b.value || (a.value == b.value && a.index < b.index); }
+
+/* The k best logits, best first: a min-heap of size k over the vocabulary, then sorted. */
+static void select_top_k(ProbIndex *top, int k, const float *logits, int n) {
+    int size = 0;
+    for (int i = 0; i < n; i++) {
+        ProbIndex x = {logits[i], i};
+        if (size < k) {  /* sift up */
+            int j = size++;
+            while (j > 0 && ranks_before(top[(j - 1) / 2], x)) { top[j] = top[(j - 1) / 2]; j = (j - 1) / 2; }
+            top[j] = x;
+        } else if (ranks_before(x, top[0])) {  /* replace the worst, sift down */
+            int j = 0;
+            for (;;) {
+                int c = 2 * j + 1;
+                if (c >= k) break;
+                if (c + 1 < k && ranks_before(top[c], top[c + 1])) c++;
+                if (!ranks_before(x, top[c])) break;
+                top[j] = top[c];
+                j = c;
+            }
+            top[j] = x;
+        }
+    }
+    for (int end = size - 1; end > 0; end--) {  /* heap sort: the worst goes to the end */
+        ProbIndex worst = top[0];
+        ProbIndex x = top[end];
+        int j = 0;
+        for (;;) {
+            int c = 2 * j + 1;
+            if (c >= end) break;
+            if (c + 1 < end && ranks_before(top[c], top[c + 1])) c++;
+            if (!ranks_before(x, top[c])) break;
+            top[j] = top[c];
+            j = c;
+        }
+        top[j] = x;
+        top[end] = worst;
+    }
+}
+
+int sampler_sample(Sampler *s, const float *logits) {
+    if (s->top_k == 1 || s->temperature == 0.0f) return sampler_argmax(logits, s->vocab_size);
+    select_top_k(s->top, s->top_k, logits, s->vocab_size);
+    float max = s->top[0].value, sum = 0.0f;
+    for (int i = 0; i < s->top_k; i++) {
+        s->top[i].value = expf((s->top[i].value - max) / s->temperature);
+        sum += s->top[i].value;
+    }
+    float r = sampler_random_f32(&s->rng_state) * sum, cdf = 0.0f;
+    for (int i = 0; i < s->top_k; i++) {
+        cdf += s->top[i].value;
+        if (r < cdf) return s->top[i].index;
+    }
+    return s->top[s->top_k - 1].index;  /* rounding */
+}

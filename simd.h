@@ -1,0 +1,131 @@
+/* simd.h: a 16-lane fp32 vector, the unit of the canonical reduction order.
+ *
+ * Every dot product in the engine is computed the same way (see kernels.h):
+ * element i goes to lane i % 16 and is fused-multiply-added into that lane in
+ * ascending i (missing tail elements count as 0*0); the 16 lanes are then
+ * summed by a fixed tree: lanes l and l+8, then l and l+4, l+2, l+1.
+ *
+ * Three implementations, chosen when compiling, give that same order:
+ * AVX-512 (one zmm), AVX2 (two ymm: lanes 0-7 and 8-15) and portable C
+ * (16 floats with fmaf). Only this file knows which one is in use. */
+#ifndef SIMD_H
+#define SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SIMD_NAME "avx512"
+typedef __m512 v16;
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline __mmask16 v16_mask(int n) { return (__mmask16)((n >= 16) ? 0xFFFF : ((1u << n) - 1)); }
+/* the first n (<= 16) elements; the rest are 0 */
+static inline v16 v16_load_f32(const float *p, int n) {
+    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(v16_mask(n), p);
+}
+static inline v16 v16_load_bf16(const bf16 *p, int n) {
+    __m256i h = n >= 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(v16_mask(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+static inline v16 v16_fma(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
+static inline void v16_store(float *p, v16 v, int n) {
+    if (n >= 16) _mm512_storeu_ps(p, v);
+    else _mm512_mask_storeu_ps(p, v16_mask(n), v);
+}
+static inline float v16_reduce(v16 v) {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SIMD_NAME "avx2"
+typedef struct { __m256 lo, hi; } v16;
+static inline v16 v16_zero(void) { v16 v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+static inline __m256i avx2_mask8(int n) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx);
+}
+static inline v16 v16_load_f32(const float *p, int n) {
+    v16 v;
+    if (n >= 16) { v.lo = _mm256_loadu_ps(p); v.hi = _mm256_loadu_ps(p + 8); return v; }
+    v.lo = _mm256_maskload_ps(p, avx2_mask8(n));
+    v.hi = n > 8 ? _mm256_maskload_ps(p + 8, avx2_mask8(n - 8)) : _mm256_setzero_ps();
+    return v;
+}
+static inline __m256 avx2_widen8(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline v16 v16_load_bf16(const bf16 *p, int n) {
+    v16 v;
+    if (n >= 16) {
+        v.lo = avx2_widen8(_mm_loadu_si128((const __m128i *)p));
+        v.hi = avx2_widen8(_mm_loadu_si128((const __m128i *)(p + 8)));
+        return v;
+    }
+    bf16 tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof(bf16));
+    return v16_load_bf16(tmp, 16);
+}
+static inline v16 v16_set1(float x) { v16 v = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return v; }
+static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
+    acc.lo = _mm256_fmadd_ps(a.lo, b.lo, acc.lo);
+    acc.hi = _mm256_fmadd_ps(a.hi, b.hi, acc.hi);
+    return acc;
+}
+static inline void v16_store(float *p, v16 v, int n) {
+    if (n >= 16) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); return; }
+    _mm256_maskstore_ps(p, avx2_mask8(n), v.lo);
+    if (n > 8) _mm256_maskstore_ps(p + 8, avx2_mask8(n - 8), v.hi);
+}
+static inline float v16_reduce(v16 v) {
+    __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+#else
+#define SIMD_NAME "portable"
+typedef struct { float x[16]; } v16;
+static inline v16 v16_zero(void) { v16 v = {{0}}; return v; }
+static inline v16 v16_load_f32(const float *p, int n) {
+    v16 v = {{0}};
+    for (int l = 0; l < 16 && l < n; l++) v.x[l] = p[l];
+    return v;
+}
+static inline v16 v16_load_bf16(const bf16 *p, int n) {
+    v16 v = {{0}};
+    for (int l = 0; l < 16 && l < n; l++) v.x[l] = bf16_to_f32(p[l]);
+    return v;
+}
+static inline v16 v16_set1(float x) { v16 v; for (int l = 0; l < 16; l++) v.x[l] = x; return v; }
+static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
+    for (int l = 0; l < 16; l++) acc.x[l] = fmaf(a.x[l], b.x[l], acc.x[l]);
+    return acc;
+}
+static inline void v16_store(float *p, v16 v, int n) {
+    for (int l = 0; l < 16 && l < n; l++) p[l] = v.x[l];
+}
+static inline float v16_reduce(v16 v) {
+    for (int h = 8; h >= 1; h /= 2)
+        for (int l = 0; l < h; l++) v.x[l] = v.x[l] + v.x[l + h];
+    return v.x[0];
+}
+#endif
+
+#endif /* SIMD_H */

@@ -1,0 +1,494 @@
+// spm_c.cc: the C API of spm_c.h over SentencePiece's C++ SentencePieceProcessor.
+//
+// Every extern "C" function body is wrapped in try/catch(...): no C++ exception may cross
+// into C. Encoding is SentencePiece's own; decoding is done here, piece by piece, so that
+// text can be printed while tokens are generated. It follows SentencePiece's Decode (0.1.97
+// and later) rule for rule; the model-dependent parts (the unknown surface, how the dummy
+// prefix space is removed) are read off the library's own DecodeIds at load time.
+#include "spm_c.h"
+
+#include <sentencepiece_processor.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";  // U+2581 LOWER ONE EIGHTH BLOCK
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD REPLACEMENT CHARACTER
+constexpr std::string_view kDefaultUnknown = " \xE2\x81\x87 ";  // " U+2047 "
+
+// How DecodeIds removes the space SentencePiece's normalizer put before the text.
+enum class PrefixRule {
+    kNone,        // the model adds no dummy prefix: spaces are kept
+    kOnce,        // one leading space of the first piece that starts with one
+    kWhileEmpty,  // one leading space of every piece while the text so far is empty
+};
+
+enum class PieceKind : unsigned char { kNormal, kControl, kUnknown, kByte };
+
+struct PieceInfo {
+    PieceKind kind = PieceKind::kNormal;
+    unsigned char byte = 0;  // for kByte
+    bool leading_space = false;  // normal piece whose text starts with U+2581
+    std::string text;        // normal piece with U+2581 replaced by ' '
+};
+
+void set_err(char *err, size_t errlen, const std::string &msg) {
+    if (!err || errlen == 0) return;
+    size_t n = msg.size() < errlen - 1 ? msg.size() : errlen - 1;
+    std::memcpy(err, msg.data(), n);
+    err[n] = '\0';
+}
+
+// The library's messages may hold newlines; the caller wants one sentence.
+std::string one_line(const char *s) {
+    std::string out = s ? s : "";
+    for (char &c : out)
+        if (c == '\n' || c == '\r' || c == '\t') c = ' ';
+    while (!out.empty() && (out.back() == ' ' || out.back() == '.')) out.pop_back();
+    if (out.empty()) out = "unknown error";
+    return out;
+}
+
+int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+}
+
+bool is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
+
+// Length of the UTF-8 character at s[0 .. n) by SentencePiece's rules (string_util::
+// DecodeUTF8 with IsValidDecodeUTF8): 1..4 when a whole valid character is there (ASCII
+// included), 0 when it is not (too short, bad trail byte, overlong, surrogate, > U+10FFFF).
+size_t valid_char_len(const unsigned char *s, size_t n) {
+    if (n == 0) return 0;
+    const unsigned c0 = s[0];
+    if (c0 < 0x80) return 1;
+    if ((c0 & 0xE0) == 0xC0) {
+        if (n < 2 || !is_trail(s[1])) return 0;
+        const unsigned cp = ((c0 & 0x1F) << 6) | (s[1] & 0x3F);
+        return cp >= 0x80 ? 2 : 0;
+    }
+    if ((c0 & 0xF0) == 0xE0) {
+        if (n < 3 || !is_trail(s[1]) || !is_trail(s[2])) return 0;
+        const unsigned cp = ((c0 & 0x0F) << 12) | ((s[1] & 0x3Fu) << 6) | (s[2] & 0x3F);
+        return cp >= 0x800 && (cp < 0xD800 || cp > 0xDFFF) ? 3 : 0;
+    }
+    if ((c0 & 0xF8) == 0xF0) {
+        if (n < 4 || !is_trail(s[1]) || !is_trail(s[2]) || !is_trail(s[3])) return 0;
+        const unsigned cp = ((c0 & 0x07) << 18) | ((s[1] & 0x3Fu) << 12) | ((s[2] & 0x3Fu) << 6) | (s[3] & 0x3F);
+        return cp >= 0x10000 && cp <= 0x10FFFF ? 4 : 0;
+    }
+    return 0;
+}
+
+// Bytes a character starting with c0 needs (1..4), or 0 when c0 can start no valid one.
+size_t needed_len(unsigned char c0) {
+    if (c0 < 0x80) return 1;
+    if (c0 >= 0xC2 && c0 <= 0xDF) return 2;
+    if (c0 >= 0xE0 && c0 <= 0xEF) return 3;
+    if (c0 >= 0xF0 && c0 <= 0xF4) return 4;
+    return 0;
+}
+
+// Whether the bytes s[0 .. n), fewer than a whole character, can still become a valid
+// character when more bytes come. The validity of a character depends only on its first
+// two bytes and on the rest being trail bytes, so padding with 0x80 answers for n >= 2.
+bool could_complete(const unsigned char *s, size_t n) {
+    const size_t need = needed_len(s[0]);
+    if (need <= n) return false;  // 0 (bad lead), or long enough and already judged
+    if (n == 1) return true;
+    unsigned char pad[4];
+    std::memcpy(pad, s, n);
+    for (size_t i = n; i < need; i++) pad[i] = 0x80;
+    return valid_char_len(pad, need) == need;
+}
+
+bool valid_utf8_no_nul(const char *text, size_t len) {
+    const auto *s = reinterpret_cast<const unsigned char *>(text);
+    size_t i = 0;
+    while (i < len) {
+        if (s[i] == 0) return false;
+        const size_t n = valid_char_len(s + i, len - i);
+        if (n == 0) return false;
+        i += n;
+    }
+    return true;
+}
+
+}  // namespace
+
+struct SpmTokenizer {
+    sentencepiece::SentencePieceProcessor sp;
+    std::vector<PieceInfo> pieces;
+    std::string unk_surface{kDefaultUnknown};
+    PrefixRule prefix_rule = PrefixRule::kWhileEmpty;
+    int vocab = 0, bos = -1, eos = -1;
+};
+
+struct SpmStream {
+    const SpmTokenizer *t = nullptr;
+    unsigned char pending[4] = {0, 0, 0, 0};  // a valid but incomplete UTF-8 prefix
+    size_t npending = 0;
+    bool emitted = false;         // the decoded text so far is not empty
+    bool prefix_consumed = false; // a leading space was already removed (PrefixRule::kOnce)
+    std::string out;              // what the last put/flush returns
+};
+
+namespace {
+
+// Emits the pending bytes' characters; at the end of a byte run (`end`), the incomplete
+// rest becomes one U+FFFD per byte, as SentencePiece's ProcessBytePieces does.
+void drain_bytes(SpmStream *s, bool end) {
+    size_t start = 0;
+    while (start < s->npending) {
+        const unsigned char *p = s->pending + start;
+        const size_t n = s->npending - start;
+        const size_t len = valid_char_len(p, n);
+        if (len > 0) {
+            if (!(len == 1 && p[0] == 0)) s->out.append(reinterpret_cast<const char *>(p), len);  // no NUL in a C string
+            s->emitted = true;
+            start += len;
+        } else if (!end && could_complete(p, n)) {
+            break;
+        } else {
+            s->out.append(kReplacement);
+            s->emitted = true;
+            start += 1;
+        }
+    }
+    std::memmove(s->pending, s->pending + start, s->npending - start);
+    s->npending -= start;
+}
+
+void stream_put(SpmStream *s, int id) {
+    const SpmTokenizer *t = s->t;
+    if (id < 0 || id >= t->vocab) return;  // ignored: emits nothing, changes nothing
+    const PieceInfo &pi = t->pieces[static_cast<size_t>(id)];
+    if (pi.kind == PieceKind::kByte) {
+        if (s->npending >= sizeof s->pending) drain_bytes(s, true);  // only after an out-of-memory throw
+        s->pending[s->npending++] = pi.byte;  // room: a drain never keeps 4 bytes
+        drain_bytes(s, false);
+        return;
+    }
+    drain_bytes(s, true);  // any other piece ends a byte run
+    switch (pi.kind) {
+        case PieceKind::kControl:
+            return;
+        case PieceKind::kUnknown:
+            s->out += t->unk_surface;
+            if (!t->unk_surface.empty()) s->emitted = true;
+            return;
+        default:
+            break;
+    }
+    bool strip = false;
+    if (pi.leading_space && !s->emitted) {
+        if (t->prefix_rule == PrefixRule::kWhileEmpty) strip = true;
+        else if (t->prefix_rule == PrefixRule::kOnce && !s->prefix_consumed) strip = true;
+    }
+    if (strip) {
+        s->prefix_consumed = true;
+        s->out.append(pi.text, 1, std::string::npos);
+        if (pi.text.size() > 1) s->emitted = true;
+    } else {
+        s->out += pi.text;
+        if (!pi.text.empty()) s->emitted = true;
+    }
+}
+
+// Reads the pieces' kinds, and what the library's DecodeIds does with the model's unknown
+// piece and with leading spaces. Throws on failure.
+void analyze(SpmTokenizer *t) {
+    auto &sp = t->sp;
+    t->vocab = sp.GetPieceSize();
+    if (t->vocab <= 0) throw std::runtime_error("the model has no pieces");
+    t->bos = sp.bos_id();
+    t->eos = sp.eos_id();
+    t->pieces.resize(static_cast<size_t>(t->vocab));
+    int space_piece = -1, spaced_piece = -1;
+    for (int id = 0; id < t->vocab; id++) {
+        PieceInfo &pi = t->pieces[static_cast<size_t>(id)];
+        const std::string &piece = sp.IdToPiece(id);
+        if (sp.IsControl(id)) {
+            pi.kind = PieceKind::kControl;
+        } else if (sp.IsUnknown(id)) {
+            pi.kind = PieceKind::kUnknown;
+        } else if (sp.IsByte(id)) {
+            const int hi = piece.size() == 6 ? hex_digit(piece[3]) : -1, lo = piece.size() == 6 ? hex_digit(piece[4]) : -1;
+            if (hi < 0 || lo < 0 || piece.compare(0, 3, "<0x") != 0 || piece[5] != '>')
+                throw std::runtime_error("byte piece " + std::to_string(id) + " is not of the form <0xNN>");
+            pi.kind = PieceKind::kByte;
+            pi.byte = static_cast<unsigned char>(hi * 16 + lo);
+        } else {
+            std::string_view rest = piece;
+            pi.leading_space = rest.substr(0, kSpaceSymbol.size()) == kSpaceSymbol;
+            for (size_t pos; (pos = rest.find(kSpaceSymbol)) != std::string_view::npos;) {
+                pi.text.append(rest.substr(0, pos));
+                pi.text += ' ';
+                rest.remove_prefix(pos + kSpaceSymbol.size());
+            }
+            pi.text.append(rest);
+            if (pi.leading_space) {
+                if (spaced_piece < 0) spaced_piece = id;
+                if (piece == kSpaceSymbol) space_piece = id;
+            }
+        }
+    }
+    const int unk = sp.unk_id();
+    if (unk >= 0) {
+        std::string surface;
+        if (sp.Decode(std::vector<int>{unk}, &surface).ok()) t->unk_surface = surface;
+    }
+    // A piece that is exactly U+2581 tells the three rules apart: decoding it twice gives
+    // "" (while empty), " " (once) or "  " (none). Without one, "once" and "while empty"
+    // give the same text (a stripped piece is never empty), so one spaced piece is enough.
+    if (space_piece >= 0) {
+        std::string two;
+        if (!sp.Decode(std::vector<int>{space_piece, space_piece}, &two).ok())
+            throw std::runtime_error("the library cannot decode the model's pieces");
+        t->prefix_rule = two.empty() ? PrefixRule::kWhileEmpty : two == " " ? PrefixRule::kOnce : PrefixRule::kNone;
+    } else if (spaced_piece >= 0) {
+        std::string one;
+        if (!sp.Decode(std::vector<int>{spaced_piece}, &one).ok())
+            throw std::runtime_error("the library cannot decode the model's pieces");
+        t->prefix_rule = !one.empty() && one[0] == ' ' ? PrefixRule::kNone : PrefixRule::kWhileEmpty;
+    }
+}
+
+// Loads the model from its serialized bytes; `what` names them in messages ("'path'").
+SpmTokenizer *load_serialized(std::string_view bytes, const std::string &what, char *err, size_t errlen) {
+    if (bytes.empty()) {
+        set_err(err, errlen, "cannot load the SentencePiece model " + what + ": it is empty.");
+        return nullptr;
+    }
+    auto t = std::make_unique<SpmTokenizer>();
+    const auto st = t->sp.LoadFromSerializedProto(bytes);
+    if (!st.ok()) {
+        const std::string msg = one_line(st.message());
+        if (msg.find("ParseFromArray") != std::string::npos)  // the library's text is its source line
+            set_err(err, errlen,
+                    "cannot load the SentencePiece model " + what + ": its bytes do not parse as a ModelProto (not a .model file, or cut short).");
+        else
+            set_err(err, errlen, "cannot load the SentencePiece model " + what + ": the library says \"" + msg + "\".");
+        return nullptr;
+    }
+    try {
+        analyze(t.get());
+    } catch (const std::bad_alloc &) {
+        throw;
+    } catch (const std::exception &e) {
+        set_err(err, errlen, "cannot use the SentencePiece model " + what + ": " + one_line(e.what()) + ".");
+        return nullptr;
+    }
+    set_err(err, errlen, "");
+    return t.release();
+}
+
+// Reads a whole file; on failure returns false with a sentence in *why.
+bool read_file(const char *path, std::string *out, std::string *why) {
+    constexpr size_t kMaxModelBytes = size_t(1) << 30;
+    std::FILE *f = std::fopen(path, "rb");
+    if (!f) {
+        *why = std::strerror(errno);
+        return false;
+    }
+    char chunk[1 << 16];
+    bool ok = true;
+    for (;;) {
+        const size_t got = std::fread(chunk, 1, sizeof chunk, f);
+        out->append(chunk, got);
+        if (out->size() > kMaxModelBytes) {
+            *why = "it is larger than 1 GiB, too large for a SentencePiece model";
+            ok = false;
+            break;
+        }
+        if (got < sizeof chunk) {
+            if (std::ferror(f)) {
+                *why = std::strerror(errno);
+                ok = false;
+            }
+            break;
+        }
+    }
+    std::fclose(f);
+    return ok;
+}
+
+}  // namespace
+
+extern "C" {
+
+SpmTokenizer *spm_load_file(const char *path, char *err, size_t errlen) {
+    try {
+        if (!path || !*path) {
+            set_err(err, errlen, "cannot load the SentencePiece model: no path was given.");
+            return nullptr;
+        }
+        const std::string what = std::string("'") + path + "'";
+        std::string bytes, why;
+        if (!read_file(path, &bytes, &why)) {
+            set_err(err, errlen, "cannot read the SentencePiece model " + what + ": " + why + ".");
+            return nullptr;
+        }
+        return load_serialized(bytes, what, err, errlen);
+    } catch (const std::bad_alloc &) {
+        set_err(err, errlen, "cannot load the SentencePiece model: out of memory.");
+    } catch (...) {
+        set_err(err, errlen, "cannot load the SentencePiece model: the library failed unexpectedly.");
+    }
+    return nullptr;
+}
+
+SpmTokenizer *spm_load_bytes(const void *data, size_t size, char *err, size_t errlen) {
+    try {
+        if (!data && size > 0) {
+            set_err(err, errlen, "cannot load the SentencePiece model: no data was given.");
+            return nullptr;
+        }
+        return load_serialized(std::string_view(static_cast<const char *>(data), size),
+                               "of " + std::to_string(size) + " bytes", err, errlen);
+    } catch (const std::bad_alloc &) {
+        set_err(err, errlen, "cannot load the SentencePiece model: out of memory.");
+    } catch (...) {
+        set_err(err, errlen, "cannot load the SentencePiece model: the library failed unexpectedly.");
+    }
+    return nullptr;
+}
+
+void spm_free(SpmTokenizer *t) {
+    try {
+        delete t;
+    } catch (...) {
+    }
+}
+
+int spm_vocab_size(const SpmTokenizer *t) { return t ? t->vocab : 0; }
+int spm_bos_id(const SpmTokenizer *t) { return t ? t->bos : -1; }
+int spm_eos_id(const SpmTokenizer *t) { return t ? t->eos : -1; }
+
+int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos, int *ids, int max_ids) {
+    try {
+        if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return -1;
+        if (add_bos && t->bos < 0) return -1;
+        if (len > 0 && !valid_utf8_no_nul(text, len)) return -1;
+        std::vector<int> out;
+        if (len > 0 && !t->sp.Encode(std::string_view(text, len), &out).ok()) return -1;
+        const size_t extra = add_bos ? 1 : 0;
+        if (out.size() > static_cast<size_t>(INT_MAX) - extra) return -1;
+        const int count = static_cast<int>(out.size() + extra);
+        int w = 0;
+        if (add_bos && w < max_ids) ids[w++] = t->bos;
+        for (size_t i = 0; i < out.size() && w < max_ids; i++) ids[w++] = out[i];
+        return count;
+    } catch (...) {
+        return -1;
+    }
+}
+
+SpmStream *spm_stream_new(const SpmTokenizer *t) {
+    try {
+        if (!t) return nullptr;
+        auto *s = new SpmStream;
+        s->t = t;
+        s->out.reserve(64);
+        return s;
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+void spm_stream_free(SpmStream *s) {
+    try {
+        delete s;
+    } catch (...) {
+    }
+}
+
+const char *spm_stream_put(SpmStream *s, int id) {
+    if (!s) return "";
+    try {
+        s->out.clear();
+        stream_put(s, id);
+        return s->out.c_str();
+    } catch (...) {
+        s->out.clear();  // never throws; the stream may have lost this piece's text
+        return "";
+    }
+}
+
+const char *spm_stream_flush(SpmStream *s) {
+    if (!s) return "";
+    try {
+        s->out.clear();
+        drain_bytes(s, true);
+        return s->out.c_str();
+    } catch (...) {
+        s->out.clear();
+        s->npending = 0;
+        return "";
+    }
+}
+
+size_t spm_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize) {
+    try {
+        if (buf && bufsize > 0) buf[0] = '\0';
+        if (!t || n < 0 || (!ids && n > 0)) return 0;
+        SpmStream s;
+        s.t = t;
+        std::string text;
+        for (int i = 0; i < n; i++) {
+            s.out.clear();
+            stream_put(&s, ids[i]);
+            text += s.out;
+        }
+        s.out.clear();
+        drain_bytes(&s, true);
+        text += s.out;
+        if (buf && bufsize > 0) {
+            size_t k = text.size() < bufsize - 1 ? text.size() : bufsize - 1;
+            if (k < text.size())  // do not cut a character in two
+                while (k > 0 && is_trail(static_cast<unsigned char>(text[k]))) k--;
+            std::memcpy(buf, text.data(), k);
+            buf[k] = '\0';
+        }
+        return text.size();
+    } catch (...) {
+        if (buf && bufsize > 0) buf[0] = '\0';
+        return 0;
+    }
+}
+
+/* Not part of the API (not in spm_c.h): the library's own DecodeIds, for the tests to
+ * check the decoder above against. Writes like spm_decode (no truncation care); returns
+ * the length of the text, or -1 when the library reports an error. */
+long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize);
+long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize) {
+    try {
+        if (buf && bufsize > 0) buf[0] = '\0';
+        if (!t || n < 0 || (!ids && n > 0)) return -1;
+        std::string text;
+        if (!t->sp.Decode(std::vector<int>(ids, ids + n), &text).ok()) return -1;
+        if (buf && bufsize > 0) {
+            const size_t k = text.size() < bufsize - 1 ? text.size() : bufsize - 1;
+            std::memcpy(buf, text.data(), k);
+            buf[k] = '\0';
+        }
+        return static_cast<long>(text.size());
+    } catch (...) {
+        return -1;
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,47 @@
+"""Shared fixtures for the pytest side: the built ./run, the tokenizer, and small
+random checkpoints of every variant written by train/export.py."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "train"))
+
+RUN = os.path.join(ROOT, "run")
+TOKENIZER = os.path.join(ROOT, "tokenizer", "tokenizer.model")
+VARIANTS = ["mha", "gqa", "mqa", "mla64", "mla128"]
+PROMPT = "Once upon a time"
+
+
+def run(args, check=True, timeout=300):
+    """Runs ./run with args; returns the CompletedProcess (bytes)."""
+    args = [a if isinstance(a, (str, bytes)) else os.fspath(a) if hasattr(a, "__fspath__") else str(a) for a in args]
+    p = subprocess.run([RUN] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"./run {' '.join(map(str, args))} exited {p.returncode}: {p.stderr.decode()[-2000:]}")
+    return p
+
+
+def read_logits(path, vocab):
+    a = np.fromfile(path, dtype=np.float32)
+    assert a.size % vocab == 0
+    return a.reshape(-1, vocab)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoints(tmp_path_factory):
+    """{variant: (path, model)}: small random models (bf16 values) exported with the real tokenizer."""
+    import export
+    d = tmp_path_factory.mktemp("small")
+    out = {}
+    for i, v in enumerate(VARIANTS):
+        model = export.random_model(v, small=True, seed=100 + i)
+        export.round_to_bf16_(model)
+        path = str(d / f"{v}.bin")
+        export.export(model, path, TOKENIZER, dtype="bf16")
+        out[v] = (path, model)
+    return out

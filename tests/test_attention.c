@@ -1,0 +1,237 @@
+/* Each variant's attention against a naive double-precision reference, and the
+ * cached (one token at a time) pass against the whole-sequence pass, bit for bit. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+#include "testutil.h"
+
+typedef struct {
+    Model m;
+    RunState s;
+    KVCache cache;
+} Fixture;
+
+static Fixture *load_variant(Variant v, int latent) {
+    Fixture *f = calloc(1, sizeof *f);
+    Config c = test_config(v, latent, 320, DTYPE_BF16);
+    const char *path = temp_path("attn.bin");
+    /* the vocabulary must match the tokenizer: read it from the tokenizer itself */
+    char err[256];
+    SpmTokenizer *tok = spm_load_file(g_tokenizer_path, err, sizeof err);
+    assert_non_null(tok);
+    c.vocab_size = spm_vocab_size(tok);
+    spm_free(tok);
+    assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 1234 + v + latent), 0);
+    assert_int_equal(model_load(&f->m, path, err, sizeof err), 0);
+    assert_int_equal(runstate_init(&f->s, &f->m.cfg), 0);
+    const Config *mc = &f->m.cfg;
+    assert_int_equal(kv_init(&f->cache, mc->n_layers, mc->max_seq_len, mc->n_kv_heads, mc->head_dim,
+                             v == VARIANT_MLA ? mc->kv_latent + mc->rope_dim : 0), 0);
+    return f;
+}
+
+static void free_fixture(Fixture *f) {
+    kv_free(&f->cache);
+    runstate_free(&f->s);
+    model_free(&f->m);
+    free(f);
+}
+
+static double W(Mat w, int r, int c) { return mat_get(w, (size_t)r * w.cols + c); }
+
+/* y = W x in double */
+static void ref_matvec(double *y, Mat w, const double *x) {
+    for (int r = 0; r < w.rows; r++) {
+        double s = 0;
+        for (int c = 0; c < w.cols; c++) s += W(w, r, c) * x[c];
+        y[r] = s;
+    }
+}
+
+static void ref_rope(double *v, int width, int pos, double theta) {
+    for (int i = 0; i < width / 2; i++) {
+        double freq = pow(theta, -2.0 * i / width), a = pos * freq;
+        double v0 = v[2 * i], v1 = v[2 * i + 1];
+        v[2 * i] = v0 * cos(a) - v1 * sin(a);
+        v[2 * i + 1] = v0 * sin(a) + v1 * cos(a);
+    }
+}
+
+/* Reference attention output (T, H*hd) for layer 0 from inputs xb (T, dim). */
+static double *reference_attention(const Model *m, const float *xb, int T) {
+    const Config *c = &m->cfg;
+    const LayerWeights *w = &m->w.layers[0];
+    const int H = c->n_heads, hd = c->head_dim, D = c->dim;
+    const int is_mla = c->variant == VARIANT_MLA;
+    const int rd = c->rope_dim, dc = c->kv_latent, qw = is_mla ? hd + rd : hd;
+    const int kw = is_mla ? hd + rd : hd;  /* key width per head */
+    double *x = malloc(sizeof(double) * D), *out = calloc((size_t)T * H * hd, sizeof(double));
+    double *q = malloc(sizeof(double) * T * H * qw), *k = malloc(sizeof(double) * T * H * kw),
+           *v = malloc(sizeof(double) * T * H * hd);
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < D; i++) x[i] = xb[(size_t)t * D + i];
+        double *qt = q + (size_t)t * H * qw;
+        ref_matvec(qt, w->wq, x);
+        if (!is_mla) {
+            int Hkv = c->n_kv_heads;
+            double kk[1024], vv[1024];
+            ref_matvec(kk, w->wk, x);
+            ref_matvec(vv, w->wv, x);
+            for (int h = 0; h < H; h++) ref_rope(qt + h * hd, hd, t, c->rope_theta);
+            for (int g = 0; g < Hkv; g++) ref_rope(kk + g * hd, hd, t, c->rope_theta);
+            for (int h = 0; h < H; h++) {
+                int g = h / (H / Hkv);
+                memcpy(k + ((size_t)t * H + h) * kw, kk + g * hd, sizeof(double) * hd);
+                memcpy(v + ((size_t)t * H + h) * hd, vv + g * hd, sizeof(double) * hd);
+            }
+        } else {
+            double lat[256], kr[64], kc[1024], vv[1024];
+            ref_matvec(lat, w->wdkv, x);
+            double ss = 0;
+            for (int i = 0; i < dc; i++) ss += lat[i] * lat[i];
+            double s = 1.0 / sqrt(ss / dc + c->norm_eps);
+            for (int i = 0; i < dc; i++) lat[i] = lat[i] * s * mat_get(w->kv_norm, (size_t)i);
+            ref_matvec(kr, w->wkr, x);
+            ref_rope(kr, rd, t, c->rope_theta);
+            ref_matvec(kc, w->wuk, lat);
+            ref_matvec(vv, w->wuv, lat);
+            for (int h = 0; h < H; h++) {
+                ref_rope(qt + h * qw + hd, rd, t, c->rope_theta);
+                memcpy(k + ((size_t)t * H + h) * kw, kc + h * hd, sizeof(double) * hd);
+                memcpy(k + ((size_t)t * H + h) * kw + hd, kr, sizeof(double) * rd);
+                memcpy(v + ((size_t)t * H + h) * hd, vv + h * hd, sizeof(double) * hd);
+            }
+        }
+    }
+    double *p = malloc(sizeof(double) * T);
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < T; t++) {
+            double mx = -1e300, z = 0;
+            for (int j = 0; j <= t; j++) {
+                double sc = 0;
+                for (int i = 0; i < kw; i++) sc += q[((size_t)t * H + h) * qw + i] * k[((size_t)j * H + h) * kw + i];
+                p[j] = sc / sqrt((double)kw);
+                mx = p[j] > mx ? p[j] : mx;
+            }
+            for (int j = 0; j <= t; j++) z += (p[j] = exp(p[j] - mx));
+            for (int j = 0; j <= t; j++)
+                for (int i = 0; i < hd; i++) out[((size_t)t * H + h) * hd + i] += p[j] / z * v[((size_t)j * H + h) * hd + i];
+        }
+    free(x); free(q); free(k); free(v); free(p);
+    return out;
+}
+
+static void random_input(float *xb, int n, uint64_t seed) {
+    uint64_t s = seed;
+    for (int i = 0; i < n; i++) xb[i] = test_uniform(&s);
+}
+
+/* Runs layer 0's attention over T tokens in one pass (fresh cache). */
+static void attention_pass(Fixture *f, int T, int pos0) {
+    const Config *c = &f->m.cfg;
+    if (c->variant != VARIANT_MLA) attn_kv_heads(&f->m, &f->s, &f->cache, 0, T, pos0);
+    else if (f->s.mla_absorb) attn_mla_absorbed(&f->m, &f->s, &f->cache, 0, T, pos0);
+    else attn_mla_expanded(&f->m, &f->s, &f->cache, 0, T, pos0);
+}
+
+static void check_variant(Variant v, int latent, int absorb) {
+    Fixture *f = load_variant(v, latent);
+    f->s.mla_absorb = absorb;
+    const Config *c = &f->m.cfg;
+    const int T = 19, D = c->dim, HD = c->n_heads * c->head_dim;
+    float *xb = malloc(sizeof(float) * T * D);
+    random_input(xb, T * D, 77 + v);
+
+    /* one pass of T tokens */
+    memcpy(f->s.xb, xb, sizeof(float) * T * D);
+    kv_reset(&f->cache);
+    attention_pass(f, T, 0);
+    float *whole = malloc(sizeof(float) * T * HD);
+    memcpy(whole, f->s.heads, sizeof(float) * T * HD);
+
+    double *ref = reference_attention(&f->m, xb, T);
+    double max_err = 0;
+    for (int i = 0; i < T * HD; i++) max_err = fmax(max_err, fabs(whole[i] - ref[i]));
+    if (max_err > 1e-4) fail_msg("%s (absorb %d): max |C - reference| = %g", variant_name(c), absorb, max_err);
+
+    /* token by token with the cache: bitwise the same */
+    kv_reset(&f->cache);
+    for (int t = 0; t < T; t++) {
+        memcpy(f->s.xb, xb + (size_t)t * D, sizeof(float) * D);
+        attention_pass(f, 1, t);
+        f->cache.len = t + 1;
+        assert_memory_equal(f->s.heads, whole + (size_t)t * HD, sizeof(float) * HD);
+    }
+    /* a prefill of 5 then single tokens: also the same */
+    kv_reset(&f->cache);
+    memcpy(f->s.xb, xb, sizeof(float) * 5 * D);
+    attention_pass(f, 5, 0);
+    assert_memory_equal(f->s.heads, whole, sizeof(float) * 5 * HD);
+    memcpy(f->s.xb, xb + 5 * D, sizeof(float) * 3 * D);
+    attention_pass(f, 3, 5);
+    assert_memory_equal(f->s.heads, whole + 5 * HD, sizeof(float) * 3 * HD);
+
+    free(ref);
+    free(whole);
+    free(xb);
+    free_fixture(f);
+}
+
+static void test_mha(void **state) { check_variant(VARIANT_MHA, 0, 0); }
+static void test_gqa(void **state) { check_variant(VARIANT_GQA, 0, 0); }
+static void test_mqa(void **state) { check_variant(VARIANT_MQA, 0, 0); }
+static void test_mla_expanded(void **state) { check_variant(VARIANT_MLA, 16, 0); check_variant(VARIANT_MLA, 32, 0); }
+static void test_mla_absorbed(void **state) { check_variant(VARIANT_MLA, 16, 1); check_variant(VARIANT_MLA, 32, 1); }
+
+/* The whole model: logits of a T-token pass equal, bit for bit, those of a prefill
+ * followed by cached single-token steps. */
+static void check_forward_cached_equals_uncached(Variant v, int latent) {
+    Fixture *f = load_variant(v, latent);
+    f->s.mla_absorb = 1;
+    const Config *c = &f->m.cfg;
+    const int T = 12, V = c->vocab_size;
+    int tokens[12];
+    for (int t = 0; t < T; t++) tokens[t] = (t * 37 + 5) % V;
+    float *full = malloc(sizeof(float) * V), *step = malloc(sizeof(float) * V);
+    for (int n = 4; n <= T; n++) {
+        kv_reset(&f->cache);
+        model_forward(&f->m, &f->s, &f->cache, tokens, n, 0, full, 0);   /* uncached: whole sequence */
+        if (n == 4) {
+            kv_reset(&f->cache);
+            model_forward(&f->m, &f->s, &f->cache, tokens, 4, 0, step, 0);  /* prefill */
+        } else {
+            /* re-run the cached sequence from scratch up to n */
+            kv_reset(&f->cache);
+            model_forward(&f->m, &f->s, &f->cache, tokens, 4, 0, step, 0);
+            for (int t = 4; t < n; t++) model_forward(&f->m, &f->s, &f->cache, tokens + t, 1, t, step, 0);
+        }
+        assert_memory_equal(full, step, sizeof(float) * V);
+    }
+    free(full);
+    free(step);
+    free_fixture(f);
+}
+
+static void test_forward_cache_invariance(void **state) {
+    check_forward_cached_equals_uncached(VARIANT_MHA, 0);
+    check_forward_cached_equals_uncached(VARIANT_GQA, 0);
+    check_forward_cached_equals_uncached(VARIANT_MQA, 0);
+    check_forward_cached_equals_uncached(VARIANT_MLA, 16);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) g_tokenizer_path = argv[1];
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mha),          cmocka_unit_test(test_gqa),
+        cmocka_unit_test(test_mqa),          cmocka_unit_test(test_mla_expanded),
+        cmocka_unit_test(test_mla_absorbed), cmocka_unit_test(test_forward_cache_invariance),
+    };
+    return cmocka_run_group_tests_name("attention", tests, NULL, NULL);
+}

@@ -1,0 +1,183 @@
+"""End-to-end runs of ./run on small random checkpoints of every variant: generation with
+and without the cache, bitwise cache and thread invariance, --check-kv, --info, --ppl,
+and one clear error line for every bad input."""
+import os
+import re
+
+import numpy as np
+import pytest
+
+from conftest import PROMPT, VARIANTS, read_logits, run
+
+SUMMARY = re.compile(r"summary: (\S+) (kv|no-kv) \| prefill (\d+) tokens ([\d.]+) ms \| decode (\d+) steps, "
+                     r"([\d.]+) ms/token, ([\d.]+) tokens/s \| KV cache (\d+) bytes")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kv", [False, True])
+def test_generates_and_logs(small_checkpoints, variant, kv, tmp_path):
+    path, model = small_checkpoints[variant]
+    log = tmp_path / "steps.csv"
+    args = [path, "-p", PROMPT, "-n", 20, "-s", 7, "--ignore-eos", "--log", log] + (["--kv"] if kv else [])
+    p = run(args)
+    err = p.stderr.decode()
+    assert "seed 7" in err
+    m = SUMMARY.search(err)
+    assert m, err
+    name = f"mla{model.cfg.kv_latent}" if variant.startswith("mla") else variant   # small MLA: latent 16/32
+    assert m.group(1) == name and m.group(2) == ("kv" if kv else "no-kv")
+    assert int(m.group(3)) == 5                    # BOS + 4 prompt tokens
+    assert int(m.group(5)) == 19                   # 20 tokens: one from the prefill, 19 decode steps
+    kv_bytes = int(m.group(8))
+    cfg = model.cfg
+    per_token = (cfg.n_layers * (cfg.kv_latent + cfg.rope_dim) * 4 if cfg.kv_latent
+                 else 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4)
+    assert kv_bytes == (per_token * cfg.max_seq_len if kv else 0)
+    assert len(re.findall(r"^\[step \d+\] pos \d+ token \d+ ms [\d.]+$", err, re.M)) == 19
+    rows = log.read_text().strip().split("\n")
+    assert rows[0] == "step,phase,pos,n_tokens,token,ms" and len(rows) == 21
+    assert p.stdout.decode().startswith(PROMPT)
+    # -q keeps the summary and drops the step lines
+    q = run(args + ["-q"]).stderr.decode()
+    assert SUMMARY.search(q) and "[step" not in q
+
+
+def dump(path, tmp_path, name, *extra):
+    out = tmp_path / name
+    run([path, "-p", PROMPT, "-k", 1, "-n", 40, "--ignore-eos", "-q", "--dump-logits", out] + list(extra))
+    return out.read_bytes()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_and_uncached_logits_are_bitwise_identical(small_checkpoints, variant, tmp_path):
+    path, _ = small_checkpoints[variant]
+    forms = [["--mla", "absorb"], ["--mla", "expand"]] if variant.startswith("mla") else [[]]
+    for form in forms:
+        cached = dump(path, tmp_path, "a.bin", "--kv", *form)
+        uncached = dump(path, tmp_path, "b.bin", *form)
+        assert len(cached) == 40 * 4096 * 4
+        assert cached == uncached, f"{variant} {form}: cached and uncached logits differ"
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla64"])
+def test_thread_count_does_not_change_results(small_checkpoints, variant, tmp_path):
+    path, _ = small_checkpoints[variant]
+    for kv in (["--kv"], []):
+        one = dump(path, tmp_path, "t1.bin", "--threads", 1, *kv)
+        two = dump(path, tmp_path, "t2.bin", "--threads", 2, *kv)
+        three = dump(path, tmp_path, "t3.bin", "--threads", 3, *kv)
+        assert one == two == three
+
+
+def test_seeded_sampling_repeats(small_checkpoints):
+    path, _ = small_checkpoints["mqa"]
+    a = run([path, "-p", PROMPT, "-n", 30, "-s", 123, "-k", 40, "-q", "--ignore-eos"]).stdout
+    b = run([path, "-p", PROMPT, "-n", 30, "-s", 123, "-k", 40, "-q", "--ignore-eos", "--kv"]).stdout
+    c = run([path, "-p", PROMPT, "-n", 30, "-s", 124, "-k", 40, "-q", "--ignore-eos"]).stdout
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_check_kv(small_checkpoints, variant):
+    path, _ = small_checkpoints[variant]
+    out = run([path, "--check-kv", "-p", PROMPT, "-n", 30, "--ignore-eos"]).stdout.decode().strip().split("\n")
+    machine = [l for l in out if l.startswith("check-kv ")]
+    if variant.startswith("mla"):
+        assert len(machine) == 2
+        assert "a=kv-absorb b=no-kv-expand" in machine[0]
+        assert "a=kv-absorb b=no-kv-absorb" in machine[1]
+        assert "bitwise_identical=1" in machine[1] and "identical_tokens=30" in machine[1]
+    else:
+        assert len(machine) == 1
+        assert "bitwise_identical=1" in machine[0] and "max_abs_logit_diff=0 " not in machine[0]
+        assert "identical_tokens=30" in machine[0] and "first_divergent_step=-1" in machine[0]
+    assert out[-len(machine):] == machine   # the machine-readable lines come last
+
+
+def test_info(small_checkpoints):
+    path, model = small_checkpoints["mla64"]
+    out = run([path, "--info"]).stdout.decode()
+    n_params = sum(p.numel() for p in model.parameters())
+    assert f"parameters     {n_params} " in out
+    per_token = model.cfg.n_layers * (model.cfg.kv_latent + model.cfg.rope_dim) * 4
+    assert f"= {per_token} bytes/token; {per_token * model.cfg.max_seq_len} bytes at full context" in out
+    assert f"allocated      {per_token} bytes/token" in out
+
+
+def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
+    import torch
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    from model import story_windows
+    path, model = small_checkpoints["gqa"]
+    stories = ["Once upon a time there was a cat. The cat liked milk.",
+               "Tom had a red ball.\nHe played with it every day! " * 12,   # longer than the 64-token context
+               "Lily saw a bird."]
+    text = tmp_path / "stories.txt"
+    text.write_text("\n<|endoftext|>\n".join(stories) + "\n<|endoftext|>\n")
+    out = run([path, "--ppl", text]).stdout.decode()
+    m = re.search(r"(\d+) stories, (\d+) tokens \| mean NLL ([\d.]+) nats/token", out)
+    assert m, out
+    sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for s in stories:
+            ids = [1] + sp.encode(s.strip()) + [2]
+            for x, y in story_windows(ids, model.cfg.max_seq_len):
+                logits = model(torch.tensor([x]))[0].double()
+                total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum"))
+                count += len(y)
+    assert int(m.group(1)) == 3 and int(m.group(2)) == count
+    assert abs(float(m.group(3)) - total / count) < 1e-4
+
+
+# ---- bad input: one line on stderr, a non-zero exit, nothing on stdout ----
+
+def expect_error(args, code, needle):
+    p = run(args, check=False)
+    err = p.stderr.decode()
+    assert p.returncode == code, (args, p.returncode, err)
+    assert err.count("\n") == 1 or (code == 2 and "no checkpoint" in err), err
+    assert needle in err, err
+    assert p.stdout == b"" or code == 2 and b"Usage" not in p.stdout
+    return err
+
+
+def test_bad_flags(small_checkpoints):
+    path, _ = small_checkpoints["mha"]
+    expect_error([path, "--bogus"], 2, "unknown flag --bogus")
+    expect_error([path, "-n"], 2, "-n needs a value")
+    expect_error([path, "-n", "0"], 2, "-n 0 is out of range")
+    expect_error([path, "-n", "65"], 2, "-n 65 is out of range (1..64")   # beyond the small context
+    expect_error([path, "-n", "ten"], 2, "-n needs an integer")
+    expect_error([path, "-k", "0"], 2, "-k 0 is out of range")
+    expect_error([path, "-k", "4097"], 2, "-k 4097 is out of range (1..4096")
+    expect_error([path, "-t", "-1"], 2, "-t -1 is out of range")
+    expect_error([path, "-t", "nan"], 2, "-t needs a number")
+    expect_error([path, "--threads", "0"], 2, "--threads 0 is out of range")
+    expect_error([path, "--threads", "10000"], 2, "--threads 10000 is out of range")
+    expect_error([path, "--mla", "fold"], 2, "--mla takes absorb or expand")
+    expect_error([path, path], 2, "unexpected argument")
+
+
+def test_bad_prompts(small_checkpoints):
+    path, _ = small_checkpoints["mha"]
+    expect_error([path, "-p", "word " * 100], 1, "longer than the context (64 tokens)")
+    expect_error([path, "-p", b"bad \xff\xfe utf8"], 1, "not valid UTF-8")
+    expect_error([path, "-p", b"cut \xe2\x82"], 1, "not valid UTF-8")
+
+
+def test_bad_files(small_checkpoints, tmp_path):
+    path, _ = small_checkpoints["mha"]
+    expect_error([tmp_path / "missing.bin"], 1, "cannot open checkpoint")
+    data = open(path, "rb").read()
+    (tmp_path / "trunc.bin").write_bytes(data[: len(data) // 2])
+    expect_error([tmp_path / "trunc.bin"], 1, "truncated")
+    (tmp_path / "magic.bin").write_bytes(b"GGUF" + data[4:])
+    expect_error([tmp_path / "magic.bin"], 1, "bad magic")
+    expect_error([path, "--ppl", tmp_path / "nothing.txt"], 1, "cannot open")
+    (tmp_path / "empty.txt").write_text("\n<|endoftext|>\n")
+    expect_error([path, "--ppl", tmp_path / "empty.txt"], 1, "no story found")
+    expect_error([path, "--log", tmp_path / "no" / "dir.csv"], 1, "cannot write")

@@ -1,0 +1,206 @@
+/* Kernels against a naive double-precision reference, and the canonical order:
+ * SIMD == scalar reference bit for bit, matmul independent of batch size and threads. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+#include "testutil.h"
+
+static uint16_t to_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static float *random_floats(int n, uint64_t seed) {
+    float *p = malloc((size_t)n * sizeof *p);
+    uint64_t s = seed;
+    for (int i = 0; i < n; i++) p[i] = test_uniform(&s);
+    return p;
+}
+
+static uint16_t *random_bf16(int n, uint64_t seed, float scale) {
+    uint16_t *p = malloc((size_t)n * sizeof *p);
+    uint64_t s = seed;
+    for (int i = 0; i < n; i++) p[i] = to_bf16(scale * test_uniform(&s));
+    return p;
+}
+
+static float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* dot() equals the scalar canonical order bit for bit, for lengths with and without tails */
+static void test_dot_matches_canonical_scalar(void **state) {
+    const int lengths[] = {1, 7, 15, 16, 17, 31, 32, 48, 80, 144, 512, 1344, 1000};
+    for (size_t i = 0; i < sizeof lengths / sizeof lengths[0]; i++) {
+        int n = lengths[i];
+        float *a = random_floats(n, 11 + i), *b = random_floats(n, 99 + i);
+        float simd = dot(a, b, n), scalar = dot_canonical_scalar(a, b, n);
+        assert_memory_equal(&simd, &scalar, sizeof(float));
+        double ref = 0;
+        for (int k = 0; k < n; k++) ref += (double)a[k] * b[k];
+        assert_true(fabs(simd - ref) <= 1e-5 * (1 + sqrt((double)n)));
+        free(a);
+        free(b);
+    }
+}
+
+/* dot_cat on a split at a multiple of 16 equals dot on the concatenation */
+static void test_dot_cat(void **state) {
+    float *a = random_floats(48, 1), *b = random_floats(48, 2);
+    float whole = dot(a, b, 48), split = dot_cat(a, b, 32, a + 32, b + 32, 16);
+    assert_memory_equal(&whole, &split, sizeof(float));
+    free(a);
+    free(b);
+}
+
+/* matmul against double precision, bf16 and fp32 weights, shapes with edge tiles */
+static void check_matmul(int T, int rows, int cols, DType dt) {
+    float *x = random_floats(T * cols, 5);
+    void *wdata;
+    if (dt == DTYPE_BF16) wdata = random_bf16(rows * cols, 7, 0.5f);
+    else wdata = random_floats(rows * cols, 7);
+    Mat w = {wdata, rows, cols, dt};
+    float *out = calloc((size_t)T * rows, sizeof(float));
+    matmul(out, rows, x, cols, w, T);
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < rows; r++) {
+            double ref = 0;
+            for (int k = 0; k < cols; k++) {
+                double wv = dt == DTYPE_BF16 ? bf(((uint16_t *)wdata)[(size_t)r * cols + k]) : ((float *)wdata)[(size_t)r * cols + k];
+                ref += wv * x[(size_t)t * cols + k];
+            }
+            assert_true(fabs(out[(size_t)t * rows + r] - ref) <= 1e-5 * (1 + sqrt((double)cols)));
+        }
+    free(x);
+    free(wdata);
+    free(out);
+}
+
+static void test_matmul_reference(void **state) {
+    check_matmul(1, 64, 512, DTYPE_BF16);
+    check_matmul(5, 67, 100, DTYPE_BF16);
+    check_matmul(13, 30, 1344, DTYPE_BF16);
+    check_matmul(7, 9, 33, DTYPE_F32);
+    check_matmul(256, 16, 64, DTYPE_F32);
+}
+
+/* Batch invariance: row t of a T-token matmul equals the 1-token matmul of row t, and the
+ * canonical scalar dot, bit for bit. */
+static void test_matmul_batch_invariant(void **state) {
+    const int T = 37, rows = 45, cols = 528;
+    float *x = random_floats(T * cols, 21);
+    uint16_t *wb = random_bf16(rows * cols, 22, 0.3f);
+    Mat w = {wb, rows, cols, DTYPE_BF16};
+    float *all = malloc((size_t)T * rows * sizeof(float)), *one = malloc((size_t)rows * sizeof(float));
+    float *wrow = malloc((size_t)cols * sizeof(float));
+    matmul(all, rows, x, cols, w, T);
+    for (int t = 0; t < T; t++) {
+        matmul(one, rows, x + (size_t)t * cols, cols, w, 1);
+        assert_memory_equal(one, all + (size_t)t * rows, (size_t)rows * sizeof(float));
+    }
+    for (int r = 0; r < rows; r++) {
+        for (int k = 0; k < cols; k++) wrow[k] = bf(wb[(size_t)r * cols + k]);
+        for (int t = 0; t < T; t += 6) {
+            float s = dot_canonical_scalar(wrow, x + (size_t)t * cols, cols);
+            assert_memory_equal(&s, &all[(size_t)t * rows + r], sizeof(float));
+        }
+    }
+    /* strided input and output (ldx, ldo wider than the matrix) give the same numbers */
+    float *xs = calloc((size_t)T * (cols + 8), sizeof(float)), *os = calloc((size_t)T * (rows + 3), sizeof(float));
+    for (int t = 0; t < T; t++) memcpy(xs + (size_t)t * (cols + 8), x + (size_t)t * cols, (size_t)cols * sizeof(float));
+    matmul_serial(os, rows + 3, xs, cols + 8, w, T);
+    for (int t = 0; t < T; t++) assert_memory_equal(os + (size_t)t * (rows + 3), all + (size_t)t * rows, (size_t)rows * sizeof(float));
+    free(xs);
+    free(os);
+    free(x);
+    free(wb);
+    free(all);
+    free(one);
+    free(wrow);
+}
+
+static void test_matmul_thread_invariant(void **state) {
+#ifdef _OPENMP
+    const int T = 20, rows = 300, cols = 512;
+    float *x = random_floats(T * cols, 31);
+    uint16_t *wb = random_bf16(rows * cols, 32, 0.3f);
+    Mat w = {wb, rows, cols, DTYPE_BF16};
+    float *a = malloc((size_t)T * rows * sizeof(float)), *b = malloc((size_t)T * rows * sizeof(float));
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    matmul(a, rows, x, cols, w, T);
+    omp_set_num_threads(3);
+    matmul(b, rows, x, cols, w, T);
+    omp_set_num_threads(saved);
+    assert_memory_equal(a, b, (size_t)T * rows * sizeof(float));
+    free(x);
+    free(wb);
+    free(a);
+    free(b);
+#else
+    fail_msg("built without OpenMP: thread invariance cannot be checked");
+#endif
+}
+
+static void test_rmsnorm_softmax_swiglu(void **state) {
+    const int n = 100;
+    float *x = random_floats(n, 41), out[100], w[100];
+    for (int i = 0; i < n; i++) w[i] = 0.5f + 0.01f * i;
+    Mat wm = {w, 1, n, DTYPE_F32};
+    rmsnorm(out, x, wm, n, 1e-5f);
+    double ss = 0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    double s = 1.0 / sqrt(ss / n + 1e-5);
+    for (int i = 0; i < n; i++) assert_true(fabs(out[i] - w[i] * x[i] * s) < 1e-5);
+
+    float p[100];
+    memcpy(p, x, sizeof p);
+    softmax(p, n);
+    double mx = x[0], z = 0;
+    for (int i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    for (int i = 0; i < n; i++) z += exp(x[i] - mx);
+    for (int i = 0; i < n; i++) assert_true(fabs(p[i] - exp(x[i] - mx) / z) < 1e-6);
+
+    float h1[100], h3[100];
+    memcpy(h1, x, sizeof h1);
+    for (int i = 0; i < n; i++) h3[i] = 2.0f;
+    swiglu(h1, h3, n);
+    for (int i = 0; i < n; i++) assert_true(fabs(h1[i] - 2.0 * x[i] / (1.0 + exp(-x[i]))) < 1e-6);
+    free(x);
+}
+
+static void test_axpy(void **state) {
+    const int n = 37;
+    float *x = random_floats(n, 51), y[37];
+    for (int i = 0; i < n; i++) y[i] = (float)i;
+    axpy(y, 0.5f, x, n);
+    for (int i = 0; i < n; i++) assert_true(y[i] == fmaf(0.5f, x[i], (float)i));
+    free(x);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) g_tokenizer_path = argv[1];
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_dot_matches_canonical_scalar),
+        cmocka_unit_test(test_dot_cat),
+        cmocka_unit_test(test_matmul_reference),
+        cmocka_unit_test(test_matmul_batch_invariant),
+        cmocka_unit_test(test_matmul_thread_invariant),
+        cmocka_unit_test(test_rmsnorm_softmax_swiglu),
+        cmocka_unit_test(test_axpy),
+    };
+    return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);
+}

@@ -1,0 +1,192 @@
+/* The loader accepts a valid file and refuses every bad one with a message:
+ * truncated at every header field and inside every section, bad magic, version,
+ * variant, dtype, absurd or inconsistent dimensions, bad offsets, corrupt or
+ * mismatched tokenizers. The files are made here. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+#include "testutil.h"
+
+static unsigned char *g_valid;  /* a valid small GQA checkpoint */
+static size_t g_size;
+static int g_vocab;
+
+static int setup(void **state) {
+    char err[256];
+    SpmTokenizer *tok = spm_load_file(g_tokenizer_path, err, sizeof err);
+    if (!tok) return -1;
+    g_vocab = spm_vocab_size(tok);
+    spm_free(tok);
+    Config c = test_config(VARIANT_GQA, 0, g_vocab, DTYPE_BF16);
+    const char *path = temp_path("valid.bin");
+    if (write_test_checkpoint(path, &c, g_tokenizer_path, 3) != 0) return -1;
+    g_valid = read_whole_file(path, &g_size);
+    return g_valid ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    free(g_valid);
+    return 0;
+}
+
+/* Loads bytes as a checkpoint; returns 0 or -1, and the message. */
+static int load_bytes(const unsigned char *data, size_t n, char *err, size_t errlen) {
+    const char *path = temp_path("case.bin");
+    assert_int_equal(write_whole_file(path, data, n), 0);
+    Model m;
+    err[0] = '\0';
+    int rc = model_load(&m, path, err, errlen);
+    if (rc == 0) model_free(&m);
+    return rc;
+}
+
+static void expect_refused(const unsigned char *data, size_t n, const char *needle) {
+    char err[512];
+    int rc = load_bytes(data, n, err, sizeof err);
+    if (rc != -1) fail_msg("accepted a bad file (expected an error about '%s')", needle);
+    assert_true(strlen(err) > 10);
+    assert_null(strchr(err, '\n'));  /* one line */
+    if (needle && !strstr(err, needle)) fail_msg("message '%s' does not mention '%s'", err, needle);
+}
+
+static void test_valid_loads(void **state) {
+    char err[512];
+    assert_int_equal(load_bytes(g_valid, g_size, err, sizeof err), 0);
+    Model m;
+    assert_int_equal(model_load(&m, temp_path("case.bin"), err, sizeof err), 0);
+    assert_int_equal(m.cfg.variant, VARIANT_GQA);
+    assert_int_equal(m.cfg.n_kv_heads, 2);
+    assert_int_equal(m.cfg.vocab_size, g_vocab);
+    assert_non_null(m.tokenizer);
+    model_free(&m);
+}
+
+static void test_missing_file(void **state) {
+    Model m;
+    char err[512];
+    assert_int_equal(model_load(&m, "/nonexistent/model.bin", err, sizeof err), -1);
+    assert_non_null(strstr(err, "cannot open"));
+}
+
+/* truncated at every header field (every 4 bytes), then inside the tokenizer and the weights */
+static void test_truncated_everywhere(void **state) {
+    for (size_t n = 0; n < 128; n += 4) expect_refused(g_valid, n, n < 128 ? "truncated" : NULL);
+    size_t cuts[] = {128, 200, 1000, g_size / 2, g_size - 64, g_size - 1};
+    for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) expect_refused(g_valid, cuts[i], NULL);
+    /* and one byte too many */
+    unsigned char *longer = calloc(1, g_size + 1);
+    memcpy(longer, g_valid, g_size);
+    expect_refused(longer, g_size + 1, NULL);
+    free(longer);
+}
+
+/* a copy of the valid file with one u32 field changed */
+static void expect_field_refused(size_t offset, uint32_t value, const char *needle) {
+    unsigned char *b = malloc(g_size);
+    memcpy(b, g_valid, g_size);
+    for (int i = 0; i < 4; i++) b[offset + i] = (unsigned char)(value >> (8 * i));
+    expect_refused(b, g_size, needle);
+    free(b);
+}
+
+static void test_bad_header_fields(void **state) {
+    expect_field_refused(0, 0x46554747, "magic");        /* "GGUF" */
+    expect_field_refused(4, 2, "version");
+    expect_field_refused(4, 0, "version");
+    expect_field_refused(8, 4, "variant");
+    expect_field_refused(8, 0, "MHA");                   /* GQA head counts under the MHA name */
+    expect_field_refused(8, 2, "MQA");
+    expect_field_refused(8, 3, "MLA");
+    expect_field_refused(12, 2, "dtype");
+    expect_field_refused(12, 0, "weights");              /* fp32 doubles the expected size */
+    expect_field_refused(16, 0, "dim");                  /* zero */
+    expect_field_refused(16, 0xFFFFFFFF, "dim");         /* absurd */
+    expect_field_refused(16, 65536, "weights");          /* plausible but does not add up */
+    expect_field_refused(20, 1000000, "n_layers");
+    expect_field_refused(24, 0, "n_heads");
+    expect_field_refused(24, 3, "GQA");                  /* 2 KV heads do not divide 3 heads */
+    expect_field_refused(28, 15, "odd");                 /* head_dim odd */
+    expect_field_refused(32, 4, "GQA");                  /* n_kv_heads == n_heads */
+    expect_field_refused(36, 16, "kv_latent");           /* a latent on a GQA model */
+    expect_field_refused(44, 97, "weights");             /* hidden_dim */
+    expect_field_refused(48, 0x7FFFFFFF, "vocab_size");
+    expect_field_refused(52, 100000, "max_seq_len");
+    expect_field_refused(56, 0x7FC00000, "rope_theta");  /* NaN */
+    expect_field_refused(60, 0, "norm_eps");
+    expect_field_refused(64, 5000, "bos_id");
+    expect_field_refused(68, 1, "tokenizer");            /* eos id that the tokenizer does not have */
+}
+
+static void test_bad_offsets(void **state) {
+    expect_field_refused(72, 7, "tokenizer");                        /* tokenizer inside the header */
+    expect_field_refused(76, 1, "tokenizer");                        /* offset >= 4 GiB */
+    expect_field_refused(80, 0, "tokenizer");                        /* empty tokenizer */
+    expect_field_refused(80, 0xFFFFFFF0u, "tokenizer");              /* runs past the end */
+    expect_field_refused(88, 64, "weights");                         /* overlaps the tokenizer */
+    expect_field_refused(88, 63 + 128 * 1024, "weights");            /* not aligned */
+    expect_field_refused(96, 12345, "weights");
+    expect_field_refused(100, 1, "weights");                         /* size >= 4 GiB */
+}
+
+static void test_corrupt_tokenizer(void **state) {
+    unsigned char *b = malloc(g_size);
+    memcpy(b, g_valid, g_size);
+    uint64_t off = 0, n = 0;
+    for (int i = 7; i >= 0; i--) off = off << 8 | b[72 + i];
+    for (int i = 7; i >= 0; i--) n = n << 8 | b[80 + i];
+    memset(b + off, 0xFF, (size_t)n);
+    expect_refused(b, g_size, "tokenizer");
+    free(b);
+}
+
+/* a checkpoint whose vocabulary differs from its tokenizer's piece count */
+static void test_vocab_mismatch(void **state) {
+    Config c = test_config(VARIANT_MHA, 0, g_vocab + 16, DTYPE_BF16);
+    const char *path = temp_path("vocab.bin");
+    assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 4), 0);
+    size_t n;
+    unsigned char *b = read_whole_file(path, &n);
+    expect_refused(b, n, "does not match");
+    free(b);
+}
+
+/* every variant and dtype loads, with the parameter count the layout implies */
+static void test_every_variant_loads(void **state) {
+    const struct { Variant v; int latent; DType dt; } cases[] = {
+        {VARIANT_MHA, 0, DTYPE_BF16}, {VARIANT_GQA, 0, DTYPE_F32}, {VARIANT_MQA, 0, DTYPE_BF16},
+        {VARIANT_MLA, 16, DTYPE_BF16}, {VARIANT_MLA, 32, DTYPE_F32},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        Config c = test_config(cases[i].v, cases[i].latent, g_vocab, cases[i].dt);
+        const char *path = temp_path("variant.bin");
+        assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 5), 0);
+        Model m;
+        char err[512];
+        if (model_load(&m, path, err, sizeof err) != 0) fail_msg("%s", err);
+        assert_int_equal(m.cfg.variant, cases[i].v);
+        assert_int_equal(m.cfg.dtype, cases[i].dt);
+        assert_int_equal(m.cfg.kv_latent, cases[i].latent);
+        model_free(&m);
+    }
+    /* the shipped shape: 4 layers, 512 wide; MHA has 14.5M parameters */
+    Config big = test_config(VARIANT_MHA, 0, 4096, DTYPE_BF16);
+    big.dim = 512; big.n_layers = 4; big.n_heads = 16; big.head_dim = 32; big.n_kv_heads = 16; big.hidden_dim = 1344;
+    assert_int_equal(model_param_count(&big), 4096 * 512 + 4 * (512 + 4 * 512 * 512 + 512 + 3 * 512 * 1344) + 512);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) g_tokenizer_path = argv[1];
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_valid_loads),      cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_truncated_everywhere), cmocka_unit_test(test_bad_header_fields),
+        cmocka_unit_test(test_bad_offsets),      cmocka_unit_test(test_corrupt_tokenizer),
+        cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_every_variant_loads),
+    };
+    return cmocka_run_group_tests_name("loader", tests, setup, teardown);
+}

@@ -1,0 +1,143 @@
+/* testutil.c: see testutil.h */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+const char *g_tokenizer_path = "build/tests/tiny.model";
+
+Config test_config(Variant v, int kv_latent, int vocab_size, DType dtype) {
+    Config c = {0};
+    c.variant = v;
+    c.dtype = dtype;
+    c.dim = 64;
+    c.n_layers = 2;
+    c.n_heads = 4;
+    c.head_dim = 16;
+    c.n_kv_heads = v == VARIANT_MHA ? 4 : v == VARIANT_GQA ? 2 : v == VARIANT_MQA ? 1 : 0;
+    c.kv_latent = v == VARIANT_MLA ? kv_latent : 0;
+    c.rope_dim = v == VARIANT_MLA ? 8 : 0;
+    c.hidden_dim = 96;
+    c.vocab_size = vocab_size;
+    c.max_seq_len = 64;
+    c.rope_theta = 10000.0f;
+    c.norm_eps = 1e-5f;
+    c.bos_id = 1;
+    c.eos_id = 2;
+    return c;
+}
+
+static void put_u32(unsigned char *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static void put_u64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+void encode_header(unsigned char h[128], const Config *c, uint64_t tok_off, uint64_t tok_size, uint64_t w_off,
+                   uint64_t w_size) {
+    memset(h, 0, 128);
+    memcpy(h, "AKVC", 4);
+    put_u32(h + 4, 1);
+    put_u32(h + 8, (uint32_t)c->variant);
+    put_u32(h + 12, (uint32_t)c->dtype);
+    const int f[10] = {c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
+                       c->kv_latent, c->rope_dim, c->hidden_dim, c->vocab_size, c->max_seq_len};
+    for (int i = 0; i < 10; i++) put_u32(h + 16 + 4 * i, (uint32_t)f[i]);
+    memcpy(h + 56, &c->rope_theta, 4);
+    memcpy(h + 60, &c->norm_eps, 4);
+    put_u32(h + 64, (uint32_t)c->bos_id);
+    put_u32(h + 68, (uint32_t)c->eos_id);
+    put_u64(h + 72, tok_off);
+    put_u64(h + 80, tok_size);
+    put_u64(h + 88, w_off);
+    put_u64(h + 96, w_size);
+}
+
+float test_uniform(uint64_t *s) {
+    *s ^= *s >> 12;
+    *s ^= *s << 25;
+    *s ^= *s >> 27;
+    uint32_t r = (uint32_t)((*s * 0x2545F4914F6CDD1Dull) >> 32);
+    return (float)(r >> 8) / 8388608.0f - 1.0f;
+}
+
+static void put_value(unsigned char *p, DType dt, float v) {
+    if (dt == DTYPE_BF16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        uint16_t h = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  /* round to nearest even */
+        memcpy(p, &h, 2);
+    } else {
+        memcpy(p, &v, 4);
+    }
+}
+
+struct Fill { unsigned char *p; DType dt; uint64_t state; };
+
+/* matrices: uniform in [-0.08, 0.08); vectors (norm weights): 1 +- 0.2 */
+static void fill_tensor(void *ctx, Mat *mat, int rows, int cols) {
+    struct Fill *f = ctx;
+    (void)mat;
+    for (long i = 0; i < (long)rows * cols; i++) {
+        float v = rows == 1 ? 1.0f + 0.2f * test_uniform(&f->state) : 0.08f * test_uniform(&f->state);
+        put_value(f->p, f->dt, v);
+        f->p += dtype_size(f->dt);
+    }
+}
+
+int write_test_checkpoint(const char *path, const Config *c, const char *tokenizer_path, uint64_t seed) {
+    size_t tok_size;
+    unsigned char *tok = read_whole_file(tokenizer_path, &tok_size);
+    if (!tok) return -1;
+    size_t n_params = model_param_count(c), es = dtype_size(c->dtype);
+    uint64_t tok_off = 128, w_off = (tok_off + tok_size + 63) / 64 * 64, w_size = (uint64_t)n_params * es;
+    size_t total = (size_t)(w_off + w_size);
+    unsigned char *buf = calloc(1, total);
+    if (!buf) { free(tok); return -1; }
+    encode_header(buf, c, tok_off, tok_size, w_off, w_size);
+    memcpy(buf + tok_off, tok, tok_size);
+    struct Fill fill = {buf + w_off, c->dtype, seed * 0x9E3779B97F4A7C15ull + 1};
+    Weights w = {0};
+    w.layers = calloc((size_t)c->n_layers, sizeof *w.layers);
+    if (w.layers) model_walk_tensors(c, &w, fill_tensor, &fill);
+    int rc = w.layers ? write_whole_file(path, buf, total) : -1;
+    free(w.layers);
+    free(buf);
+    free(tok);
+    return rc;
+}
+
+unsigned char *read_whole_file(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *buf = malloc(n > 0 ? (size_t)n : 1);
+    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) { free(buf); buf = NULL; }
+    fclose(f);
+    if (buf) *size = (size_t)n;
+    return buf;
+}
+
+int write_whole_file(const char *path, const void *data, size_t size) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return -1;
+    size_t w = fwrite(data, 1, size, f);
+    return (fclose(f) == 0 && w == size) ? 0 : -1;
+}
+
+const char *temp_path(const char *name) {
+    static char buf[8][512];
+    static int next = 0;
+    mkdir("build", 0755);
+    mkdir("build/tests", 0755);
+    mkdir("build/tests/tmp", 0755);
+    char *p = buf[next++ % 8];
+    snprintf(p, 512, "build/tests/tmp/%d-%s", (int)getpid(), name);
+    return p;
+}

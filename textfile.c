@@ -1,0 +1,127 @@
+/* textfile.c: TinyStoriesV2-layout text files (see textfile.h). */
+#include "textfile.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SEPARATOR "<|endoftext|>"
+#define MAX_FILE_BYTES (1L << 30)
+
+int utf8_valid(const char *str, size_t n) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        if (c == 0) return 0;
+        if (c < 0x80) { i++; continue; }
+        int len;
+        unsigned cp, min;
+        if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
+        else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
+        else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
+        else return 0;
+        if (i + (size_t)len > n) return 0;
+        for (int k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+        i += (size_t)len;
+    }
+    return 1;
+}
+
+static int is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+
+/* Strips [b, e) and records it as a story when anything is left. */
+static int add_story(StoryFile *f, char *b, char *e, int *cap) {
+    while (b < e && is_space(*b)) b++;
+    while (e > b && is_space(e[-1])) e--;
+    if (b == e) return 0;
+    *e = '\0';
+    if (f->n_stories == *cap) {
+        int ncap = *cap ? *cap * 2 : 64;
+        char **ns = realloc(f->stories, (size_t)ncap * sizeof *ns);
+        if (!ns) return -1;
+        f->stories = ns;
+        *cap = ncap;
+    }
+    f->stories[f->n_stories++] = b;
+    return 0;
+}
+
+int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    if (memchr(data, '\0', size)) { snprintf(err, errlen, "the text holds a NUL byte"); return -1; }
+    f->text = malloc(size + 1);
+    if (!f->text) { snprintf(err, errlen, "out of memory reading stories"); return -1; }
+    memcpy(f->text, data, size);
+    f->text[size] = '\0';
+    int cap = 0;
+    char *story = f->text, *line = f->text, *end = f->text + size;
+    while (line <= end) {
+        char *nl = memchr(line, '\n', (size_t)(end - line));
+        char *line_end = nl ? nl : end;
+        /* a separator line: only <|endoftext|>, with optional white space around it */
+        char *b = line, *e = line_end;
+        while (b < e && is_space(*b)) b++;
+        while (e > b && is_space(e[-1])) e--;
+        if ((size_t)(e - b) == strlen(SEPARATOR) && memcmp(b, SEPARATOR, strlen(SEPARATOR)) == 0) {
+            if (add_story(f, story, line, &cap) != 0) goto oom;
+            story = nl ? nl + 1 : end;
+        }
+        if (!nl) break;
+        line = nl + 1;
+    }
+    if (add_story(f, story, end, &cap) != 0) goto oom;
+    for (int i = 0; i < f->n_stories; i++)
+        if (!utf8_valid(f->stories[i], strlen(f->stories[i]))) {
+            snprintf(err, errlen, "story %d is not valid UTF-8 text", i + 1);
+            storyfile_free(f);
+            return -1;
+        }
+    if (f->n_stories == 0) {
+        snprintf(err, errlen, "no story found (stories are separated by lines holding only %s)", SEPARATOR);
+        storyfile_free(f);
+        return -1;
+    }
+    return 0;
+oom:
+    snprintf(err, errlen, "out of memory reading stories");
+    storyfile_free(f);
+    return -1;
+}
+
+int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    FILE *fp = fopen(path, "rb");
+    if (!fp) { snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno)); return -1; }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (!buf) { fclose(fp); snprintf(err, errlen, "out of memory reading %s", path); return -1; }
+        n += fread(buf + n, 1, cap - n, fp);
+        if (n < cap) break;
+        if (cap >= (size_t)MAX_FILE_BYTES) { free(buf); fclose(fp); snprintf(err, errlen, "%s is over 1 GiB", path); return -1; }
+        char *nb = realloc(buf, cap * 2);
+        if (!nb) free(buf);
+        buf = nb;
+        cap *= 2;
+    }
+    int bad = ferror(fp);
+    fclose(fp);
+    if (bad) { free(buf); snprintf(err, errlen, "cannot read %s", path); return -1; }
+    char inner[256];
+    int rc = storyfile_parse(f, buf, n, inner, sizeof inner);
+    free(buf);
+    if (rc != 0) snprintf(err, errlen, "%s: %s", path, inner);
+    return rc;
+}
+
+void storyfile_free(StoryFile *f) {
+    free(f->text);
+    free(f->stories);
+    memset(f, 0, sizeof *f);
+}

@@ -1,0 +1,457 @@
+"""Writes a model into the engine's checkpoint format (docs/FORMAT.md), and optionally
+into llama2.c's legacy fp32 format.
+
+    python3 train/export.py out/mha/best.pt weights/mha.bin [--dtype bf16|fp32]
+                            [--tokenizer tokenizer/tokenizer.model] [--llama2c DIR]
+    python3 train/export.py --random VARIANT OUT.bin [--small] [--seed N] [--dtype ...] [--tokenizer ...]
+
+The first form exports a checkpoint saved by train/train.py (a dict with "model", the
+state dict, and "config", Config.__dict__). The second exports randomly initialised
+weights (for tests); its vocabulary is the tokenizer's piece count.
+
+--llama2c DIR (mha, gqa, mqa only) also writes DIR/VARIANT_llama2c.bin (llama2.c's
+legacy "version 0" fp32 format) and DIR/tokenizer.bin (llama2.c's tokenizer format).
+Its tensors hold the same numbers as the main file (bf16-rounded when --dtype bf16).
+
+Functions used by the tests: export, round_to_bf16_, load_checkpoint, random_model,
+read_header, read_tensors, export_llama2c, tensor_layout.
+"""
+import argparse
+import os
+import struct
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import VARIANTS, Config, Transformer, rope_tables  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TOKENIZER = os.path.join(ROOT, "tokenizer", "tokenizer.model")
+
+MAGIC = b"AKVC"
+VERSION = 1
+HEADER_SIZE = 128
+ALIGN = 64
+DTYPES = {"fp32": 0, "bf16": 1}
+VARIANT_CODES = {"mha": 0, "gqa": 1, "mqa": 2, "mla64": 3, "mla128": 3}
+VARIANT_NAMES = {0: "mha", 1: "gqa", 2: "mqa", 3: "mla"}
+
+# magic, version, variant, dtype, dim, n_layers, n_heads, head_dim, n_kv_heads, kv_latent, rope_dim,
+# hidden_dim, vocab_size, max_seq_len, rope_theta, norm_eps, bos_id, eos_id,
+# tokenizer_offset, tokenizer_size, weights_offset, weights_size, 24 reserved bytes
+HEADER_STRUCT = struct.Struct("<4s13I2f2I4Q24x")
+HEADER_FIELDS = ("magic", "version", "variant", "dtype", "dim", "n_layers", "n_heads", "head_dim", "n_kv_heads",
+                 "kv_latent", "rope_dim", "hidden_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
+                 "bos_id", "eos_id", "tokenizer_offset", "tokenizer_size", "weights_offset", "weights_size")
+assert HEADER_STRUCT.size == HEADER_SIZE
+
+LLAMA2C_HEADER = struct.Struct("<7i")
+
+
+# ---------------------------------------------------------------- bf16
+
+def bf16_bits(a):
+    """fp32 array -> uint16 array: the upper halves, rounded to nearest even."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    assert not np.isnan(a).any(), "NaN in a tensor to be rounded to bf16"
+    bits = a.view(np.uint32)
+    # No overflow in uint32 for any non-NaN input: the largest is 0xFF800000 (-inf) + 0x8000.
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return rounded.astype(np.uint16)
+
+
+def bf16_to_f32(h):
+    """uint16 array of bf16 bits -> the fp32 values they stand for."""
+    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def round_to_bf16(a):
+    """fp32 array -> fp32 array holding the nearest bf16 values (round to nearest even)."""
+    return bf16_to_f32(bf16_bits(a))
+
+
+@torch.no_grad()
+def round_to_bf16_(model):
+    """Rounds every parameter of model in place to the nearest bf16 value, keeping fp32 storage,
+    so that PyTorch computes on exactly the numbers a bf16 file holds. Returns model."""
+    for p in model.parameters():
+        a = p.detach().cpu().float().numpy()
+        p.copy_(torch.from_numpy(round_to_bf16(a)).view(p.shape))
+    return model
+
+
+# ---------------------------------------------------------------- layout
+
+def variant_code(cfg):
+    """Header variant code from the Config, checked against the head counts (as model.c does)."""
+    if cfg.variant not in VARIANT_CODES:
+        raise ValueError(f"unknown variant {cfg.variant!r} (expected one of {sorted(VARIANT_CODES)})")
+    code = VARIANT_CODES[cfg.variant]
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    if code == 3:
+        if not cfg.kv_latent > 0 or Hkv != 0:
+            raise ValueError(f"{cfg.variant}: an MLA config needs kv_latent > 0 and n_kv_heads == 0 "
+                             f"(got kv_latent {cfg.kv_latent}, n_kv_heads {Hkv})")
+        if cfg.rope_dim <= 0 or cfg.rope_dim % 2:
+            raise ValueError(f"{cfg.variant}: rope_dim = {cfg.rope_dim} must be even and positive")
+    else:
+        if cfg.kv_latent != 0:
+            raise ValueError(f"{cfg.variant}: kv_latent must be 0 (got {cfg.kv_latent})")
+        ok = {0: Hkv == H, 1: 1 < Hkv < H and H % Hkv == 0, 2: Hkv == 1}[code]
+        if not ok:
+            raise ValueError(f"{cfg.variant}: n_kv_heads = {Hkv} does not fit the variant with n_heads = {H}")
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim = {cfg.head_dim} is odd (RoPE rotates pairs)")
+    return code
+
+
+def tensor_layout(cfg):
+    """[(state_dict name, shape)] in file order (docs/FORMAT.md, "Tensors")."""
+    D, H, hd, F = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.hidden_dim
+    out = [("tok_embeddings.weight", (cfg.vocab_size, D))]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        out.append((p + "attn_norm.weight", (D,)))
+        if cfg.is_mla:
+            rd, dc = cfg.rope_dim, cfg.kv_latent
+            out += [(p + "attn.wq.weight", (H * (hd + rd), D)),
+                    (p + "attn.wdkv.weight", (dc, D)),
+                    (p + "attn.kv_norm.weight", (dc,)),
+                    (p + "attn.wkr.weight", (rd, D)),
+                    (p + "attn.wuk.weight", (H * hd, dc)),
+                    (p + "attn.wuv.weight", (H * hd, dc))]
+        else:
+            Hkv = cfg.n_kv_heads
+            out += [(p + "attn.wq.weight", (H * hd, D)),
+                    (p + "attn.wk.weight", (Hkv * hd, D)),
+                    (p + "attn.wv.weight", (Hkv * hd, D))]
+        out += [(p + "attn.wo.weight", (D, H * hd)),
+                (p + "ffn_norm.weight", (D,)),
+                (p + "ffn.w1.weight", (F, D)),
+                (p + "ffn.w2.weight", (D, F)),
+                (p + "ffn.w3.weight", (F, D))]
+    out.append(("norm.weight", (D,)))
+    return out
+
+
+def _numpy_tensors(model):
+    """The model's tensors in file order as contiguous fp32 numpy arrays, after checking that
+    the state dict holds exactly the tensors the layout names, with the right shapes."""
+    cfg = model.cfg
+    sd = model.state_dict()
+    layout = tensor_layout(cfg)
+    names = [n for n, _ in layout]
+    missing = [n for n in names if n not in sd]
+    extra = [n for n in sd if n not in set(names)]
+    if missing or extra:
+        raise ValueError(f"state dict does not match the {cfg.variant} layout: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    out = []
+    for name, shape in layout:
+        t = sd[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+        a = np.ascontiguousarray(t.detach().cpu().float().numpy(), dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise ValueError(f"{name} holds NaN or inf")
+        out.append((name, a))
+    return out
+
+
+def tokenizer_info(tokenizer_path):
+    """(piece count, bos id, eos id, SentencePieceProcessor) of a SentencePiece model."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
+    return sp.get_piece_size(), sp.bos_id(), sp.eos_id(), sp
+
+
+def _check_tokenizer(cfg, tokenizer_path):
+    n, bos, eos, sp = tokenizer_info(tokenizer_path)
+    if n != cfg.vocab_size:
+        raise ValueError(f"the model's vocabulary ({cfg.vocab_size}) differs from the tokenizer's piece count "
+                         f"({n}, {tokenizer_path})")
+    if not (0 <= bos < n and 0 <= eos < n):
+        raise ValueError(f"the tokenizer {tokenizer_path} has no BOS or no EOS (bos {bos}, eos {eos})")
+    return bos, eos, sp
+
+
+def _align(n, a=ALIGN):
+    return (n + a - 1) // a * a
+
+
+def _write_atomic(path, write):
+    """Calls write(file) on path + '.tmp', then renames it to path."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# ---------------------------------------------------------------- export
+
+def export(model, path, tokenizer_path=DEFAULT_TOKENIZER, dtype="bf16"):
+    """Writes model (a Transformer) and the tokenizer into path (docs/FORMAT.md).
+    Returns the header as a dict (read_header's format)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    cfg = model.cfg
+    code = variant_code(cfg)
+    bos, eos, _ = _check_tokenizer(cfg, tokenizer_path)
+    with open(tokenizer_path, "rb") as f:
+        tok_bytes = f.read()
+    tensors = _numpy_tensors(model)
+    if dtype == "bf16":
+        blobs = [bf16_bits(a).astype("<u2") for _, a in tensors]
+    else:
+        blobs = [a.astype("<f4") for _, a in tensors]
+    weights_size = sum(b.nbytes for b in blobs)
+    n_params = sum(a.size for _, a in tensors)
+    assert weights_size == n_params * (2 if dtype == "bf16" else 4)
+
+    tok_off = HEADER_SIZE
+    w_off = _align(tok_off + len(tok_bytes))
+    is_mla = code == 3
+    hdr = dict(magic=MAGIC, version=VERSION, variant=code, dtype=DTYPES[dtype], dim=cfg.dim,
+               n_layers=cfg.n_layers, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
+               n_kv_heads=0 if is_mla else cfg.n_kv_heads, kv_latent=cfg.kv_latent if is_mla else 0,
+               rope_dim=cfg.rope_dim if is_mla else 0, hidden_dim=cfg.hidden_dim, vocab_size=cfg.vocab_size,
+               max_seq_len=cfg.max_seq_len, rope_theta=float(cfg.rope_theta), norm_eps=float(cfg.norm_eps),
+               bos_id=bos, eos_id=eos, tokenizer_offset=tok_off, tokenizer_size=len(tok_bytes),
+               weights_offset=w_off, weights_size=weights_size)
+    header = HEADER_STRUCT.pack(*(hdr[k] for k in HEADER_FIELDS))
+
+    def write(f):
+        f.write(header)
+        f.write(tok_bytes)
+        f.write(b"\0" * (w_off - tok_off - len(tok_bytes)))
+        assert f.tell() == w_off
+        for b in blobs:
+            f.write(b.tobytes())
+        assert f.tell() == w_off + weights_size
+
+    _write_atomic(path, write)
+    hdr["magic"] = MAGIC.decode()
+    return hdr
+
+
+def read_header(path):
+    """Parses a checkpoint's 128-byte header into a dict (field names as in docs/FORMAT.md;
+    magic as a str, plus 'reserved', the 24 reserved bytes)."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_SIZE)
+    if len(raw) < HEADER_SIZE:
+        raise ValueError(f"{path}: {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    hdr = dict(zip(HEADER_FIELDS, HEADER_STRUCT.unpack(raw)))
+    hdr["magic"] = hdr["magic"].decode("latin-1")
+    hdr["reserved"] = raw[104:128]
+    return hdr
+
+
+def header_config(hdr):
+    """The Config a header describes (variant name mla64/mla128 from kv_latent, else 'mla')."""
+    code = hdr["variant"]
+    name = VARIANT_NAMES[code]
+    if code == 3 and hdr["kv_latent"] in (64, 128):
+        name = f"mla{hdr['kv_latent']}"
+    return Config(variant=name, dim=hdr["dim"], n_layers=hdr["n_layers"], n_heads=hdr["n_heads"],
+                  head_dim=hdr["head_dim"], n_kv_heads=hdr["n_kv_heads"], kv_latent=hdr["kv_latent"],
+                  rope_dim=hdr["rope_dim"], hidden_dim=hdr["hidden_dim"], vocab_size=hdr["vocab_size"],
+                  max_seq_len=hdr["max_seq_len"], rope_theta=hdr["rope_theta"], norm_eps=hdr["norm_eps"])
+
+
+def read_tensors(path):
+    """Reads every tensor of a checkpoint back: {state_dict name: fp32 numpy array} (bf16 widened)."""
+    hdr = read_header(path)
+    cfg = header_config(hdr)
+    np_dtype = {0: "<f4", 1: "<u2"}[hdr["dtype"]]
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    off, out = hdr["weights_offset"], {}
+    for name, shape in tensor_layout(cfg):
+        n = int(np.prod(shape))
+        a = np.frombuffer(raw, dtype=np_dtype, count=n, offset=off).reshape(shape)
+        off += a.nbytes
+        out[name] = bf16_to_f32(a).reshape(shape) if hdr["dtype"] == 1 else np.array(a, dtype=np.float32)
+    if off != hdr["weights_offset"] + hdr["weights_size"]:
+        raise ValueError(f"{path}: tensors end at {off}, header says {hdr['weights_offset'] + hdr['weights_size']}")
+    return out
+
+
+def load_engine_checkpoint(path):
+    """A Transformer (fp32) holding exactly the values of an engine checkpoint (.bin)."""
+    model = Transformer(header_config(read_header(path)))
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in read_tensors(path).items()})
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------- llama2.c
+
+def llama2c_tokenizer_bytes(tokenizer_path):
+    """llama2.c's tokenizer.bin (karpathy/llama2.c tokenizer.py export): u32 max_token_length, then per id
+    f32 score, u32 length, the UTF-8 bytes; '\u2581' becomes ' ', BOS is '\\n<s>\\n', EOS '\\n</s>\\n'."""
+    _, bos, eos, sp = tokenizer_info(tokenizer_path)
+    tokens, scores = [], []
+    for i in range(sp.get_piece_size()):
+        t = sp.id_to_piece(i)
+        if i == bos:
+            t = "\n<s>\n"
+        elif i == eos:
+            t = "\n</s>\n"
+        tokens.append(t.replace("\u2581", " ").encode("utf-8"))
+        scores.append(sp.get_score(i))
+    parts = [struct.pack("<I", max(len(b) for b in tokens))]
+    for b, s in zip(tokens, scores):
+        parts.append(struct.pack("<fI", s, len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def export_llama2c(model, out_dir, tokenizer_path=DEFAULT_TOKENIZER, dtype="bf16"):
+    """Writes out_dir/VARIANT_llama2c.bin (llama2.c legacy fp32, version 0) and out_dir/tokenizer.bin.
+    The tensors hold the values of the main export: bf16-rounded if dtype is bf16. Refuses MLA.
+    Returns the two paths."""
+    cfg = model.cfg
+    code = variant_code(cfg)
+    if code == 3:
+        raise ValueError(f"{cfg.variant}: llama2.c has no multi-head latent attention; "
+                         "--llama2c works for mha, gqa and mqa only")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    _check_tokenizer(cfg, tokenizer_path)
+    t = dict(_numpy_tensors(model))
+    if dtype == "bf16":
+        t = {k: round_to_bf16(v) for k, v in t.items()}
+    L = range(cfg.n_layers)
+    order = ["tok_embeddings.weight"]
+    for kind in ("attn_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn_norm", "ffn.w1", "ffn.w2", "ffn.w3"):
+        order += [f"layers.{i}.{kind}.weight" for i in L]
+    order.append("norm.weight")
+    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)  # (max_seq_len, head_dim/2)
+    # vocab_size positive: the classifier is shared with the embedding (ours is tied).
+    header = LLAMA2C_HEADER.pack(cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                                 cfg.vocab_size, cfg.max_seq_len)
+
+    def write_model(f):
+        f.write(header)
+        for name in order:
+            f.write(t[name].astype("<f4").tobytes())
+        f.write(cos.numpy().astype("<f4").tobytes())
+        f.write(sin.numpy().astype("<f4").tobytes())
+
+    model_path = os.path.join(out_dir, f"{cfg.variant}_llama2c.bin")
+    tok_path = os.path.join(out_dir, "tokenizer.bin")
+    tok_blob = llama2c_tokenizer_bytes(tokenizer_path)
+    _write_atomic(model_path, write_model)
+    _write_atomic(tok_path, lambda f: f.write(tok_blob))
+    return model_path, tok_path
+
+
+# ---------------------------------------------------------------- models
+
+def load_checkpoint(path):
+    """A Transformer from a .pt saved by train/train.py ({"model": state_dict, "config": Config.__dict__})."""
+    ck = torch.load(path, map_location="cpu")
+    cfg = Config(**ck["config"])
+    model = Transformer(cfg)
+    sd = {k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}
+    model.load_state_dict(sd)
+    model.eval()
+    return model
+
+
+def small_config(variant, **overrides):
+    """The tiny test configuration of a variant."""
+    n_kv, latent = VARIANTS[variant]
+    kw = dict(dim=64, n_layers=2, n_heads=4, head_dim=16, hidden_dim=96, max_seq_len=64)
+    if latent:
+        kw.update(n_kv_heads=0, kv_latent={"mla64": 16, "mla128": 32}[variant], rope_dim=8)
+    else:
+        kw.update(n_kv_heads={"mha": 4, "gqa": 2, "mqa": 1}[variant], kv_latent=0)
+    kw.update(overrides)
+    return Config.for_variant(variant, **kw)
+
+
+@torch.no_grad()
+def random_model(variant, small=False, seed=0, vocab_size=None):
+    """A Transformer with random weights, larger than the training init so that logits are well
+    spread (parity tests compare argmaxes): matrices ~ N(0, std) with std 0.1 (small) or 0.05,
+    norm weights ~ U(0.75, 1.25). Deterministic in seed; the global RNG is left as it was."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} (expected one of {sorted(VARIANTS)})")
+    overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
+    cfg = small_config(variant, **overrides) if small else Config.for_variant(variant, **overrides)
+    std = 0.1 if small else 0.05
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Transformer(cfg)
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + 0.75)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", metavar="PATH",
+                    help="CHECKPOINT.pt OUT.bin, or OUT.bin with --random")
+    ap.add_argument("--random", metavar="VARIANT", choices=sorted(VARIANTS),
+                    help="export random weights of this variant instead of a checkpoint")
+    ap.add_argument("--small", action="store_true", help="with --random: the tiny test configuration")
+    ap.add_argument("--seed", type=int, default=0, help="with --random: the seed (default 0)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor type (default bf16)")
+    ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="SentencePiece model (default %(default)s)")
+    ap.add_argument("--llama2c", metavar="DIR", help="also write DIR/VARIANT_llama2c.bin and DIR/tokenizer.bin")
+    args = ap.parse_args(argv)
+
+    if args.random:
+        if len(args.paths) != 1:
+            ap.error("--random VARIANT takes one path: OUT.bin")
+        out = args.paths[0]
+    else:
+        if len(args.paths) != 2:
+            ap.error("expected CHECKPOINT.pt OUT.bin")
+        if args.small:
+            ap.error("--small only goes with --random")
+        ckpt, out = args.paths
+    variant = args.random
+    if variant and args.llama2c and VARIANTS[variant][1]:
+        ap.exit(2, f"export.py: --llama2c: {variant} has no llama2.c equivalent "
+                   "(llama2.c has no latent attention); use it with mha, gqa or mqa\n")
+    try:
+        if args.random:
+            n_pieces = tokenizer_info(args.tokenizer)[0]
+            model = random_model(args.random, small=args.small, seed=args.seed, vocab_size=n_pieces)
+        else:
+            model = load_checkpoint(ckpt)
+        if args.llama2c and model.cfg.is_mla:
+            raise ValueError(f"--llama2c: {model.cfg.variant} has no llama2.c equivalent "
+                             "(llama2.c has no latent attention); use it with mha, gqa or mqa")
+        hdr = export(model, out, args.tokenizer, args.dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{out}: {model.cfg.variant}, {n_params:,} parameters, {args.dtype}, "
+              f"{hdr['weights_offset'] + hdr['weights_size']:,} bytes")
+        if args.llama2c:
+            for p in export_llama2c(model, args.llama2c, args.tokenizer, args.dtype):
+                print(f"{p}: {os.path.getsize(p):,} bytes")
+    except (ValueError, OSError, RuntimeError) as e:
+        ap.exit(1, f"export.py: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
