@@ -19,11 +19,11 @@ SPM_LIBS := $(shell pkg-config --libs sentencepiece 2>/dev/null || echo -lsenten
 LDLIBS = $(SPM_LIBS) -lm
 B = build
 
-ENGINE = model.c attention.c kvcache.c kernels.c sampler.c textfile.c
+ENGINE = model.c attention.c kvcache.c kernels.c sampler.c textfile.c cli.c
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/spm_c.o
-HEADERS = model.h kvcache.h kernels.h simd.h sampler.h textfile.h spm_c.h
+HEADERS = model.h kvcache.h kernels.h simd.h sampler.h textfile.h spm_c.h cli.h
 
-.PHONY: all test test-unit test-py bench clean demo
+.PHONY: all test test-unit test-isa test-py bench clean demo
 all: run
 
 $(B)/%.o: %.c $(HEADERS) | $(B)
@@ -39,7 +39,7 @@ run: $(B)/run.o $(ENGINE_OBJS)
 	$(CXX) -fopenmp $^ -o $@ $(LDLIBS)
 
 # ---- tests ----
-UNIT_TESTS = test_kernels test_attention test_kvcache test_sampler test_loader test_textfile test_tokenizer
+UNIT_TESTS = test_kernels test_attention test_kvcache test_sampler test_loader test_textfile test_tokenizer test_cli_parse
 UNIT_BINS = $(UNIT_TESTS:%=$(B)/tests/%)
 
 $(B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS) | $(B)
@@ -60,7 +60,27 @@ test-unit: $(UNIT_BINS) $(TINY_TOKENIZER)
 test-py: run
 	$(PYTHON) -m pytest -q tests
 
-test: test-unit test-py
+# The AVX2 and portable kernels must follow the same canonical order: their own builds
+# run the kernel and attention tests too (whatever this machine's -march=native picks).
+ISA_BUILDS = avx2:-march=x86-64-v3 portable:-march=x86-64
+test-isa:
+	@set -e; for isa in $(ISA_BUILDS); do n=$${isa%%:*}; \
+	  $(MAKE) -s B=build-$$n ARCH=$${isa#*:} build-$$n/tests/test_kernels build-$$n/tests/test_attention build-$$n/tests/tiny.model; \
+	  for t in test_kernels test_attention; do echo "== $$t ($$n)"; build-$$n/tests/$$t build-$$n/tests/tiny.model; done; done
+
+test: test-unit test-isa test-py
 
 clean:
-	rm -rf $(B) run
+	rm -rf $(B) build-avx2 build-portable run
+
+# The README's first command ends here: the GQA demo, or a plain word on what weights/ holds.
+DEMO_PROMPT ?= Once upon a time
+demo: run
+	@if [ -f weights/gqa.bin ]; then ./run weights/gqa.bin -p "$(DEMO_PROMPT)" --kv; \
+	else first=$$(ls weights/*.bin 2>/dev/null | head -n 1); \
+	  if [ -z "$$first" ]; then echo "demo: weights/ is empty: no trained checkpoint yet (weights/README.md says how to train one)."; \
+	  else echo "demo: weights/gqa.bin is not trained yet; running $$first instead."; ./run $$first -p "$(DEMO_PROMPT)" --kv; fi; fi
+
+# make fuzz, make test-asan, make valgrind (docs/ROBUSTNESS.md)
+include fuzz/fuzz.mk fuzz/asan.mk
+include bench/bench.mk

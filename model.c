@@ -16,6 +16,8 @@
 #define HEADER_SIZE 128
 #define FORMAT_VERSION 1
 #define MAX_DIM 65536
+/* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
+#define MAX_ROPE_ENTRIES (1L << 22)
 
 static int fail(char *err, size_t errlen, const char *fmt, ...) {
     va_list ap;
@@ -139,6 +141,10 @@ static int check_config(const Config *c, char *err, size_t errlen) {
     if (c->head_dim % 2 != 0) return fail(err, errlen, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
     if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f)) return fail(err, errlen, "checkpoint: rope_theta is not a sane number");
     if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f)) return fail(err, errlen, "checkpoint: norm_eps is not in (0, 1)");
+    long rope_entries = (long)c->max_seq_len * ((c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim) / 2);
+    if (rope_entries > MAX_ROPE_ENTRIES)
+        return fail(err, errlen, "checkpoint: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)",
+                    rope_entries, MAX_ROPE_ENTRIES);
     if (c->bos_id < 0 || c->bos_id >= c->vocab_size || c->eos_id < 0 || c->eos_id >= c->vocab_size)
         return fail(err, errlen, "checkpoint: bos_id or eos_id is outside the vocabulary");
     return 0;

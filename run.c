@@ -15,31 +15,12 @@
 #include <omp.h>
 #endif
 
+#include "cli.h"
 #include "model.h"
 #include "sampler.h"
 #include "textfile.h"
 
 #define EXIT_USAGE 2
-#define MAX_THREADS 256
-
-typedef struct {
-    const char *checkpoint;
-    const char *prompt;
-    int steps;            /* 0 = until EOS or the context is full */
-    int top_k;
-    float temperature;
-    uint64_t seed;
-    int kv;
-    int threads;          /* 0 = OpenMP's default */
-    const char *log_path;
-    int quiet;
-    int ignore_eos;
-    int mla_form;         /* -1 = default (absorb with --kv, expand without), 0 = expand, 1 = absorb */
-    int check_kv;
-    const char *ppl_path;
-    int info;
-    const char *dump_path;
-} Options;
 
 static void die(int code, const char *fmt, ...) {
     va_list ap;
@@ -55,98 +36,6 @@ static double now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-static void usage(FILE *f) {
-    fputs("Usage: run CHECKPOINT [options]\n"
-          "Generates a TinyStories continuation of a prompt, logging the latency of every step.\n"
-          "\n"
-          "  -p PROMPT         prompt text (default: empty, the story starts from BOS)\n"
-          "  -n STEPS          tokens to generate, 1..context (default: until EOS or the context is full)\n"
-          "  -k TOPK           top-k sampling, 1..vocab; 1 is greedy (default 40)\n"
-          "  -t TEMP           temperature, 0..100; 0 is greedy (default 1.0)\n"
-          "  -s SEED           random seed, a non-negative integer (default: from the clock; printed)\n"
-          "  --kv              decode with a KV cache (default: recompute the whole sequence every step)\n"
-          "  --mla absorb|expand  MLA form (default: absorb with --kv, expand without)\n"
-          "  --threads N       OpenMP threads, 1..256 (default: all cores)\n"
-          "  --log FILE.csv    write the per-step latencies as CSV\n"
-          "  -q                no per-step lines on stderr (the summary stays)\n"
-          "  --ignore-eos      keep generating after EOS\n"
-          "  --check-kv        greedy runs with and without the cache: are the logits bitwise identical?\n"
-          "  --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
-          "                    by <|endoftext|> lines), each story scored in windows of the context\n"
-          "  --info            configuration, parameters and KV cache sizes, then exit\n"
-          "  --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
-          "  -h, --help        this help\n",
-          f);
-}
-
-/* ---- flag parsing ---- */
-
-static long parse_long(const char *flag, const char *s, long lo, long hi) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end) die(EXIT_USAGE, "%s needs an integer, got '%s'", flag, s);
-    if (v < lo || v > hi) die(EXIT_USAGE, "%s %ld is out of range (%ld..%ld)", flag, v, lo, hi);
-    return v;
-}
-
-static float parse_float(const char *flag, const char *s, float lo, float hi) {
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end || !isfinite(v)) die(EXIT_USAGE, "%s needs a number, got '%s'", flag, s);
-    if (v < lo || v > hi) die(EXIT_USAGE, "%s %g is out of range (%g..%g)", flag, v, lo, hi);
-    return v;
-}
-
-static void parse_args(Options *o, int argc, char **argv) {
-    memset(o, 0, sizeof *o);
-    o->prompt = "";
-    o->top_k = 40;
-    o->temperature = 1.0f;
-    o->seed = (uint64_t)time(NULL);
-    o->mla_form = -1;
-    int steps_given = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        }
-        int takes_value = !strcmp(a, "-p") || !strcmp(a, "-n") || !strcmp(a, "-k") || !strcmp(a, "-t") ||
-                          !strcmp(a, "-s") || !strcmp(a, "--threads") || !strcmp(a, "--log") ||
-                          !strcmp(a, "--mla") || !strcmp(a, "--ppl") || !strcmp(a, "--dump-logits");
-        if (takes_value && i + 1 >= argc) die(EXIT_USAGE, "%s needs a value (see -h)", a);
-        const char *v = takes_value ? argv[++i] : NULL;
-        if (!strcmp(a, "-p")) o->prompt = v;
-        else if (!strcmp(a, "-n")) { o->steps = (int)parse_long(a, v, 1, 1L << 20); steps_given = 1; }
-        else if (!strcmp(a, "-k")) o->top_k = (int)parse_long(a, v, 1, 1L << 20);
-        else if (!strcmp(a, "-t")) o->temperature = parse_float(a, v, 0.0f, 100.0f);
-        else if (!strcmp(a, "-s")) o->seed = (uint64_t)parse_long(a, v, 0, INT64_MAX);
-        else if (!strcmp(a, "--threads")) o->threads = (int)parse_long(a, v, 1, MAX_THREADS);
-        else if (!strcmp(a, "--log")) o->log_path = v;
-        else if (!strcmp(a, "--mla")) {
-            if (!strcmp(v, "absorb")) o->mla_form = 1;
-            else if (!strcmp(v, "expand")) o->mla_form = 0;
-            else die(EXIT_USAGE, "--mla takes absorb or expand, got '%s'", v);
-        } else if (!strcmp(a, "--ppl")) o->ppl_path = v;
-        else if (!strcmp(a, "--dump-logits")) o->dump_path = v;
-        else if (!strcmp(a, "--kv")) o->kv = 1;
-        else if (!strcmp(a, "-q")) o->quiet = 1;
-        else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
-        else if (!strcmp(a, "--check-kv")) o->check_kv = 1;
-        else if (!strcmp(a, "--info")) o->info = 1;
-        else if (a[0] == '-' && a[1] != '\0') die(EXIT_USAGE, "unknown flag %s (see -h)", a);
-        else if (!o->checkpoint) o->checkpoint = a;
-        else die(EXIT_USAGE, "unexpected argument '%s' (one checkpoint only; see -h)", a);
-    }
-    if (!o->checkpoint) {
-        usage(stderr);
-        die(EXIT_USAGE, "no checkpoint given");
-    }
-    (void)steps_given;
 }
 
 /* ---- generation ---- */
@@ -408,7 +297,20 @@ static void info(const Model *m, const KVCache *cache) {
 
 int main(int argc, char **argv) {
     Options o;
-    parse_args(&o, argc, argv);
+    size_t errlen = 256;  /* room for the longest message with every argument in it */
+    for (int i = 0; i < argc; i++) errlen += strlen(argv[i]);
+    char *usage_err = malloc(errlen);
+    if (!usage_err) die(1, "out of memory");
+    int rc = cli_parse(&o, argc, argv, usage_err, errlen);
+    if (rc == 1) {
+        cli_usage(stdout);
+        exit(0);
+    }
+    if (rc != 0) {
+        if (o.usage_on_error) cli_usage(stderr);
+        die(EXIT_USAGE, "%s", usage_err);
+    }
+    free(usage_err);
     if (o.threads > 0) {
 #ifdef _OPENMP
         omp_set_num_threads(o.threads);

@@ -10,7 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "train"))
 
-RUN = os.path.join(ROOT, "run")
+RUN = os.environ.get("RUN_BINARY") or os.path.join(ROOT, "run")   # make test-asan runs the ASan build
 TOKENIZER = os.path.join(ROOT, "tokenizer", "tokenizer.model")
 VARIANTS = ["mha", "gqa", "mqa", "mla64", "mla128"]
 PROMPT = "Once upon a time"

@@ -118,6 +118,16 @@ static void test_bad_header_fields(void **state) {
     expect_field_refused(48, 0x7FFFFFFF, "vocab_size");
     expect_field_refused(52, 100000, "max_seq_len");
     expect_field_refused(56, 0x7FC00000, "rope_theta");  /* NaN */
+    {   /* a valid 530 KB file (dim 1, context 8192, heads 4 x 16384) once made the loader fill two
+         * 256 MB RoPE tables, 4 s of cos/sin (docs/ROBUSTNESS.md); now its header is refused */
+        unsigned char *b = malloc(g_size);
+        memcpy(b, g_valid, g_size);
+        const uint32_t f[][2] = {{24, 4}, {28, 16384}, {32, 2}, {52, 8192}};
+        for (size_t k = 0; k < 4; k++)
+            for (int i = 0; i < 4; i++) b[f[k][0] + i] = (unsigned char)(f[k][1] >> (8 * i));
+        expect_refused(b, g_size, "RoPE tables");
+        free(b);
+    }
     expect_field_refused(60, 0, "norm_eps");
     expect_field_refused(64, 5000, "bos_id");
     expect_field_refused(68, 1, "tokenizer");            /* eos id that the tokenizer does not have */

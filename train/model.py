@@ -245,18 +245,23 @@ class Transformer(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
+    def head(self, x):
+        """The output head, tied to the embedding."""
+        return F.linear(x, self.tok_embeddings.weight)
+
     def set_absorb(self, absorb):
         for layer in self.layers:
             if isinstance(layer.attn, LatentAttention):
                 layer.attn.absorb = absorb
 
-    def forward(self, tokens, targets=None, start_pos=0, caches=None):
-        """tokens: (B, T) -> logits (B, T, vocab) in fp32; loss if targets is given (-1 is ignored)."""
+    def forward(self, tokens, targets=None, start_pos=0, caches=None, last_only=False):
+        """tokens: (B, T) -> logits (B, T, vocab) in fp32 (B, 1, vocab with last_only, as generation
+        needs); the loss too if targets is given (-1 is ignored)."""
         x = self.dropout(self.tok_embeddings(tokens))                       # (B, T, dim)
         for i, layer in enumerate(self.layers):
             x = layer(x, start_pos, None if caches is None else caches[i])
-        x = self.norm(x)
-        logits = F.linear(x, self.tok_embeddings.weight)                    # (B, T, vocab)
+        x = self.norm(x[:, -1:] if last_only else x)
+        logits = self.head(x)                                                # (B, T, vocab)
         if targets is None:
             return logits.float()
         # Under autocast the logits stay bf16 here: casting 16.7M of them to fp32 and back cost
@@ -282,9 +287,9 @@ class Transformer(nn.Module):
                 break
             if kv_cache:
                 start = len(tokens) - len(pending)
-                logits = self(torch.tensor([pending]), start_pos=start, caches=caches)[0, -1]
+                logits = self(torch.tensor([pending]), start_pos=start, caches=caches, last_only=True)[0, -1]
             else:
-                logits = self(torch.tensor([tokens]))[0, -1]
+                logits = self(torch.tensor([tokens]), last_only=True)[0, -1]
             all_logits.append(logits)
             nxt = sample(logits, top_k, temperature, generator)
             out.append(nxt)
@@ -296,6 +301,35 @@ class Transformer(nn.Module):
                 break
         self.set_absorb(False)
         return (out, all_logits) if return_logits else out
+
+
+def onednn_copy(model):
+    """A copy of model for fp32 inference whose nn.Linear layers run through oneDNN: Debian's
+    PyTorch 1.13 is built with a generic BLAS, so plain fp32 products are slow (~100x), while
+    oneDNN's fp32 inner product is fast and gives the same values to rounding. MLA's W_UK and
+    W_UV stay nn.Linear: the absorbed form reads their weights directly.
+    Returns (model, names of the converted layers)."""
+    import copy
+
+    class OneDNNLinear(nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.register_buffer("weight", lin.weight.detach().to_mkldnn())
+            self.register_buffer("bias", torch.zeros(lin.weight.shape[0]).to_mkldnn())
+
+        def forward(self, x):
+            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
+
+    m = copy.deepcopy(model)
+    converted = []
+    for name, mod in list(m.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear) and not (isinstance(mod, LatentAttention) and child_name in ("wuk", "wuv")):
+                setattr(mod, child_name, OneDNNLinear(child))
+                converted.append(f"{name}.{child_name}" if name else child_name)
+    object.__setattr__(m, "head", OneDNNLinear(m.tok_embeddings))  # the tied head: shadows the method
+    converted.append("head")
+    return m, converted
 
 
 def sample(logits, top_k, temperature, generator=None):

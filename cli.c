@@ -1,0 +1,113 @@
+/* cli.c: the flag parser of ./run (see cli.h). */
+#include "cli.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+void cli_usage(FILE *f) {
+    fputs("Usage: run CHECKPOINT [options]\n"
+          "Generates a TinyStories continuation of a prompt, logging the latency of every step.\n"
+          "\n"
+          "  -p PROMPT         prompt text (default: empty, the story starts from BOS)\n"
+          "  -n STEPS          tokens to generate, 1..context (default: until EOS or the context is full)\n"
+          "  -k TOPK           top-k sampling, 1..vocab; 1 is greedy (default 40)\n"
+          "  -t TEMP           temperature, 0..100; 0 is greedy (default 1.0)\n"
+          "  -s SEED           random seed, a non-negative integer (default: from the clock; printed)\n"
+          "  --kv              decode with a KV cache (default: recompute the whole sequence every step)\n"
+          "  --mla absorb|expand  MLA form (default: absorb with --kv, expand without)\n"
+          "  --threads N       OpenMP threads, 1..256 (default: all cores)\n"
+          "  --log FILE.csv    write the per-step latencies as CSV\n"
+          "  -q                no per-step lines on stderr (the summary stays)\n"
+          "  --ignore-eos      keep generating after EOS\n"
+          "  --check-kv        greedy runs with and without the cache: are the logits bitwise identical?\n"
+          "  --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
+          "                    by <|endoftext|> lines), each story scored in windows of the context\n"
+          "  --info            configuration, parameters and KV cache sizes, then exit\n"
+          "  --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
+          "  -h, --help        this help\n",
+          f);
+}
+
+/* Writes the message and returns 2 (a usage error). */
+static int usage_error(char *err, size_t errlen, const char *fmt, ...) {
+    if (err && errlen > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return 2;
+}
+
+/* 0 with *out set, or 2 with the message in err. */
+static int parse_long(const char *flag, const char *s, long lo, long hi, long *out, char *err, size_t errlen) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end) return usage_error(err, errlen, "%s needs an integer, got '%s'", flag, s);
+    if (v < lo || v > hi) return usage_error(err, errlen, "%s %ld is out of range (%ld..%ld)", flag, v, lo, hi);
+    *out = v;
+    return 0;
+}
+
+static int parse_float(const char *flag, const char *s, float lo, float hi, float *out, char *err, size_t errlen) {
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return usage_error(err, errlen, "%s needs a number, got '%s'", flag, s);
+    if (v < lo || v > hi) return usage_error(err, errlen, "%s %g is out of range (%g..%g)", flag, v, lo, hi);
+    *out = v;
+    return 0;
+}
+
+int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
+    memset(o, 0, sizeof *o);
+    if (err && errlen > 0) err[0] = '\0';
+    o->prompt = "";
+    o->top_k = 40;
+    o->temperature = 1.0f;
+    o->seed = (uint64_t)time(NULL);
+    o->mla_form = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) return 1;
+        int takes_value = !strcmp(a, "-p") || !strcmp(a, "-n") || !strcmp(a, "-k") || !strcmp(a, "-t") ||
+                          !strcmp(a, "-s") || !strcmp(a, "--threads") || !strcmp(a, "--log") ||
+                          !strcmp(a, "--mla") || !strcmp(a, "--ppl") || !strcmp(a, "--dump-logits");
+        if (takes_value && i + 1 >= argc) return usage_error(err, errlen, "%s needs a value (see -h)", a);
+        const char *v = takes_value ? argv[++i] : NULL;
+        long n = 0;
+        int rc = 0;
+        if (!strcmp(a, "-p")) o->prompt = v;
+        else if (!strcmp(a, "-n")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n; }
+        else if (!strcmp(a, "-k")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n; }
+        else if (!strcmp(a, "-t")) rc = parse_float(a, v, 0.0f, 100.0f, &o->temperature, err, errlen);
+        else if (!strcmp(a, "-s")) { if (!(rc = parse_long(a, v, 0, INT64_MAX, &n, err, errlen))) o->seed = (uint64_t)n; }
+        else if (!strcmp(a, "--threads")) { if (!(rc = parse_long(a, v, 1, CLI_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; }
+        else if (!strcmp(a, "--log")) o->log_path = v;
+        else if (!strcmp(a, "--mla")) {
+            if (!strcmp(v, "absorb")) o->mla_form = 1;
+            else if (!strcmp(v, "expand")) o->mla_form = 0;
+            else rc = usage_error(err, errlen, "--mla takes absorb or expand, got '%s'", v);
+        } else if (!strcmp(a, "--ppl")) o->ppl_path = v;
+        else if (!strcmp(a, "--dump-logits")) o->dump_path = v;
+        else if (!strcmp(a, "--kv")) o->kv = 1;
+        else if (!strcmp(a, "-q")) o->quiet = 1;
+        else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
+        else if (!strcmp(a, "--check-kv")) o->check_kv = 1;
+        else if (!strcmp(a, "--info")) o->info = 1;
+        else if (a[0] == '-' && a[1] != '\0') rc = usage_error(err, errlen, "unknown flag %s (see -h)", a);
+        else if (!o->checkpoint) o->checkpoint = a;
+        else rc = usage_error(err, errlen, "unexpected argument '%s' (one checkpoint only; see -h)", a);
+        if (rc) return rc;
+    }
+    if (!o->checkpoint) {
+        o->usage_on_error = 1;
+        return usage_error(err, errlen, "no checkpoint given");
+    }
+    return 0;
+}

@@ -1,0 +1,45 @@
+/* cli.h: the command line of ./run, parsed without side effects.
+ *
+ * cli_parse never exits and never prints: run.c prints what it returns. It is a
+ * module of its own so that fuzz/fuzz_cli.c can feed it arbitrary argument vectors. */
+#ifndef CLI_H
+#define CLI_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define CLI_MAX_THREADS 256
+
+typedef struct {
+    const char *checkpoint;
+    const char *prompt;
+    int steps;            /* 0 = until EOS or the context is full */
+    int top_k;
+    float temperature;
+    uint64_t seed;
+    int kv;
+    int threads;          /* 0 = OpenMP's default */
+    const char *log_path;
+    int quiet;
+    int ignore_eos;
+    int mla_form;         /* -1 = default (absorb with --kv, expand without), 0 = expand, 1 = absorb */
+    int check_kv;
+    const char *ppl_path;
+    int info;
+    const char *dump_path;
+    int usage_on_error;   /* with return 2: print the usage text to stderr before the message */
+} Options;
+
+/* Parses argv[1..argc) into o (the strings are not copied: o points into argv).
+ * Returns 0 when o is ready to run, 1 when help was asked for (the caller prints
+ * cli_usage(stdout) and exits 0), 2 on a usage error: one sentence in err (errlen
+ * bytes, always NUL-terminated when errlen > 0; cut when longer), which ./run prints
+ * as "run: <message>" before exiting 2 (after cli_usage(stderr) when
+ * o->usage_on_error). Limits that depend on the model (-k, -n) are checked by run.c. */
+int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen);
+
+/* The help text. */
+void cli_usage(FILE *f);
+
+#endif /* CLI_H */

@@ -1,0 +1,158 @@
+/* make_seeds.c: writes the seed corpora of the fuzz harnesses from valid inputs.
+ *
+ *   make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER
+ *
+ * OUTDIR/seeds-loader:    a tiny checkpoint of every variant (bf16 and fp32) with the
+ *                         tiny test tokenizer embedded (tests/testutil.c writes them)
+ * OUTDIR/seeds-tokenizer: prompts with their ids, in fuzz_tokenizer.c's input layout
+ * OUTDIR/seeds-cli:       valid argument vectors, NUL-separated
+ * OUTDIR/seeds-ppl:       small story files */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "model.h"
+#include "spm_c.h"
+#include "testutil.h"
+
+static const char *g_out;
+
+static void put(const char *dir, const char *name, const void *data, size_t n) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", g_out, dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/%s/%s", g_out, dir, name);
+    if (write_whole_file(path, data, n) != 0) {
+        fprintf(stderr, "make_seeds: cannot write %s\n", path);
+        exit(1);
+    }
+}
+
+/* dim 16, 4 heads of 4, hidden 24, context 8: a few KB of weights */
+static Config tiny_config(Variant v, int latent, int vocab, DType dt, int layers) {
+    Config c = test_config(v, latent, vocab, dt);
+    c.dim = 16;
+    c.n_layers = layers;
+    c.n_heads = 4;
+    c.head_dim = 4;
+    c.rope_dim = v == VARIANT_MLA ? 4 : 0;
+    c.hidden_dim = 24;
+    c.max_seq_len = 8;
+    return c;
+}
+
+static const char *const k_prompts[] = {
+    "Once upon a time",
+    "Tom had a red ball. He played with it every day!",
+    "The caf\xC3\xA9 was na\xC3\xAFve, 7 cats said \"hello!\"",
+    "A dragon \xF0\x9F\x90\x89 and \xE2\x82\xAC 45",
+    "  two  spaces\tand a tab\n",
+    "",
+    "bad \xFF\xFE utf8",
+    "cut \xE2\x82",
+    "over \xF4\x90\x80\x80 long \xC0\xAF",
+};
+
+int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER\n");
+        return 2;
+    }
+    g_out = argv[1];
+    mkdir(g_out, 0755);
+    char err[512];
+    SpmTokenizer *tok[2] = {spm_load_file(argv[2], err, sizeof err), NULL};
+    if (tok[0]) tok[1] = spm_load_file(argv[3], err, sizeof err);
+    if (!tok[0] || !tok[1]) {
+        fprintf(stderr, "make_seeds: %s\n", err);
+        return 1;
+    }
+
+    /* loader */
+    const struct { const char *name; Variant v; int latent; DType dt; int layers; } ck[] = {
+        {"mha-bf16.bin", VARIANT_MHA, 0, DTYPE_BF16, 1}, {"gqa-bf16.bin", VARIANT_GQA, 0, DTYPE_BF16, 1},
+        {"mqa-bf16.bin", VARIANT_MQA, 0, DTYPE_BF16, 1}, {"mla8-bf16.bin", VARIANT_MLA, 8, DTYPE_BF16, 1},
+        {"mla16-bf16.bin", VARIANT_MLA, 16, DTYPE_BF16, 1}, {"gqa-f32-2layers.bin", VARIANT_GQA, 0, DTYPE_F32, 2},
+        {"mla8-f32.bin", VARIANT_MLA, 8, DTYPE_F32, 1},
+    };
+    for (size_t i = 0; i < sizeof ck / sizeof ck[0]; i++) {
+        Config c = tiny_config(ck[i].v, ck[i].latent, spm_vocab_size(tok[0]), ck[i].dt, ck[i].layers);
+        char path[1024];
+        snprintf(path, sizeof path, "%s/seeds-loader", g_out);
+        mkdir(path, 0755);
+        snprintf(path, sizeof path, "%s/seeds-loader/%s", g_out, ck[i].name);
+        if (write_test_checkpoint(path, &c, argv[2], 11 + i) != 0) {
+            fprintf(stderr, "make_seeds: cannot write %s\n", path);
+            return 1;
+        }
+    }
+
+    /* tokenizer: [flags][split][short buffer][text][int16 ids of the text] */
+    for (size_t i = 0; i < sizeof k_prompts / sizeof k_prompts[0]; i++)
+        for (int k = 0; k < 2; k++) {
+            const char *p = k_prompts[i];
+            size_t len = strlen(p);
+            int ids[256];
+            int n = spm_encode(tok[k], p, len, 1, ids, 256);
+            if (n < 0) n = 0;
+            if (n > 256) n = 256;
+            unsigned char buf[3 + 512 + 64];
+            size_t total = 3 + len + 2 * (size_t)n;
+            buf[0] = (unsigned char)(k | 2 | (i % 4) << 2);
+            buf[1] = (unsigned char)(total > 3 ? len * 255 / (total - 3) : 0);
+            while (buf[1] < 255 && (total - 3) * buf[1] / 255 < len) buf[1]++;  /* the split lands on len */
+            buf[2] = (unsigned char)(5 + 7 * i);
+            memcpy(buf + 3, p, len);
+            for (int j = 0; j < n; j++) {
+                buf[3 + len + 2 * j] = (unsigned char)(ids[j] & 0xFF);
+                buf[3 + len + 2 * j + 1] = (unsigned char)(ids[j] >> 8 & 0xFF);
+            }
+            char name[64];
+            snprintf(name, sizeof name, "prompt%zu-%s", i, k ? "real" : "tiny");
+            put("seeds-tokenizer", name, buf, total);
+        }
+
+    /* cli: argument vectors, joined with NUL bytes */
+    static const char *const argvs[][16] = {
+        {"m.bin"},
+        {"m.bin", "-p", "Once upon a time", "--kv"},
+        {"m.bin", "-p", "Once upon a time", "-n", "20", "-s", "7", "--ignore-eos", "--log", "steps.csv"},
+        {"m.bin", "-k", "1", "-t", "0", "-n", "40", "-q", "--dump-logits", "out.bin", "--threads", "2"},
+        {"m.bin", "--mla", "absorb", "--check-kv", "-n", "30"},
+        {"m.bin", "--mla", "expand", "--ppl", "stories.txt"},
+        {"m.bin", "--info"},
+        {"-h"},
+        {"m.bin", "-t", "0.7", "-k", "4096", "-s", "9223372036854775807", "--threads", "256"},
+        {"-p", "x", "m.bin", "-t", "1e-3", "-k", "40"},
+    };
+    for (size_t i = 0; i < sizeof argvs / sizeof argvs[0]; i++) {
+        char buf[512], name[32];
+        size_t n = 0;
+        for (int j = 0; j < 16 && argvs[i][j]; j++) {
+            size_t l = strlen(argvs[i][j]);
+            if (j) buf[n++] = '\0';
+            memcpy(buf + n, argvs[i][j], l);
+            n += l;
+        }
+        snprintf(name, sizeof name, "argv%zu", i);
+        put("seeds-cli", name, buf, n);
+    }
+
+    /* ppl */
+    static const char *const stories[] = {
+        "Once upon a time there was a cat. The cat liked milk.\n<|endoftext|>\n"
+        "Tom had a red ball.\nHe played with it every day!\n<|endoftext|>\nLily saw a bird.\n<|endoftext|>\n",
+        "  First story.\nSecond line.\n<|endoftext|>\n\nStory two.\n <|endoftext|> \n\n<|endoftext|>\nLast",
+        "a <|endoftext|> b\n<|endoftext|>",
+        "The caf\xC3\xA9 \xF0\x9F\x90\x89\r\n<|endoftext|>\r\n",
+    };
+    for (size_t i = 0; i < sizeof stories / sizeof stories[0]; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "stories%zu.txt", i);
+        put("seeds-ppl", name, stories[i], strlen(stories[i]));
+    }
+    spm_free(tok[0]);
+    spm_free(tok[1]);
+    return 0;
+}
