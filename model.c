@@ -322,6 +322,11 @@ int runstate_init(RunState *s, const Config *c) {
             return -1;
         }
     }
+    s->tokens = calloc(T + 1, sizeof(int));
+    if (!s->tokens) {
+        runstate_free(s);
+        return -1;
+    }
     s->mla_absorb = 1;
     return 0;
 }
@@ -330,6 +335,7 @@ void runstate_free(RunState *s) {
     float *bufs[] = {s->x, s->xb, s->heads, s->q, s->k, s->v, s->latent, s->k_rope, s->k_exp,
                      s->v_exp, s->q_abs, s->ctx_lat, s->att, s->hb, s->hb2, s->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(s->tokens);
     memset(s, 0, sizeof *s);
 }
 

@@ -82,6 +82,7 @@ typedef struct {
     float *att;         /* (n_heads, T, max_seq_len) attention scores, then probabilities */
     float *hb, *hb2;    /* (T, hidden_dim) */
     float *logits;      /* (T, vocab_size) */
+    int *tokens;        /* (max_seq_len + 1) the ids of the sequence being generated */
     int mla_absorb;     /* MLA: 1 = absorbed form, 0 = expanded form */
 } RunState;
 

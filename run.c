@@ -214,8 +214,7 @@ static int check_kv_pair(Engine *e, const Options *o, const int *prompt, int n_p
  * KV-cache post's setup), and against absorbed without it (the same arithmetic). */
 static void check_kv(Engine *e, const Options *o) {
     const Model *m = e->model;
-    int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));
-    if (!prompt) die(1, "out of memory");
+    int *prompt = e->state->tokens;
     int n = encode_prompt(m, o->prompt, prompt, m->cfg.max_seq_len + 1);
     int steps = o->steps ? o->steps : m->cfg.max_seq_len;
     int is_mla = m->cfg.variant == VARIANT_MLA;
@@ -224,7 +223,6 @@ static void check_kv(Engine *e, const Options *o) {
     int n_pairs = is_mla ? 2 : 1;
     for (int i = 0; i < n_pairs; i++) check_kv_pair(e, o, prompt, n, steps, 1, uncached_forms[i], lines[i], sizeof lines[i]);
     for (int i = 0; i < n_pairs; i++) puts(lines[i]);
-    free(prompt);
 }
 
 /* ---- --ppl ---- */
@@ -245,8 +243,12 @@ static void perplexity(Engine *e, const char *path) {
     for (int s = 0; s < sf.n_stories; s++) {
         const char *text = sf.stories[s];
         int n = spm_encode(m->tokenizer, text, strlen(text), 1, ids, cap - 1);
-        if (n < 0) die(1, "%s: story %d is not valid UTF-8", path, s + 1);
-        if (n >= cap) die(1, "%s: story %d is longer than %d tokens", path, s + 1, cap - 1);
+        if (n < 0 || n >= cap) {
+            free(ids);
+            free(logits);
+            storyfile_free(&sf);
+            die(1, "%s: story %d is %s", path, s + 1, n < 0 ? "not valid UTF-8" : "longer than 65535 tokens");
+        }
         ids[n++] = m->cfg.eos_id;
         /* windows of the context, as train/model.py story_windows() */
         for (int start = 0; start < n - 1; start += ctx) {
@@ -341,9 +343,7 @@ int main(int argc, char **argv) {
         state.mla_absorb = o.mla_form >= 0 ? o.mla_form : 0;
         perplexity(&e, o.ppl_path);
     } else {
-        int *tokens = malloc((size_t)(m.cfg.max_seq_len + 1) * sizeof(int));
-        if (!tokens) die(1, "out of memory");
-        int n_prompt = encode_prompt(&m, o.prompt, tokens, m.cfg.max_seq_len + 1);
+        int n_prompt = encode_prompt(&m, o.prompt, state.tokens, m.cfg.max_seq_len + 1);
         Sampler sampler;
         if (sampler_init(&sampler, m.cfg.vocab_size, o.top_k, o.temperature, o.seed) != 0) die(1, "out of memory");
         FILE *log_csv = NULL, *dump = NULL;
@@ -362,8 +362,7 @@ int main(int argc, char **argv) {
                 1,
 #endif
                 o.top_k, o.temperature);
-        generate(&e, &o, &sampler, log_csv, dump, tokens, n_prompt);
-        free(tokens);
+        generate(&e, &o, &sampler, log_csv, dump, state.tokens, n_prompt);
         if (log_csv && fclose(log_csv) != 0) die(1, "cannot write %s", o.log_path);
         if (dump && fclose(dump) != 0) die(1, "cannot write %s", o.dump_path);
         sampler_free(&sampler);
