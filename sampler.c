@@ -39,6 +39,20 @@ int sampler_argmax(const float *logits, int n) {
 /* a ranks before b: larger value, then smaller index */
 static int ranks_before(ProbIndex a, ProbIndex b) { return a.value > b.value || (a.value == b.value && a.index < b.index); }
 
+/* Puts x at the root of the min-heap top[0..size) (root = the worst) and sifts it down. */
+static void sift_down(ProbIndex *top, int size, ProbIndex x) {
+    int j = 0;
+    for (;;) {
+        int c = 2 * j + 1;
+        if (c >= size) break;
+        if (c + 1 < size && ranks_before(top[c], top[c + 1])) c++;
+        if (!ranks_before(x, top[c])) break;
+        top[j] = top[c];
+        j = c;
+    }
+    top[j] = x;
+}
+
 /* The k best logits, best first: a min-heap of size k over the vocabulary, then sorted. */
 static void select_top_k(ProbIndex *top, int k, const float *logits, int n) {
     int size = 0;
@@ -48,32 +62,13 @@ static void select_top_k(ProbIndex *top, int k, const float *logits, int n) {
             int j = size++;
             while (j > 0 && ranks_before(top[(j - 1) / 2], x)) { top[j] = top[(j - 1) / 2]; j = (j - 1) / 2; }
             top[j] = x;
-        } else if (ranks_before(x, top[0])) {  /* replace the worst, sift down */
-            int j = 0;
-            for (;;) {
-                int c = 2 * j + 1;
-                if (c >= k) break;
-                if (c + 1 < k && ranks_before(top[c], top[c + 1])) c++;
-                if (!ranks_before(x, top[c])) break;
-                top[j] = top[c];
-                j = c;
-            }
-            top[j] = x;
+        } else if (ranks_before(x, top[0])) {
+            sift_down(top, k, x);  /* replaces the worst */
         }
     }
     for (int end = size - 1; end > 0; end--) {  /* heap sort: the worst goes to the end */
         ProbIndex worst = top[0];
-        ProbIndex x = top[end];
-        int j = 0;
-        for (;;) {
-            int c = 2 * j + 1;
-            if (c >= end) break;
-            if (c + 1 < end && ranks_before(top[c], top[c + 1])) c++;
-            if (!ranks_before(x, top[c])) break;
-            top[j] = top[c];
-            j = c;
-        }
-        top[j] = x;
+        sift_down(top, end, top[end]);
         top[end] = worst;
     }
 }
