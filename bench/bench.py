@@ -637,40 +637,30 @@ def plot(results, slug, out_dir):
     import matplotlib.pyplot as plt
     paths = []
     mha = next((r for r in results if r["info"]["variant"] == "mha"), None)
-    if mha:
+    def per_step_plot(series, title, name):
+        """series: (label, rows of one run); plots decode latency against position."""
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for mode, style in (("no-kv", "-"), ("kv", "-")):
-            rep = mha["c"][mode]["representative"]
-            dec = [x for x in rep["rows"] if x["phase"] == "decode"]
-            ax.plot([x["pos"] for x in dec], [x["ms"] for x in dec], style, lw=1,
-                    label=f"{'without' if mode == 'no-kv' else 'with'} KV cache")
+        for lab, rows in series:
+            dec = [x for x in rows if x["phase"] == "decode"]
+            ax.plot([x["pos"] for x in dec], [x["ms"] for x in dec], lw=1, label=lab)
         ax.set_xlabel("position of the decoded token")
         ax.set_ylabel("step latency, ms")
-        ax.set_title(f"C engine, MHA: per-step decode latency ({slug}; median-total run)")
+        ax.set_title(title)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-        p = os.path.join(out_dir, f"{slug}-mha-per-step.png")
+        p = os.path.join(out_dir, f"{slug}-{name}.png")
         fig.tight_layout()
         fig.savefig(p, dpi=120)
         plt.close(fig)
         paths.append(p)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in results:
-        rep = r["c"]["kv"]["representative"]
-        dec = [x for x in rep["rows"] if x["phase"] == "decode"]
-        ax.plot([x["pos"] for x in dec], [x["ms"] for x in dec], lw=1, label=label(r["info"]))
-    ax.set_xlabel("position of the decoded token")
-    ax.set_ylabel("step latency, ms")
-    ax.set_title(f"C engine with the KV cache: per-step decode latency ({slug})")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    p = os.path.join(out_dir, f"{slug}-kv-per-step.png")
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+
+    if mha:
+        per_step_plot([(f"{'without' if mode == 'no-kv' else 'with'} KV cache", mha["c"][mode]["representative"]["rows"])
+                       for mode in ("no-kv", "kv")],
+                      f"C engine, MHA: per-step decode latency ({slug}; median-total run)", "mha-per-step")
+    per_step_plot([(label(r["info"]), r["c"]["kv"]["representative"]["rows"]) for r in results],
+                  f"C engine with the KV cache: per-step decode latency ({slug})", "kv-per-step")
     return paths
 
 

@@ -13,14 +13,7 @@
 
 #define MAX_ARGS 64
 
-int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-    (void)argc;
-    (void)argv;
-    return 0;
-}
 
 static void check(int rc, const Options *o, const char *err, size_t errlen) {
     if (rc < 0 || rc > 2) abort();
