@@ -9,7 +9,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-int LLVMFuzzerInitialize(int *argc, char ***argv);
+/* optional, as in libFuzzer: harnesses without one leave it undefined (weak, so NULL) */
+__attribute__((weak)) int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static int replay_file(const char *path) {
@@ -37,7 +38,7 @@ static int replay_file(const char *path) {
 }
 
 int main(int argc, char **argv) {
-    LLVMFuzzerInitialize(&argc, &argv);
+    if (LLVMFuzzerInitialize) LLVMFuzzerInitialize(&argc, &argv);
     int count = 0, bad = 0;
     for (int i = 1; i < argc; i++) {
         struct stat st;
