@@ -17,8 +17,9 @@ static float *att_row(const Model *m, const RunState *s, int h, int t) {
     return s->att + ((size_t)h * max_seq + t) * max_seq;
 }
 
-/* Work worth a second thread: (heads x queries x keys) */
-static int attention_is_big(const Model *m, int T, int pos0) { return m->cfg.n_heads * T * (pos0 + T) >= 2048; }
+/* Work worth a second thread: (heads x queries x keys); a fork and join costs ~0.7 us
+ * here, about 16 heads x 16 keys of work */
+static int attention_is_big(const Model *m, int T, int pos0) { return m->cfg.n_heads * T * (pos0 + T) >= 256; }
 
 /* ---- MHA, GQA, MQA: n_kv_heads KV heads; query head h reads KV head h / (n_heads/n_kv_heads). ---- */
 void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
@@ -46,11 +47,9 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
         int h = ht / T, t = ht % T, g = h / group, n = pos0 + t + 1;
         const float *q = s->q + ((size_t)t * H + h) * hd;
         float *att = att_row(m, s, h, t);
-        for (int j = 0; j < n; j++) att[j] = dot(q, kv_key(cache, l, g, j), hd) * scale;
+        dot_rows(att, q, kv_key(cache, l, g, 0), hd, n, hd, scale);               /* (n) */
         softmax(att, n);
-        float *out = s->heads + ((size_t)t * H + h) * hd;
-        memset(out, 0, (size_t)hd * sizeof(float));
-        for (int j = 0; j < n; j++) axpy(out, att[j], kv_value(cache, l, g, j), hd);
+        weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, kv_value(cache, l, g, 0), hd, n, hd);
     }
 }
 
@@ -97,9 +96,7 @@ void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T
         for (int j = 0; j < n; j++)
             att[j] = dot_cat(q, s->k_exp + ((size_t)j * H + h) * hd, hd, q + hd, kv_latent(cache, l, j) + dc, rd) * scale;
         softmax(att, n);
-        float *out = s->heads + ((size_t)t * H + h) * hd;
-        memset(out, 0, (size_t)hd * sizeof(float));
-        for (int j = 0; j < n; j++) axpy(out, att[j], s->v_exp + ((size_t)j * H + h) * hd, hd);
+        weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, s->v_exp + (size_t)h * hd, (size_t)H * hd, n, hd);
     }
 }
 
@@ -119,14 +116,13 @@ void attn_mla_absorbed(const Model *m, RunState *s, KVCache *cache, int l, int T
         int h = ht / T, t = ht % T, n = pos0 + t + 1;
         const float *q = s->q + ((size_t)t * H + h) * qw;          /* [q_C ; q_R] */
         float *q_abs = s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
-        matmul_serial(q_abs, dc, q, hd, mat_rows(w->wuk_t, h * dc, dc), 1);
+        matmul_serial(q_abs, dc, q, hd, mat_block(w->wuk_t, h, dc), 1);
         memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
         float *att = att_row(m, s, h, t);
-        for (int j = 0; j < n; j++) att[j] = dot(q_abs, kv_latent(cache, l, j), lw) * scale;
+        dot_rows(att, q_abs, kv_latent(cache, l, 0), lw, n, lw, scale);          /* (n) */
         softmax(att, n);
         float *ctx = s->ctx_lat + ((size_t)t * H + h) * dc;        /* sum_j p_j c_j: (dc) */
-        memset(ctx, 0, (size_t)dc * sizeof(float));
-        for (int j = 0; j < n; j++) axpy(ctx, att[j], kv_latent(cache, l, j), dc);
-        matmul_serial(s->heads + ((size_t)t * H + h) * hd, hd, ctx, dc, mat_rows(w->wuv, h * hd, hd), 1);
+        weighted_sum_rows(ctx, att, kv_latent(cache, l, 0), lw, n, dc);
+        matmul_serial(s->heads + ((size_t)t * H + h) * hd, hd, ctx, dc, mat_block(w->wuv_heads, h, hd), 1);
     }
 }

@@ -16,20 +16,39 @@ typedef uint16_t bf16;
 
 typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 } DType;
 
-/* A row-major weight matrix [rows][cols] in the checkpoint's dtype (a vector is rows = 1). */
+/* A weight matrix [rows][cols] in the checkpoint's dtype (a vector is rows = 1), held in
+ * the packed layout that matmul streams through memory in order:
+ *   rows in groups of MAT_GROUP_ROWS (the last group may be shorter, nr rows), each group
+ *   contiguous; inside a group, columns in chunks of MAT_CHUNK (the last chunk may be
+ *   narrower, cw columns); a chunk holds its nr rows one after another, cw elements each.
+ * So element (r, c) sits at g*cols + c0*nr + (r - g)*cw + (c - c0), with g = r rounded down
+ * to a group and c0 = c rounded down to a chunk. A vector (rows = 1) is plain row-major.
+ * The file is row-major (docs/FORMAT.md); the loader packs with mat_pack. Before, a
+ * matmul read MAT_GROUP_ROWS rows side by side, which the hardware prefetchers follow
+ * badly: 9-10 GB/s per core from DRAM, against ~30 GB/s for this one ascending stream. */
 typedef struct {
     const void *data;
     int rows, cols;
     DType dtype;
 } Mat;
 
+enum { MAT_GROUP_ROWS = 4, MAT_CHUNK = 16 };
+
+/* Offset, in elements, of element (r, c) of a packed rows x cols matrix. */
+size_t mat_packed_offset(int rows, int cols, int r, int c);
+/* Packs a row-major rows x cols matrix src into dst (the same size; not in place). */
+void mat_pack(void *dst, const void *src, int rows, int cols, DType dt);
+
 size_t dtype_size(DType dt);
 const char *kernels_simd_name(void);   /* "avx512", "avx2" or "portable" */
 
-/* Rows [r0, r0+n) of w as a matrix of its own. */
-Mat mat_rows(Mat w, int r0, int n);
-/* Element i of a vector (rows = 1) or of row-major storage, widened to fp32. */
-float mat_get(Mat w, size_t i);
+/* Block i of a stack of matrices of n rows each, every block packed on its own
+ * (rows [i*n, (i+1)*n) of a matrix built with mat_pack_blocks). */
+Mat mat_block(Mat stack, int i, int n);
+/* Packs a row-major (blocks*n) x cols matrix as blocks of n rows, each packed on its own. */
+void mat_pack_blocks(void *dst, const void *src, int blocks, int n, int cols, DType dt);
+/* Element (r, c), widened to fp32. */
+float mat_get(Mat w, int r, int c);
 
 /* out[t*ldo + i] = sum_k w[i][k] * x[t*ldx + k] for t < T, i < w.rows, k < w.cols.
  * A blocked matrix-matrix kernel (T = 1 is the matrix-vector case); OpenMP over rows. */
@@ -42,8 +61,12 @@ float dot(const float *a, const float *b, int n);
 /* dot of the concatenations [a1; a2] . [b1; b2]: part 2 continues in the same 16 lanes,
  * starting again at lane 0 (equal to dot() on the concatenation when n1 % 16 == 0). */
 float dot_cat(const float *a1, const float *b1, int n1, const float *a2, const float *b2, int n2);
-/* y[i] += a * x[i] */
-void axpy(float *y, float a, const float *x, int n);
+/* out[j] = dot(q, rows + j*stride, width) * scale for j < n, bit for bit (attention
+ * scores: 16 rows at a time share one transposed final reduction). */
+void dot_rows(float *out, const float *q, const float *rows, size_t stride, int n, int width, float scale);
+/* out[d] = sum_j p[j] * rows[j*stride + d] for d < width, adding in ascending j (fmaf(p[j],
+ * row, sum) from sum = 0), with the sums held in registers. */
+void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width);
 
 /* out = w * x / sqrt(mean(x^2) + eps); w is a vector of n (out may be x). */
 void rmsnorm(float *out, const float *x, Mat w, int n, float eps);
@@ -53,6 +76,11 @@ void softmax(float *x, int n);
 void swiglu(float *h1, const float *h3, int n);
 /* out[i] = row r of w, widened to fp32 */
 void mat_row_f32(float *out, Mat w, int r);
+
+/* n zeroed floats, every page already written: a fresh allocation is only mapped on first
+ * write, and ~3,000 such page faults (~12 MB of scratch and cache) would otherwise land
+ * in the first timed step. NULL when out of memory. */
+float *alloc_floats_touched(size_t n);
 
 /* The canonical dot in plain scalar C (fmaf, the same lane split and tree): the
  * reference the SIMD kernels must equal bit for bit. */

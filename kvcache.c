@@ -1,6 +1,8 @@
 /* kvcache.c: allocation and accounting of the KV cache (layout in kvcache.h). */
 #include "kvcache.h"
 
+#include "kernels.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,8 +18,8 @@ int kv_init(KVCache *c, int n_layers, int max_seq_len, int n_kv_heads, int head_
     c->head_dim = head_dim;
     c->latent_width = latent_width;
     size_t n = (size_t)n_layers * max_seq_len * floats_per_layer_token(c);
-    c->k = calloc(n, sizeof(float));
-    c->v = latent_width > 0 ? NULL : calloc(n, sizeof(float));
+    c->k = alloc_floats_touched(n);
+    c->v = latent_width > 0 ? NULL : alloc_floats_touched(n);
     if (!c->k || (latent_width == 0 && !c->v)) {
         kv_free(c);
         return -1;

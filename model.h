@@ -42,8 +42,9 @@ typedef struct {
     Mat kv_norm;        /* [kv_latent]                                (MLA) */
     Mat wkr;            /* [rope_dim][dim]                            (MLA) */
     Mat wuk, wuv;       /* [n_heads*head_dim][kv_latent]              (MLA) */
-    Mat wuk_t;          /* [n_heads][kv_latent][head_dim]: W_UK,h transposed, for the absorbed form;
-                           derived at load time (a small copy, not in the file) */
+    /* absorbed MLA, derived at load, each head packed on its own (mat_block(wuk_t, h, kv_latent)): */
+    Mat wuk_t;          /* [n_heads][kv_latent][head_dim]: W_UK,h transposed */
+    Mat wuv_heads;      /* [n_heads][head_dim][kv_latent]: W_UV,h */
     Mat wo;             /* [dim][n_heads*head_dim] */
     Mat ffn_norm;       /* [dim] */
     Mat w1, w3;         /* [hidden_dim][dim] */
@@ -61,9 +62,10 @@ typedef struct {
     Weights w;
     SpmTokenizer *tokenizer;  /* embedded in the checkpoint */
     float *rope_cos, *rope_sin;  /* [max_seq_len][rotated width / 2] */
-    void *map;                /* the mmapped file */
+    void *map;                /* the mmapped file, while loading */
     size_t map_size;
-    void *derived;            /* storage of wuk_t */
+    void *weights;            /* the file's weights, packed (kernels.h), on huge pages where possible */
+    void *derived;            /* storage of wuk_t and wuv_heads */
 } Model;
 
 /* Scratch for a forward pass over up to max_seq_len tokens; T is the number of

@@ -51,6 +51,28 @@ static inline float v16_reduce(v16 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
+/* r[j] = v16_reduce(a[j]) for 16 vectors at once: the same tree of adds (l + l+8, + l+4,
+ * + l+2, + l+1) for every vector, done on 16 of them side by side by shuffles, so the
+ * result equals v16_reduce bit for bit. */
+static inline v16 v16_reduce16(const v16 a[16]) {
+    __m512 s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++)  /* [a(2i) l+(l+8) ; a(2i+1) l+(l+8)], l < 8 */
+        s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)  /* 128-bit block b: a(4i+b) l+(l+4), l < 4 */
+        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) {  /* block b: [a(8i+b) l+(l+2) ; a(8i+b+4) l+(l+2)], l < 2 */
+        __m512d x = _mm512_castps_pd(s4[2 * i]), y = _mm512_castps_pd(s4[2 * i + 1]);
+        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* block b, element i: a(b + 4i) lane 0 + lane 1 */
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, r);  /* lane j: a(j) */
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SIMD_NAME "avx2"
@@ -125,6 +147,15 @@ static inline float v16_reduce(v16 v) {
     for (int h = 8; h >= 1; h /= 2)
         for (int l = 0; l < h; l++) v.x[l] = v.x[l] + v.x[l + h];
     return v.x[0];
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__))
+/* r[j] = v16_reduce(a[j]) for 16 vectors (AVX2 and portable: one at a time) */
+static inline v16 v16_reduce16(const v16 a[16]) {
+    float r[16];
+    for (int j = 0; j < 16; j++) r[j] = v16_reduce(a[j]);
+    return v16_load_f32(r, 16);
 }
 #endif
 

@@ -3,9 +3,9 @@
  * The bytes go into a memfd (a temp file where memfd_create is missing) that model_load
  * opens by its /proc path, so the real open + fstat + mmap path runs. When the file loads,
  * one tiny forward pass (2 tokens, then 1 more through the KV cache; both MLA forms) shows
- * that every weight the loader handed out lies inside the mapping: ASan reports any read
- * past it (the map is exactly the file's size, rounded up to a page; tensors never reach
- * into the page tail, since weights end the file). Models whose scratch would exceed
+ * that every weight the loader handed out lies inside its copy of the weights: ASan
+ * reports any read past it (the loader packs the weights into a heap block of exactly
+ * their size, and the derived MLA matrices into another). Models whose scratch would exceed
  * FUZZ_LOADER_SCRATCH_MB (default 256) are loaded and freed without a forward pass: they
  * are legal, just too big to run thousands of times a second. */
 #define _GNU_SOURCE

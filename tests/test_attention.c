@@ -44,7 +44,7 @@ static void free_fixture(Fixture *f) {
     free(f);
 }
 
-static double W(Mat w, int r, int c) { return mat_get(w, (size_t)r * w.cols + c); }
+static double W(Mat w, int r, int c) { return mat_get(w, r, c); }
 
 /* y = W x in double */
 static void ref_matvec(double *y, Mat w, const double *x) {
@@ -97,7 +97,7 @@ static double *reference_attention(const Model *m, const float *xb, int T) {
             double ss = 0;
             for (int i = 0; i < dc; i++) ss += lat[i] * lat[i];
             double s = 1.0 / sqrt(ss / dc + c->norm_eps);
-            for (int i = 0; i < dc; i++) lat[i] = lat[i] * s * mat_get(w->kv_norm, (size_t)i);
+            for (int i = 0; i < dc; i++) lat[i] = lat[i] * s * mat_get(w->kv_norm, 0, i);
             ref_matvec(kr, w->wkr, x);
             ref_rope(kr, rd, t, c->rope_theta);
             ref_matvec(kc, w->wuk, lat);

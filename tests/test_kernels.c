@@ -41,6 +41,53 @@ static float bf(uint16_t h) {
     return f;
 }
 
+/* A packed copy (kernels.h) of a row-major matrix; the caller frees .data. */
+static Mat packed(const void *rowmajor, int rows, int cols, DType dt) {
+    void *p = malloc((size_t)rows * cols * dtype_size(dt));
+    mat_pack(p, rowmajor, rows, cols, dt);
+    return (Mat){p, rows, cols, dt};
+}
+
+/* The packed layout is a permutation of the elements; mat_get and mat_row_f32 read
+ * element (r, c) wherever it went, for group and chunk edges in both directions. */
+static void test_mat_pack(void **state) {
+    const int shapes[][2] = {{1, 5}, {1, 40}, {4, 16}, {3, 7}, {5, 33}, {7, 100}, {9, 17}, {12, 64}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        int rows = shapes[i][0], cols = shapes[i][1];
+        float *src = random_floats(rows * cols, 61 + i);
+        Mat w = packed(src, rows, cols, DTYPE_F32);
+        char *hit = calloc((size_t)rows * cols, 1);
+        float *row = malloc((size_t)cols * sizeof(float));
+        for (int r = 0; r < rows; r++) {
+            mat_row_f32(row, w, r);
+            for (int c = 0; c < cols; c++) {
+                size_t off = mat_packed_offset(rows, cols, r, c);
+                assert_true(off < (size_t)rows * cols);
+                assert_int_equal(hit[off], 0);
+                hit[off] = 1;
+                assert_true(mat_get(w, r, c) == src[(size_t)r * cols + c]);
+                assert_true(row[c] == src[(size_t)r * cols + c]);
+                if (rows == 1) assert_int_equal(off, c);  /* vectors stay plain */
+            }
+        }
+        free(src);
+        free((void *)w.data);
+        free(hit);
+        free(row);
+    }
+    /* a stack of blocks: each block of n rows packed on its own, handed out by mat_block */
+    const int blocks = 3, n = 6, cols = 21;
+    uint16_t *src = random_bf16(blocks * n * cols, 71, 1.0f), *dst = malloc((size_t)blocks * n * cols * 2);
+    mat_pack_blocks(dst, src, blocks, n, cols, DTYPE_BF16);
+    Mat stack = {dst, blocks * n, cols, DTYPE_BF16};
+    for (int b = 0; b < blocks; b++)
+        for (int r = 0; r < n; r++)
+            for (int c = 0; c < cols; c++)
+                assert_true(mat_get(mat_block(stack, b, n), r, c) == bf(src[((size_t)b * n + r) * cols + c]));
+    free(src);
+    free(dst);
+}
+
 /* dot() equals the scalar canonical order bit for bit, for lengths with and without tails */
 static void test_dot_matches_canonical_scalar(void **state) {
     const int lengths[] = {1, 7, 15, 16, 17, 31, 32, 48, 80, 144, 512, 1344, 1000};
@@ -72,7 +119,7 @@ static void check_matmul(int T, int rows, int cols, DType dt) {
     void *wdata;
     if (dt == DTYPE_BF16) wdata = random_bf16(rows * cols, 7, 0.5f);
     else wdata = random_floats(rows * cols, 7);
-    Mat w = {wdata, rows, cols, dt};
+    Mat w = packed(wdata, rows, cols, dt);
     float *out = calloc((size_t)T * rows, sizeof(float));
     matmul(out, rows, x, cols, w, T);
     for (int t = 0; t < T; t++)
@@ -86,6 +133,7 @@ static void check_matmul(int T, int rows, int cols, DType dt) {
         }
     free(x);
     free(wdata);
+    free((void *)w.data);
     free(out);
 }
 
@@ -95,6 +143,7 @@ static void test_matmul_reference(void **state) {
     check_matmul(13, 30, 1344, DTYPE_BF16);
     check_matmul(7, 9, 33, DTYPE_F32);
     check_matmul(256, 16, 64, DTYPE_F32);
+    check_matmul(3, 2, 20, DTYPE_BF16);  /* fewer rows than a group */
 }
 
 /* Batch invariance: row t of a T-token matmul equals the 1-token matmul of row t, and the
@@ -103,7 +152,7 @@ static void test_matmul_batch_invariant(void **state) {
     const int T = 37, rows = 45, cols = 528;
     float *x = random_floats(T * cols, 21);
     uint16_t *wb = random_bf16(rows * cols, 22, 0.3f);
-    Mat w = {wb, rows, cols, DTYPE_BF16};
+    Mat w = packed(wb, rows, cols, DTYPE_BF16);
     float *all = malloc((size_t)T * rows * sizeof(float)), *one = malloc((size_t)rows * sizeof(float));
     float *wrow = malloc((size_t)cols * sizeof(float));
     matmul(all, rows, x, cols, w, T);
@@ -127,6 +176,7 @@ static void test_matmul_batch_invariant(void **state) {
     free(os);
     free(x);
     free(wb);
+    free((void *)w.data);
     free(all);
     free(one);
     free(wrow);
@@ -137,7 +187,7 @@ static void test_matmul_thread_invariant(void **state) {
     const int T = 20, rows = 300, cols = 512;
     float *x = random_floats(T * cols, 31);
     uint16_t *wb = random_bf16(rows * cols, 32, 0.3f);
-    Mat w = {wb, rows, cols, DTYPE_BF16};
+    Mat w = packed(wb, rows, cols, DTYPE_BF16);
     float *a = malloc((size_t)T * rows * sizeof(float)), *b = malloc((size_t)T * rows * sizeof(float));
     int saved = omp_get_max_threads();
     omp_set_num_threads(1);
@@ -148,6 +198,7 @@ static void test_matmul_thread_invariant(void **state) {
     assert_memory_equal(a, b, (size_t)T * rows * sizeof(float));
     free(x);
     free(wb);
+    free((void *)w.data);
     free(a);
     free(b);
 #else
@@ -182,25 +233,43 @@ static void test_rmsnorm_softmax_swiglu(void **state) {
     free(x);
 }
 
-static void test_axpy(void **state) {
-    const int n = 37;
-    float *x = random_floats(n, 51), y[37];
-    for (int i = 0; i < n; i++) y[i] = (float)i;
-    axpy(y, 0.5f, x, n);
-    for (int i = 0; i < n; i++) assert_true(y[i] == fmaf(0.5f, x[i], (float)i));
-    free(x);
+/* Attention's two loops: dot_rows equals dot() * scale bit for bit (the 16-row transposed
+ * reduction and the tail), weighted_sum_rows equals a scalar fmaf chain over ascending j. */
+static void test_dot_rows_and_weighted_sum(void **state) {
+    const int widths[] = {7, 16, 32, 48, 80, 100, 144};
+    const int n = 37, stride = 150;
+    float *rows = random_floats(n * stride, 81), *q = random_floats(144, 82), *p = random_floats(n, 83);
+    float out[37], sum[144];
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) {
+        int w = widths[i];
+        dot_rows(out, q, rows, stride, n, w, 0.125f);
+        for (int j = 0; j < n; j++) {
+            float ref = dot(q, rows + (size_t)j * stride, w) * 0.125f;
+            assert_memory_equal(&out[j], &ref, sizeof(float));
+        }
+        weighted_sum_rows(sum, p, rows, stride, n, w);
+        for (int d = 0; d < w; d++) {
+            float ref = 0.0f;
+            for (int j = 0; j < n; j++) ref = fmaf(p[j], rows[(size_t)j * stride + d], ref);
+            assert_memory_equal(&sum[d], &ref, sizeof(float));
+        }
+    }
+    free(rows);
+    free(q);
+    free(p);
 }
 
 int main(int argc, char **argv) {
     if (argc > 1) g_tokenizer_path = argv[1];
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mat_pack),
         cmocka_unit_test(test_dot_matches_canonical_scalar),
         cmocka_unit_test(test_dot_cat),
         cmocka_unit_test(test_matmul_reference),
         cmocka_unit_test(test_matmul_batch_invariant),
         cmocka_unit_test(test_matmul_thread_invariant),
         cmocka_unit_test(test_rmsnorm_softmax_swiglu),
-        cmocka_unit_test(test_axpy),
+        cmocka_unit_test(test_dot_rows_and_weighted_sum),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);
 }
