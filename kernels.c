@@ -231,9 +231,8 @@ void mat_row_f32(float *out, Mat w, int r) {
 }
 
 float *alloc_floats_touched(size_t n) {
-    float *p = calloc(n ? n : 1, sizeof(float));
-    if (!p) return NULL;
-    volatile float *page = p;  /* volatile: a store the compiler cannot fold into calloc's zeros */
-    for (size_t i = 0; i < n; i += 1024) page[i] = 0.0f;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) != 0) return NULL;
+    memset(p, 0, (n ? n : 1) * sizeof(float));  /* writes every page */
     return p;
 }

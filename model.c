@@ -198,7 +198,10 @@ static int derive_absorbed(Model *m) {
     const Config *c = &m->cfg;
     const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
     const size_t es = dtype_size(c->dtype), per_matrix = (size_t)H * dc * hd * es;
-    char *store = malloc(2 * per_matrix * (size_t)c->n_layers), *rowmajor = malloc(per_matrix);
+    void *aligned = NULL;
+    char *rowmajor = malloc(per_matrix);
+    if (posix_memalign(&aligned, 64, 2 * per_matrix * (size_t)c->n_layers) != 0) aligned = NULL;
+    char *store = aligned;
     if (!store || !rowmajor) {
         free(store);
         free(rowmajor);
