@@ -45,7 +45,7 @@ Mat mat_block(Mat stack, int i, int n) {
 }
 
 float mat_get(Mat w, int r, int c) {
-    size_t i = mat_packed_offset(w.rows, w.cols, r, c);
+    size_t i = w.rows == 1 ? (size_t)c : mat_packed_offset(w.rows, w.cols, r, c);  /* a vector is plain */
     return w.dtype == DTYPE_BF16 ? bf16_to_f32(((const bf16 *)w.data)[i]) : ((const float *)w.data)[i];
 }
 
@@ -227,7 +227,12 @@ void swiglu(float *h1, const float *h3, int n) {
 }
 
 void mat_row_f32(float *out, Mat w, int r) {
-    for (int c = 0; c < w.cols; c++) out[c] = mat_get(w, r, c);
+    for (int c0 = 0; c0 < w.cols; c0 += MAT_CHUNK) {  /* the row's run of each chunk is contiguous */
+        int cw = w.cols - c0 < MAT_CHUNK ? w.cols - c0 : MAT_CHUNK;
+        size_t base = mat_packed_offset(w.rows, w.cols, r, c0);
+        for (int c = 0; c < cw; c++)
+            out[c0 + c] = w.dtype == DTYPE_BF16 ? bf16_to_f32(((const bf16 *)w.data)[base + c]) : ((const float *)w.data)[base + c];
+    }
 }
 
 float *alloc_floats_touched(size_t n) {
