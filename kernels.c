@@ -44,9 +44,13 @@ Mat mat_block(Mat stack, int i, int n) {
     return m;
 }
 
-float mat_get(Mat w, int r, int c) {
-    size_t i = w.rows == 1 ? (size_t)c : mat_packed_offset(w.rows, w.cols, r, c);  /* a vector is plain */
+/* stored element i of w, widened */
+static inline float mat_elem(Mat w, size_t i) {
     return w.dtype == DTYPE_BF16 ? bf16_to_f32(((const bf16 *)w.data)[i]) : ((const float *)w.data)[i];
+}
+
+float mat_get(Mat w, int r, int c) {
+    return mat_elem(w, w.rows == 1 ? (size_t)c : mat_packed_offset(w.rows, w.cols, r, c));  /* a vector is plain */
 }
 
 static inline v16 load_w(const void *p, DType dt, int n) {
@@ -230,8 +234,7 @@ void mat_row_f32(float *out, Mat w, int r) {
     for (int c0 = 0; c0 < w.cols; c0 += MAT_CHUNK) {  /* the row's run of each chunk is contiguous */
         int cw = w.cols - c0 < MAT_CHUNK ? w.cols - c0 : MAT_CHUNK;
         size_t base = mat_packed_offset(w.rows, w.cols, r, c0);
-        for (int c = 0; c < cw; c++)
-            out[c0 + c] = w.dtype == DTYPE_BF16 ? bf16_to_f32(((const bf16 *)w.data)[base + c]) : ((const float *)w.data)[base + c];
+        for (int c = 0; c < cw; c++) out[c0 + c] = mat_elem(w, base + (size_t)c);
     }
 }
 

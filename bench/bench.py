@@ -237,6 +237,13 @@ def read_step_log(path):
     return rows
 
 
+def log_rep(engine, name, mode, rep, reps, s):
+    """One progress line per run; rep 0 is the warm-up."""
+    label = "warm-up" if rep == 0 else f"run {rep}/{reps}"
+    log(f"  [{engine}] {name:6s} {mode:5s} {label:9s} prefill {s['prefill_ms']:8.3f} ms | "
+        f"decode {s['gen_ms']:8.3f} ms/token")
+
+
 def summarize_run(rows, expect_decode, what):
     pre = [r for r in rows if r["phase"] == "prefill"]
     dec = [r for r in rows if r["phase"] == "decode"]
@@ -263,9 +270,7 @@ def c_runs(info, kv, args, tmpdir, n_steps):
         n_prompt = rows[0]["n_tokens"]
         expect = min(n_steps - 1, info["context"] - n_prompt)
         s = summarize_run(rows, expect, f"{name} {mode}")
-        label = "warm-up" if rep == 0 else f"run {rep}/{args.reps}"
-        log(f"  [C] {name:6s} {mode:5s} {label:9s} prefill {s['prefill_ms']:8.3f} ms | "
-            f"decode {s['gen_ms']:8.3f} ms/token")
+        log_rep("C", name, mode, rep, args.reps, s)
         if rep:
             runs.append(s)
     toks = {tuple(r["tokens"]) for r in runs}
@@ -544,9 +549,7 @@ class PyTorchBench:
         for rep in range(reps + 1):
             rows = self.timed_generate(model, prompt, n_total, kv)
             s = summarize_run(rows, expect, f"PyTorch {variant} {mode}")
-            label = "warm-up" if rep == 0 else f"run {rep}/{reps}"
-            log(f"  [PyTorch{tag}] {variant:6s} {mode:5s} {label:9s} prefill {s['prefill_ms']:8.3f} ms | "
-                f"decode {s['gen_ms']:8.3f} ms/token")
+            log_rep(f"PyTorch{tag}", variant, mode, rep, reps, s)
             if rep:
                 out.append(s)
         return out
