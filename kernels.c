@@ -14,20 +14,41 @@ size_t dtype_size(DType dt) { return dt == DTYPE_BF16 ? 2 : 4; }
 
 const char *kernels_simd_name(void) { return SIMD_NAME; }
 
-size_t mat_packed_offset(int rows, int cols, int r, int c) {
-    int g = r / MAT_GROUP_ROWS * MAT_GROUP_ROWS, c0 = c / MAT_CHUNK * MAT_CHUNK;
+int mat_chunk_cols(DType dt) { return MAT_CHUNK_BYTES / (int)dtype_size(dt); }
+
+/* Whether the full chunks of a rows-row matrix hold pairs (kernels.h); a vector is plain. */
+static inline int chunks_paired(DType dt, int rows) { return dt == DTYPE_BF16 && rows > 1; }
+
+/* Where column c0 + i of a row goes in that row's run of a chunk cw wide. */
+static inline int chunk_position(DType dt, int rows, int cw, int i) {
+    if (!chunks_paired(dt, rows) || cw < 32) return i;  /* plain */
+    return i < 16 ? 2 * i : 2 * (i - 16) + 1;           /* pairs (c0 + l, c0 + 16 + l) */
+}
+
+/* Offset of element (r, c0) of a packed matrix, c0 the first column of a chunk: the start
+ * of the row's run in that chunk. */
+static size_t run_offset(int rows, int cols, int r, int c0, int cw) {
+    int g = r / MAT_GROUP_ROWS * MAT_GROUP_ROWS;
     int nr = rows - g < MAT_GROUP_ROWS ? rows - g : MAT_GROUP_ROWS;
-    int cw = cols - c0 < MAT_CHUNK ? cols - c0 : MAT_CHUNK;
-    return (size_t)g * (size_t)cols + (size_t)c0 * (size_t)nr + (size_t)(r - g) * (size_t)cw + (size_t)(c - c0);
+    return (size_t)g * (size_t)cols + (size_t)c0 * (size_t)nr + (size_t)(r - g) * (size_t)cw;
+}
+
+static inline int chunk_width(int cols, int c0, int cc) { return cols - c0 < cc ? cols - c0 : cc; }
+
+size_t mat_packed_offset(int rows, int cols, DType dt, int r, int c) {
+    int cc = mat_chunk_cols(dt), c0 = c / cc * cc, cw = chunk_width(cols, c0, cc);
+    return run_offset(rows, cols, r, c0, cw) + (size_t)chunk_position(dt, rows, cw, c - c0);
 }
 
 void mat_pack(void *dst, const void *src, int rows, int cols, DType dt) {
     size_t es = dtype_size(dt);
+    int cc = mat_chunk_cols(dt);
     for (int r = 0; r < rows; r++)
-        for (int c0 = 0; c0 < cols; c0 += MAT_CHUNK) {
-            int cw = cols - c0 < MAT_CHUNK ? cols - c0 : MAT_CHUNK;
-            memcpy((char *)dst + mat_packed_offset(rows, cols, r, c0) * es,
-                   (const char *)src + ((size_t)r * (size_t)cols + (size_t)c0) * es, (size_t)cw * es);
+        for (int c0 = 0; c0 < cols; c0 += cc) {
+            int cw = chunk_width(cols, c0, cc);
+            char *run = (char *)dst + run_offset(rows, cols, r, c0, cw) * es;
+            const char *row = (const char *)src + ((size_t)r * (size_t)cols + (size_t)c0) * es;
+            for (int i = 0; i < cw; i++) memcpy(run + (size_t)chunk_position(dt, rows, cw, i) * es, row + (size_t)i * es, es);
         }
 }
 
@@ -50,11 +71,7 @@ static inline float mat_elem(Mat w, size_t i) {
 }
 
 float mat_get(Mat w, int r, int c) {
-    return mat_elem(w, w.rows == 1 ? (size_t)c : mat_packed_offset(w.rows, w.cols, r, c));  /* a vector is plain */
-}
-
-static inline v16 load_w(const void *p, DType dt, int n) {
-    return dt == DTYPE_BF16 ? v16_load_bf16((const bf16 *)p, n) : v16_load_f32((const float *)p, n);
+    return mat_elem(w, w.rows == 1 ? (size_t)c : mat_packed_offset(w.rows, w.cols, w.dtype, r, c));  /* a vector is plain */
 }
 
 /* ---- dot products ---- */
@@ -115,54 +132,93 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
 }
 
 /* ---- matmul ----
- * A tile is one row group (RB = MAT_GROUP_ROWS weight rows) x TB tokens, RB*TB
+ * A tile is one row group (RB = MAT_GROUP_ROWS weight rows) x up to TB tokens, RB*TB
  * accumulators of 16 lanes. Each accumulator is one output's dot product in the
  * canonical order, whatever the tile shape: the blocking changes which outputs are
  * computed together, never the order inside one. The group's weights are read as one
- * ascending stream (the packed layout of kernels.h). */
-enum { RB = MAT_GROUP_ROWS, TB = 6 };
-_Static_assert(MAT_CHUNK == 16, "a chunk is one 16-lane vector of the canonical order");
+ * ascending stream (the packed layout of kernels.h).
+ * An accumulator is SIMD_PARTS registers (simd.h). With 32 registers (AVX-512) a 4x6
+ * tile holds 24 of them and one pass computes everything. With 16 (AVX2: two parts per
+ * accumulator) a 4x6 tile would need 48 and live in memory (36 GFLOP/s per core, at
+ * every T); there, a 4x3 tile computes one part of its accumulators per pass over the
+ * group, which stays in L1 between the passes, and a 4x1 tile (decode) both parts in one
+ * pass, for 8 independent chains. */
+#define RB MAT_GROUP_ROWS
+#define TB (SIMD_REGISTERS >= 32 ? 6 : 3)
+_Static_assert(MAT_CHUNK_BYTES == 64, "a full bf16 chunk is 16 pairs, a full fp32 chunk 16 columns");
 
+/* acc[t][slot] += w * x[t0 + t][col .. col + n) for the tile's tokens: one weight register
+ * of one row, used nt times (n < VP_LANES: the rest of x loads as 0) */
 static inline __attribute__((always_inline)) void
-tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, const int nr, const int nt) {
+row_fma(vp acc[TB][SIMD_PARTS], vp w, const float *x, int ldx, int t0, int col, int n, const int nt, const int slot) {
+    for (int t = 0; t < nt; t++) acc[t][slot] = vp_fma(w, vp_load_f32(x + (size_t)(t0 + t) * ldx + col, n), acc[t][slot]);
+}
+
+/* One pass over the group for parts p0 .. p0+np-1 of the tile's accumulators (acc[r][t][p - p0]).
+ * One weight register is live at a time, so a 4x3 tile fits AVX2's 16 registers. */
+static inline __attribute__((always_inline)) void
+tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0, const float *x, int ldx, int t0, const int nr,
+          const int nt, const int p0, const int np) {
     const int n = w->cols;
     const DType dt = w->dtype;
     const size_t es = dtype_size(dt);
     const char *group = (const char *)w->data + (size_t)r0 * (size_t)n * es;  /* this group: nr rows, packed */
-    v16 acc[RB][TB];
     for (int r = 0; r < nr; r++)
-        for (int t = 0; t < nt; t++) acc[r][t] = v16_zero();
+        for (int t = 0; t < nt; t++)
+            for (int p = 0; p < np; p++) acc[r][t][p] = vp_zero();
     int k = 0;
-    for (; k + 16 <= n; k += 16) {
-        const char *chunk = group + (size_t)k * (size_t)nr * es;  /* nr rows x 16 */
-        v16 wv[RB];
-        for (int r = 0; r < nr; r++) wv[r] = load_w(chunk + (size_t)r * 16 * es, dt, 16);
-        for (int t = 0; t < nt; t++) {
-            v16 xv = v16_load_f32(x + (size_t)(t0 + t) * ldx + k, 16);
-            for (int r = 0; r < nr; r++) acc[r][t] = v16_fma(wv[r], xv, acc[r][t]);
+    if (chunks_paired(dt, w->rows))
+        for (; k + 32 <= n; k += 32) {  /* a full bf16 chunk: nr rows x 16 pairs (c, c + 16) */
+            const bf16 *chunk = (const bf16 *)group + (size_t)k * (size_t)nr;
+            for (int r = 0; r < nr; r++)
+                for (int p = p0; p < p0 + np; p++) {
+                    const bf16 *pairs = chunk + 32 * r + 2 * VP_LANES * p;  /* columns c = k + p*VP_LANES + l */
+                    row_fma(acc[r], vp_load_bf16_pairs_first(pairs), x, ldx, t0, k + p * VP_LANES, VP_LANES, nt, p - p0);
+                    row_fma(acc[r], vp_load_bf16_pairs_second(pairs), x, ldx, t0, k + 16 + p * VP_LANES, VP_LANES, nt, p - p0);
+                }
         }
+    for (const int cc = mat_chunk_cols(dt); k < n; k += cc) {  /* plain chunks: nr rows x cw */
+        const int cw = n - k < cc ? n - k : cc;
+        const char *chunk = group + (size_t)k * (size_t)nr * es;
+        for (int i = 0; i < cw; i += 16)
+            for (int r = 0; r < nr; r++)
+                for (int p = p0; p < p0 + np; p++) {
+                    /* columns c = k + i + p*VP_LANES + l, l < left; missing ones load as 0 and add 0*0 */
+                    const int col = i + p * VP_LANES, left = (cw - i < 16 ? cw - i : 16) - p * VP_LANES;
+                    const char *run = chunk + ((size_t)r * (size_t)cw + (size_t)col) * es;
+                    vp wv = dt == DTYPE_BF16 ? vp_load_bf16((const bf16 *)run, left) : vp_load_f32((const float *)run, left);
+                    row_fma(acc[r], wv, x, ldx, t0, k + col, left, nt, p - p0);
+                }
     }
-    if (k < n) {
-        const int cw = n - k;
-        const char *chunk = group + (size_t)k * (size_t)nr * es;  /* nr rows x cw */
-        v16 wv[RB];
-        for (int r = 0; r < nr; r++) wv[r] = load_w(chunk + (size_t)r * (size_t)cw * es, dt, cw);
-        for (int t = 0; t < nt; t++) {
-            v16 xv = v16_load_f32(x + (size_t)(t0 + t) * ldx + k, cw);
-            for (int r = 0; r < nr; r++) acc[r][t] = v16_fma(wv[r], xv, acc[r][t]);
+}
+
+static inline __attribute__((always_inline)) void
+tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, const int nr, const int nt) {
+    vp acc[RB][TB][SIMD_PARTS], parts[RB][TB][SIMD_PARTS];
+    if (nt == 1 || SIMD_PARTS == 1) {
+        tile_pass(parts, w, r0, x, ldx, t0, nr, nt, 0, SIMD_PARTS);
+    } else {
+        for (int p = 0; p < SIMD_PARTS; p++) {
+            tile_pass(acc, w, r0, x, ldx, t0, nr, nt, p, 1);
+            for (int r = 0; r < nr; r++)
+                for (int t = 0; t < nt; t++) parts[r][t][p] = acc[r][t][0];
         }
     }
     for (int t = 0; t < nt; t++)
-        for (int r = 0; r < nr; r++) out[(size_t)(t0 + t) * ldo + r0 + r] = v16_reduce(acc[r][t]);
+        for (int r = 0; r < nr; r++) out[(size_t)(t0 + t) * ldo + r0 + r] = v16_reduce(v16_from_parts(parts[r][t]));
 }
 
 static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, int nr, int nt) {
     if (nr == RB) {
         switch (nt) {
+#if TB >= 6
         case 6: tile(out, ldo, x, ldx, w, r0, t0, RB, 6); return;
         case 5: tile(out, ldo, x, ldx, w, r0, t0, RB, 5); return;
         case 4: tile(out, ldo, x, ldx, w, r0, t0, RB, 4); return;
+#endif
+#if TB >= 3
         case 3: tile(out, ldo, x, ldx, w, r0, t0, RB, 3); return;
+#endif
         case 2: tile(out, ldo, x, ldx, w, r0, t0, RB, 2); return;
         default: tile(out, ldo, x, ldx, w, r0, t0, RB, 1); return;
         }
@@ -231,10 +287,11 @@ void swiglu(float *h1, const float *h3, int n) {
 }
 
 void mat_row_f32(float *out, Mat w, int r) {
-    for (int c0 = 0; c0 < w.cols; c0 += MAT_CHUNK) {  /* the row's run of each chunk is contiguous */
-        int cw = w.cols - c0 < MAT_CHUNK ? w.cols - c0 : MAT_CHUNK;
-        size_t base = mat_packed_offset(w.rows, w.cols, r, c0);
-        for (int c = 0; c < cw; c++) out[c0 + c] = mat_elem(w, base + (size_t)c);
+    int cc = mat_chunk_cols(w.dtype);
+    for (int c0 = 0; c0 < w.cols; c0 += cc) {  /* the row's run of each chunk is contiguous */
+        int cw = chunk_width(w.cols, c0, cc);
+        size_t run = run_offset(w.rows, w.cols, r, c0, cw);
+        for (int i = 0; i < cw; i++) out[c0 + i] = mat_elem(w, run + (size_t)chunk_position(w.dtype, w.rows, cw, i));
     }
 }
 

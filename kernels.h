@@ -19,10 +19,16 @@ typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 } DType;
 /* A weight matrix [rows][cols] in the checkpoint's dtype (a vector is rows = 1), held in
  * the packed layout that matmul streams through memory in order:
  *   rows in groups of MAT_GROUP_ROWS (the last group may be shorter, nr rows), each group
- *   contiguous; inside a group, columns in chunks of MAT_CHUNK (the last chunk may be
- *   narrower, cw columns); a chunk holds its nr rows one after another, cw elements each.
- * So element (r, c) sits at g*cols + c0*nr + (r - g)*cw + (c - c0), with g = r rounded down
- * to a group and c0 = c rounded down to a chunk. A vector (rows = 1) is plain row-major.
+ *   contiguous; inside a group, columns in chunks of 64 bytes of a row (mat_chunk_cols:
+ *   32 bf16 or 16 fp32 columns; the last chunk may be narrower, cw columns); a chunk holds
+ *   its nr rows one after another, cw elements each.
+ * So element (r, c) sits near g*cols + c0*nr + (r - g)*cw + (c - c0), with g = r rounded
+ * down to a group and c0 = c rounded down to a chunk. In a full bf16 chunk of a matrix
+ * (rows > 1), a row's 32 columns are stored in pairs, (c0 + l, c0 + 16 + l) for l < 16:
+ * one 64-byte load then gives columns c0..c0+15 as the low halves of its 16 words and
+ * c0+16..c0+31 as the high halves, each widened to fp32 by one shift or mask, in the lane
+ * order of simd.h (no cross-lane widening instruction). A narrower last chunk, an fp32
+ * chunk and a vector (rows = 1, plain row-major) hold no pairs.
  * The file is row-major (docs/FORMAT.md); the loader packs with mat_pack. Before, a
  * matmul read MAT_GROUP_ROWS rows side by side, which the hardware prefetchers follow
  * badly: 9-10 GB/s per core from DRAM, against ~30 GB/s for this one ascending stream. */
@@ -32,10 +38,13 @@ typedef struct {
     DType dtype;
 } Mat;
 
-enum { MAT_GROUP_ROWS = 4, MAT_CHUNK = 16 };
+enum { MAT_GROUP_ROWS = 4, MAT_CHUNK_BYTES = 64 };
+
+/* columns in a full chunk of a packed matrix */
+int mat_chunk_cols(DType dt);
 
 /* Offset, in elements, of element (r, c) of a packed rows x cols matrix. */
-size_t mat_packed_offset(int rows, int cols, int r, int c);
+size_t mat_packed_offset(int rows, int cols, DType dt, int r, int c);
 /* Packs a row-major rows x cols matrix src into dst (the same size; not in place). */
 void mat_pack(void *dst, const void *src, int rows, int cols, DType dt);
 

@@ -187,7 +187,7 @@ void rope(const Model *m, float *v, int width, int pos) {
 /* Copies element (r, c) of a packed matrix to dst, in its dtype. */
 static void copy_element(char *dst, Mat w, int r, int c) {
     size_t es = dtype_size(w.dtype);
-    memcpy(dst, (const char *)w.data + mat_packed_offset(w.rows, w.cols, r, c) * es, es);
+    memcpy(dst, (const char *)w.data + mat_packed_offset(w.rows, w.cols, w.dtype, r, c) * es, es);
 }
 
 /* The per-head matrices of the absorbed form, each head packed on its own so that

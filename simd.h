@@ -7,7 +7,12 @@
  *
  * Three implementations, chosen when compiling, give that same order:
  * AVX-512 (one zmm), AVX2 (two ymm: lanes 0-7 and 8-15) and portable C
- * (16 floats with fmaf). Only this file knows which one is in use. */
+ * (16 floats with fmaf). Only this file knows which one is in use.
+ *
+ * A 16-lane vector is held in SIMD_PARTS registers ("parts", type vp) of VP_LANES
+ * lanes: one zmm, two ymm, or one array of 16 floats. Lanes never mix before the final
+ * tree, so the parts of an accumulator are independent chains; matmul computes them in
+ * separate passes where registers are few (AVX2 has 16). */
 #ifndef SIMD_H
 #define SIMD_H
 
@@ -39,6 +44,25 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+
+#define SIMD_PARTS 1
+#define SIMD_REGISTERS 32
+enum { VP_LANES = 16 };
+typedef __m512 vp;
+static inline vp vp_zero(void) { return v16_zero(); }
+static inline vp vp_fma(vp a, vp b, vp acc) { return _mm512_fmadd_ps(a, b, acc); }
+/* the first n elements, n <= VP_LANES (none when n <= 0); the rest are 0 */
+static inline vp vp_load_f32(const float *p, int n) { return n > 0 ? v16_load_f32(p, n) : v16_zero(); }
+static inline vp vp_load_bf16(const bf16 *p, int n) { return n > 0 ? v16_load_bf16(p, n) : v16_zero(); }
+/* p holds VP_LANES pairs of bf16: lane l gets the first (or the second) element of pair l,
+ * by one load and a shift or a mask, no cross-lane widening. */
+static inline vp vp_load_bf16_pairs_first(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+}
+static inline vp vp_load_bf16_pairs_second(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { return parts[0]; }
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
 static inline void v16_store(float *p, v16 v, int n) {
     if (n >= 16) _mm512_storeu_ps(p, v);
@@ -114,6 +138,31 @@ static inline void v16_store(float *p, v16 v, int n) {
     _mm256_maskstore_ps(p, avx2_mask8(n), v.lo);
     if (n > 8) _mm256_maskstore_ps(p + 8, avx2_mask8(n - 8), v.hi);
 }
+
+#define SIMD_PARTS 2
+#define SIMD_REGISTERS 16
+enum { VP_LANES = 8 };
+typedef __m256 vp;
+static inline vp vp_zero(void) { return _mm256_setzero_ps(); }
+static inline vp vp_fma(vp a, vp b, vp acc) { return _mm256_fmadd_ps(a, b, acc); }
+static inline vp vp_load_f32(const float *p, int n) {
+    if (n >= 8) return _mm256_loadu_ps(p);
+    return n > 0 ? _mm256_maskload_ps(p, avx2_mask8(n)) : _mm256_setzero_ps();
+}
+static inline vp vp_load_bf16(const bf16 *p, int n) {
+    if (n >= 8) return avx2_widen8(_mm_loadu_si128((const __m128i *)p));
+    bf16 tmp[8] = {0};
+    if (n > 0) memcpy(tmp, p, (size_t)n * sizeof(bf16));
+    return avx2_widen8(_mm_loadu_si128((const __m128i *)tmp));
+}
+static inline vp vp_load_bf16_pairs_first(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)p), 16));
+}
+static inline vp vp_load_bf16_pairs_second(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { v16 v = {parts[0], parts[1]}; return v; }
+
 static inline float v16_reduce(v16 v) {
     __m256 s8 = _mm256_add_ps(v.lo, v.hi);
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -135,11 +184,30 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
     for (int l = 0; l < 16 && l < n; l++) v.x[l] = bf16_to_f32(p[l]);
     return v;
 }
+#define SIMD_PARTS 1
+#define SIMD_REGISTERS 32
+enum { VP_LANES = 16 };
+typedef v16 vp;
+static inline vp vp_zero(void) { return v16_zero(); }
+static inline vp vp_load_f32(const float *p, int n) { return v16_load_f32(p, n); }
+static inline vp vp_load_bf16(const bf16 *p, int n) { return v16_load_bf16(p, n); }
+static inline vp vp_load_bf16_pairs_first(const bf16 *p) {
+    vp v;
+    for (int l = 0; l < 16; l++) v.x[l] = bf16_to_f32(p[2 * l]);
+    return v;
+}
+static inline vp vp_load_bf16_pairs_second(const bf16 *p) {
+    vp v;
+    for (int l = 0; l < 16; l++) v.x[l] = bf16_to_f32(p[2 * l + 1]);
+    return v;
+}
+static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { return parts[0]; }
 static inline v16 v16_set1(float x) { v16 v; for (int l = 0; l < 16; l++) v.x[l] = x; return v; }
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
     for (int l = 0; l < 16; l++) acc.x[l] = fmaf(a.x[l], b.x[l], acc.x[l]);
     return acc;
 }
+static inline vp vp_fma(vp a, vp b, vp acc) { return v16_fma(a, b, acc); }
 static inline void v16_store(float *p, v16 v, int n) {
     for (int l = 0; l < 16 && l < n; l++) p[l] = v.x[l];
 }

@@ -51,30 +51,38 @@ static Mat packed(const void *rowmajor, int rows, int cols, DType dt) {
 /* The packed layout is a permutation of the elements; mat_get and mat_row_f32 read
  * element (r, c) wherever it went, for group and chunk edges in both directions. */
 static void test_mat_pack(void **state) {
-    const int shapes[][2] = {{1, 5}, {1, 40}, {4, 16}, {3, 7}, {5, 33}, {7, 100}, {9, 17}, {12, 64}};
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-        int rows = shapes[i][0], cols = shapes[i][1];
-        float *src = random_floats(rows * cols, 61 + i);
-        Mat w = packed(src, rows, cols, DTYPE_F32);
-        char *hit = calloc((size_t)rows * cols, 1);
-        float *row = malloc((size_t)cols * sizeof(float));
-        for (int r = 0; r < rows; r++) {
-            mat_row_f32(row, w, r);
-            for (int c = 0; c < cols; c++) {
-                size_t off = mat_packed_offset(rows, cols, r, c);
-                assert_true(off < (size_t)rows * cols);
-                assert_int_equal(hit[off], 0);
-                hit[off] = 1;
-                assert_true(mat_get(w, r, c) == src[(size_t)r * cols + c]);
-                assert_true(row[c] == src[(size_t)r * cols + c]);
-                if (rows == 1) assert_int_equal(off, c);  /* vectors stay plain */
+    const int shapes[][2] = {{1, 5}, {1, 40}, {4, 16}, {3, 7}, {5, 33}, {7, 100}, {9, 17}, {12, 64}, {6, 95}};
+    for (int bf16_weights = 0; bf16_weights <= 1; bf16_weights++)
+        for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+            int rows = shapes[i][0], cols = shapes[i][1];
+            DType dt = bf16_weights ? DTYPE_BF16 : DTYPE_F32;
+            float *src = random_floats(rows * cols, 61 + i);
+            uint16_t *src16 = random_bf16(rows * cols, 61 + i, 1.0f);
+            Mat w = packed(bf16_weights ? (void *)src16 : (void *)src, rows, cols, dt);
+            char *hit = calloc((size_t)rows * cols, 1);
+            float *row = malloc((size_t)cols * sizeof(float));
+            for (int r = 0; r < rows; r++) {
+                mat_row_f32(row, w, r);
+                for (int c = 0; c < cols; c++) {
+                    float want = bf16_weights ? bf(src16[(size_t)r * cols + c]) : src[(size_t)r * cols + c];
+                    size_t off = mat_packed_offset(rows, cols, dt, r, c);
+                    assert_true(off < (size_t)rows * cols);
+                    assert_int_equal(hit[off], 0);
+                    hit[off] = 1;
+                    assert_true(mat_get(w, r, c) == want);
+                    assert_true(row[c] == want);
+                    if (rows == 1) assert_int_equal(off, c);  /* vectors stay plain */
+                }
             }
+            free(src);
+            free(src16);
+            free((void *)w.data);
+            free(hit);
+            free(row);
         }
-        free(src);
-        free((void *)w.data);
-        free(hit);
-        free(row);
-    }
+    /* a full bf16 chunk holds the pairs (c0 + l, c0 + 16 + l) */
+    assert_int_equal(mat_packed_offset(8, 64, DTYPE_BF16, 5, 32 + 3), 4 * 64 + 32 * 4 + 1 * 32 + 2 * 3);
+    assert_int_equal(mat_packed_offset(8, 64, DTYPE_BF16, 5, 32 + 16 + 3), 4 * 64 + 32 * 4 + 1 * 32 + 2 * 3 + 1);
     /* a stack of blocks: each block of n rows packed on its own, handed out by mat_block */
     const int blocks = 3, n = 6, cols = 21;
     uint16_t *src = random_bf16(blocks * n * cols, 71, 1.0f), *dst = malloc((size_t)blocks * n * cols * 2);
@@ -113,25 +121,30 @@ static void test_dot_cat(void **state) {
     free(b);
 }
 
-/* matmul against double precision, bf16 and fp32 weights, shapes with edge tiles */
+/* matmul against double precision, bf16 and fp32 weights, shapes with edge tiles; and
+ * every output equal, bit for bit, to the scalar canonical dot of its weight row (the
+ * packed layout and the tile reorder memory, never the order of one dot product) */
 static void check_matmul(int T, int rows, int cols, DType dt) {
-    float *x = random_floats(T * cols, 5);
+    float *x = random_floats(T * cols, 5), *wrow = malloc((size_t)cols * sizeof(float));
     void *wdata;
     if (dt == DTYPE_BF16) wdata = random_bf16(rows * cols, 7, 0.5f);
     else wdata = random_floats(rows * cols, 7);
     Mat w = packed(wdata, rows, cols, dt);
     float *out = calloc((size_t)T * rows, sizeof(float));
     matmul(out, rows, x, cols, w, T);
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < rows; r++) {
+        for (int k = 0; k < cols; k++)
+            wrow[k] = dt == DTYPE_BF16 ? bf(((uint16_t *)wdata)[(size_t)r * cols + k]) : ((float *)wdata)[(size_t)r * cols + k];
+        for (int t = 0; t < T; t++) {
             double ref = 0;
-            for (int k = 0; k < cols; k++) {
-                double wv = dt == DTYPE_BF16 ? bf(((uint16_t *)wdata)[(size_t)r * cols + k]) : ((float *)wdata)[(size_t)r * cols + k];
-                ref += wv * x[(size_t)t * cols + k];
-            }
-            assert_true(fabs(out[(size_t)t * rows + r] - ref) <= 1e-5 * (1 + sqrt((double)cols)));
+            for (int k = 0; k < cols; k++) ref += (double)wrow[k] * x[(size_t)t * cols + k];
+            float got = out[(size_t)t * rows + r], canonical = dot_canonical_scalar(wrow, x + (size_t)t * cols, cols);
+            assert_true(fabs(got - ref) <= 1e-5 * (1 + sqrt((double)cols)));
+            assert_memory_equal(&got, &canonical, sizeof(float));
         }
+    }
     free(x);
+    free(wrow);
     free(wdata);
     free((void *)w.data);
     free(out);
@@ -144,6 +157,8 @@ static void test_matmul_reference(void **state) {
     check_matmul(7, 9, 33, DTYPE_F32);
     check_matmul(256, 16, 64, DTYPE_F32);
     check_matmul(3, 2, 20, DTYPE_BF16);  /* fewer rows than a group */
+    check_matmul(2, 6, 63, DTYPE_BF16);  /* a last chunk of 31 columns: 16 + 15 */
+    check_matmul(4, 5, 48, DTYPE_BF16);  /* one pair chunk and a last chunk of 16 */
 }
 
 /* Batch invariance: row t of a T-token matmul equals the 1-token matmul of row t, and the
