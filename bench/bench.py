@@ -12,7 +12,8 @@ ignoring EOS, so every run does the same work: once without and once with the KV
 one untimed warm-up run and then --reps timed runs each; the tables report medians over
 the timed runs. The PyTorch reference (train/model.py, eager) runs the same generation in
 this process. Results go to DIR/<machine>.md, DIR/<machine>.csv, DIR/<machine>-steps.csv
-and two plots, where <machine> is e.g. amd-epyc-2c-2t (CPU model, physical cores, threads).
+and two plots, where <machine> is e.g. amd-epyc-2c-2t-avx512 (CPU model, physical cores,
+threads used, the engine's kernels).
 
 Nothing is ever estimated in place of a measurement: with no checkpoint the script says so
 and exits 1; a failing run stops the bench with the engine's message.
@@ -1016,7 +1017,7 @@ def bench(args, ckpts):
     cpu = cpu_model()
     cores = physical_cores()
     mach = {"cpu": cpu, "cpu_detail": cpu_detail(), "cores": cores, "logical": logical_cpus(),
-            "slug": machine_slug(cpu, cores, args.threads), "mem": mem_total(),
+            "mem": mem_total(),
             "l2": cache_line("L2"), "l3": cache_line("L3"), "llc": llc_bytes(),
             "compiler": (sh([args.cc, "--version"]).splitlines() or ["?"])[0], "git": git_describe(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -1025,7 +1026,7 @@ def bench(args, ckpts):
     time.sleep(2.0)
     mach["bg_before"] = bg.since()
     busy = mach["bg_before"]["other_frac"] if mach["bg_before"] else 0.0
-    log(f"bench: {mach['slug']}: {cpu}, {cores} cores, {args.threads} threads; load average {load_start:.2f}; "
+    log(f"bench: {cpu}, {cores} cores, {args.threads} threads; load average {load_start:.2f}; "
         f"other processes busy {busy * 100:.0f}% of one CPU")
     if busy > 0.1:
         log(f"bench: WARNING: other processes keep {busy * 100:.0f}% of one CPU busy: timings will be disturbed")
@@ -1038,6 +1039,9 @@ def bench(args, ckpts):
             raise BenchError(f"two checkpoints of variant {i['variant']}: {seen[i['variant']]} and {i['checkpoint']}")
         seen[i["variant"]] = i["checkpoint"]
     infos.sort(key=lambda i: (ORDER.index(i["variant"]) if i["variant"] in ORDER else len(ORDER), i["variant"]))
+    # the same CPU model can come with or without AVX-512 (virtual machines mask it), so the
+    # engine's kernels are part of the name
+    mach["slug"] = f"{machine_slug(cpu, cores, args.threads)}-{infos[0]['kernels']}"
     os.makedirs(args.out, exist_ok=True)
     tmpdir = os.path.join(args.out, "tmp", mach["slug"])
     os.makedirs(tmpdir, exist_ok=True)
