@@ -29,9 +29,12 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
     const int group = H / Hkv;
     const float scale = 1.0f / sqrtf((float)hd);
 
-    matmul(s->q, H * hd, s->xb, dim, w->wq, T);    /* q: (T, H*hd) */
-    matmul(s->k, Hkv * hd, s->xb, dim, w->wk, T);  /* k: (T, Hkv*hd) */
-    matmul(s->v, Hkv * hd, s->xb, dim, w->wv, T);  /* v: (T, Hkv*hd) */
+    const MatmulJob qkv[] = {
+        {s->q, H * hd, s->xb, dim, w->wq, T},    /* q: (T, H*hd) */
+        {s->k, Hkv * hd, s->xb, dim, w->wk, T},  /* k: (T, Hkv*hd) */
+        {s->v, Hkv * hd, s->xb, dim, w->wv, T},  /* v: (T, Hkv*hd) */
+    };
+    matmul_jobs(qkv, 3);
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++) rope(m, s->q + ((size_t)t * H + h) * hd, hd, pos0 + t);
         for (int g = 0; g < Hkv; g++) {
@@ -62,9 +65,12 @@ static void mla_project(const Model *m, RunState *s, KVCache *cache, int l, int 
     const LayerWeights *w = &m->w.layers[l];
     const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
 
-    matmul(s->q, H * qw, s->xb, c->dim, w->wq, T);        /* q: (T, H*(hd+rd)) */
-    matmul(s->latent, dc, s->xb, c->dim, w->wdkv, T);     /* c: (T, dc) */
-    matmul(s->k_rope, rd, s->xb, c->dim, w->wkr, T);      /* k_R: (T, rd) */
+    const MatmulJob projections[] = {
+        {s->q, H * qw, s->xb, c->dim, w->wq, T},        /* q: (T, H*(hd+rd)) */
+        {s->latent, dc, s->xb, c->dim, w->wdkv, T},     /* c: (T, dc) */
+        {s->k_rope, rd, s->xb, c->dim, w->wkr, T},      /* k_R: (T, rd) */
+    };
+    matmul_jobs(projections, 3);
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++) rope(m, s->q + ((size_t)t * H + h) * qw + c->head_dim, rd, pos0 + t);
         float *row = kv_latent(cache, l, pos0 + t);

@@ -243,19 +243,54 @@ void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
     matmul_rows(out, ldo, x, ldx, &w, T, 0, (w.rows + RB - 1) / RB);
 }
 
-void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
-    int tiles = (w.rows + RB - 1) / RB;
-#ifdef _OPENMP
-    /* small products are not worth waking the other threads */
-    long work = (long)T * w.rows * w.cols;
-#pragma omp parallel if (work >= 32768)
-    {
-        int nth = omp_get_num_threads(), id = omp_get_thread_num();
-        matmul_rows(out, ldo, x, ldx, &w, T, (int)((long)tiles * id / nth), (int)((long)tiles * (id + 1) / nth));
+/* Thread id of nth threads gets tiles [n*id/nth, n*(id+1)/nth) of a list of n. */
+static long share_lo(long n, int id, int nth) { return n * id / nth; }
+
+/* Small products are not worth waking the other threads. */
+static int worth_threads(long work) { return work >= 32768; }
+
+void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
+    long tiles = 0, work = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        tiles += (jobs[j].w.rows + RB - 1) / RB;
+        work += (long)jobs[j].T * jobs[j].w.rows * jobs[j].w.cols;
     }
-#else
-    matmul_rows(out, ldo, x, ldx, &w, T, 0, tiles);
+#pragma omp parallel if (worth_threads(work))
+    {
+        int nth = 1, id = 0;
+#ifdef _OPENMP
+        nth = omp_get_num_threads(), id = omp_get_thread_num();
 #endif
+        /* this thread's range of the concatenated tile list, cut at the products' edges */
+        long lo = share_lo(tiles, id, nth), hi = share_lo(tiles, id + 1, nth), base = 0;
+        for (int j = 0; j < n_jobs; j++) {
+            const MatmulJob *jb = &jobs[j];
+            long n = (jb->w.rows + RB - 1) / RB, a = lo > base ? lo : base, b = hi < base + n ? hi : base + n;
+            if (a < b) matmul_rows(jb->out, jb->ldo, jb->x, jb->ldx, &jb->w, jb->T, (int)(a - base), (int)(b - base));
+            base += n;
+        }
+    }
+}
+
+void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
+    MatmulJob job = {out, ldo, x, ldx, w, T};
+    matmul_jobs(&job, 1);
+}
+
+void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
+    const int F = w1.rows, tiles = (F + RB - 1) / RB;
+#pragma omp parallel if (worth_threads((long)T * F * w1.cols))
+    {
+        int nth = 1, id = 0;
+#ifdef _OPENMP
+        nth = omp_get_num_threads(), id = omp_get_thread_num();
+#endif
+        int lo = (int)share_lo(tiles, id, nth), hi = (int)share_lo(tiles, id + 1, nth);
+        matmul_rows(h1, F, x, ldx, &w1, T, lo, hi);
+        matmul_rows(h3, F, x, ldx, &w3, T, lo, hi);
+        int r_lo = lo * RB, r_hi = hi * RB < F ? hi * RB : F;  /* the rows this thread wrote */
+        for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
+    }
 }
 
 /* ---- elementwise ---- */
@@ -279,7 +314,6 @@ void softmax(float *x, int n) {
 }
 
 void swiglu(float *h1, const float *h3, int n) {
-#pragma omp parallel for schedule(static) if (n >= 1024)
     for (int i = 0; i < n; i++) {
         float a = h1[i];
         h1[i] = a / (1.0f + expf(-a)) * h3[i];

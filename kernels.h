@@ -64,6 +64,22 @@ float mat_get(Mat w, int r, int c);
 void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T);
 /* The same, on the calling thread only (for use inside a parallel region). */
 void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T);
+/* Independent products in one parallel region (one fork and join instead of n; a decode
+ * step makes ~37 of them otherwise): the row tiles of all of them, split evenly over the
+ * threads. Each output is computed exactly as matmul computes it. */
+typedef struct {
+    float *out;
+    int ldo;
+    const float *x;
+    int ldx;
+    Mat w;
+    int T;
+} MatmulJob;
+void matmul_jobs(const MatmulJob *jobs, int n_jobs);
+/* The FFN's up projections: h1 = silu(W1 x) * (W3 x), h3 = W3 x, both (T, w1.rows). A
+ * thread computes the same rows of both products and applies SwiGLU to them, so no
+ * barrier separates the three. */
+void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T);
 
 /* sum_i a[i] b[i] in the canonical order. */
 float dot(const float *a, const float *b, int n);

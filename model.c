@@ -406,9 +406,7 @@ void model_forward(const Model *m, RunState *s, KVCache *cache, const int *token
 
         /* x += W2 (silu(W1 h) * W3 h), h = RMSNorm(x) */
         for (int t = 0; t < T; t++) rmsnorm(s->xb + (size_t)t * D, s->x + (size_t)t * D, w->ffn_norm, D, c->norm_eps);
-        matmul(s->hb, F, s->xb, D, w->w1, T);                          /* (T, F) */
-        matmul(s->hb2, F, s->xb, D, w->w3, T);                         /* (T, F) */
-        swiglu(s->hb, s->hb2, T * F);
+        matmul_swiglu(s->hb, s->hb2, s->xb, D, w->w1, w->w3, T);       /* hb = silu(W1 h) * W3 h: (T, F) */
         matmul(s->xb, D, s->hb, F, w->w2, T);                          /* (T, D) */
         for (size_t i = 0; i < (size_t)T * D; i++) s->x[i] += s->xb[i];
     }

@@ -197,6 +197,60 @@ static void test_matmul_batch_invariant(void **state) {
     free(wrow);
 }
 
+/* matmul_jobs gives every product exactly what matmul gives it, whatever the thread count
+ * and wherever the threads' shares cut the concatenated tile list; matmul_swiglu equals
+ * matmul, matmul and swiglu */
+static void test_matmul_jobs_and_swiglu(void **state) {
+    const int T = 7, cols = 96, rows[3] = {37, 8, 64};
+    float *x = random_floats(T * cols, 41);
+    Mat w[3];
+    uint16_t *wb[3];
+    float *want[3], *got[3];
+    MatmulJob jobs[3];
+    for (int j = 0; j < 3; j++) {
+        wb[j] = random_bf16(rows[j] * cols, 42 + j, 0.3f);
+        w[j] = packed(wb[j], rows[j], cols, DTYPE_BF16);
+        want[j] = malloc((size_t)T * rows[j] * sizeof(float));
+        got[j] = malloc((size_t)T * rows[j] * sizeof(float));
+        matmul(want[j], rows[j], x, cols, w[j], T);
+        jobs[j] = (MatmulJob){got[j], rows[j], x, cols, w[j], T};
+    }
+    int saved = omp_get_max_threads();
+    for (int threads = 1; threads <= 5; threads++) {
+        omp_set_num_threads(threads);
+        for (int j = 0; j < 3; j++) memset(got[j], 0xff, (size_t)T * rows[j] * sizeof(float));
+        matmul_jobs(jobs, 3);
+        for (int j = 0; j < 3; j++) assert_memory_equal(got[j], want[j], (size_t)T * rows[j] * sizeof(float));
+
+        /* w[2] and a second matrix of its shape as W1 and W3 */
+        float *h1 = malloc((size_t)T * 64 * sizeof(float)), *h3 = malloc((size_t)T * 64 * sizeof(float));
+        float *ref3 = malloc((size_t)T * 64 * sizeof(float));
+        uint16_t *w3b = random_bf16(64 * cols, 49, 0.3f);
+        Mat w3 = packed(w3b, 64, cols, DTYPE_BF16);
+        matmul_swiglu(h1, h3, x, cols, w[2], w3, T);
+        matmul(ref3, 64, x, cols, w3, T);
+        float *ref1 = malloc((size_t)T * 64 * sizeof(float));
+        memcpy(ref1, want[2], (size_t)T * 64 * sizeof(float));
+        swiglu(ref1, ref3, T * 64);
+        assert_memory_equal(h3, ref3, (size_t)T * 64 * sizeof(float));
+        assert_memory_equal(h1, ref1, (size_t)T * 64 * sizeof(float));
+        free(h1);
+        free(h3);
+        free(ref1);
+        free(ref3);
+        free(w3b);
+        free((void *)w3.data);
+    }
+    omp_set_num_threads(saved);
+    for (int j = 0; j < 3; j++) {
+        free(wb[j]);
+        free((void *)w[j].data);
+        free(want[j]);
+        free(got[j]);
+    }
+    free(x);
+}
+
 static void test_matmul_thread_invariant(void **state) {
 #ifdef _OPENMP
     const int T = 20, rows = 300, cols = 512;
@@ -283,6 +337,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_matmul_reference),
         cmocka_unit_test(test_matmul_batch_invariant),
         cmocka_unit_test(test_matmul_thread_invariant),
+        cmocka_unit_test(test_matmul_jobs_and_swiglu),
         cmocka_unit_test(test_rmsnorm_softmax_swiglu),
         cmocka_unit_test(test_dot_rows_and_weighted_sum),
     };
