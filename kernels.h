@@ -95,7 +95,8 @@ void weighted_sum_rows(float *out, const float *p, const float *rows, size_t str
 
 /* out = w * x / sqrt(mean(x^2) + eps); w is a vector of n (out may be x). */
 void rmsnorm(float *out, const float *x, Mat w, int n, float eps);
-/* In place; sum in ascending index order. */
+/* In place: e^(x - max) by simd.h's polynomial exp (the same bits on every path), divided
+ * by their sum in the canonical 16-lane order. */
 void softmax(float *x, int n);
 /* h1[i] = silu(h1[i]) * h3[i] */
 void swiglu(float *h1, const float *h3, int n);

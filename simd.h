@@ -64,6 +64,15 @@ static inline vp vp_load_bf16_pairs_second(const bf16 *p) {
 }
 static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { return parts[0]; }
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+/* to the nearest integer, ties to even */
+static inline v16 v16_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* 2^n for integral n in [-126, 127] */
+static inline v16 v16_pow2i(v16 n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 static inline void v16_store(float *p, v16 v, int n) {
     if (n >= 16) _mm512_storeu_ps(p, v);
     else _mm512_mask_storeu_ps(p, v16_mask(n), v);
@@ -133,6 +142,15 @@ static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
     acc.hi = _mm256_fmadd_ps(a.hi, b.hi, acc.hi);
     return acc;
 }
+static inline v16 v16_add(v16 a, v16 b) { v16 v = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return v; }
+static inline v16 v16_mul(v16 a, v16 b) { v16 v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return v; }
+static inline v16 v16_max(v16 a, v16 b) { v16 v = {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; return v; }
+static inline __m256 avx2_round(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline v16 v16_round(v16 a) { v16 v = {avx2_round(a.lo), avx2_round(a.hi)}; return v; }
+static inline __m256 avx2_pow2i(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline v16 v16_pow2i(v16 n) { v16 v = {avx2_pow2i(n.lo), avx2_pow2i(n.hi)}; return v; }
 static inline void v16_store(float *p, v16 v, int n) {
     if (n >= 16) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); return; }
     _mm256_maskstore_ps(p, avx2_mask8(n), v.lo);
@@ -168,6 +186,30 @@ static inline float v16_reduce(v16 v) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+/* v16_reduce of a[0..7] side by side, by shuffles: the same tree (l + l+8, + l+4, + l+2,
+ * + l+1) for each, so each lane equals v16_reduce bit for bit. */
+static inline __m256 avx2_reduce8(const v16 a[8]) {
+    __m256 s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(a[i].lo, a[i].hi);  /* a(i): l + (l+8), l < 8 */
+    for (int i = 0; i < 4; i++)  /* [a(2i) l+(l+4) ; a(2i+1) l+(l+4)], l < 4 */
+        s4[i] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) {  /* 128-bit half b: [a(4i+b) l+(l+2) ; a(4i+b+2) l+(l+2)], l < 2 */
+        __m256d x = _mm256_castps_pd(s4[2 * i]), y = _mm256_castps_pd(s4[2 * i + 1]);
+        s2[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    /* half b, element e: a(b + 2e) lane 0 + lane 1 */
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  /* lane j: a(j) */
+}
+
+/* r[j] = v16_reduce(a[j]) for 16 vectors at once */
+static inline v16 v16_reduce16(const v16 a[16]) {
+    v16 r = {avx2_reduce8(a), avx2_reduce8(a + 8)};
+    return r;
 }
 
 #else
@@ -208,6 +250,17 @@ static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
     return acc;
 }
 static inline vp vp_fma(vp a, vp b, vp acc) { return v16_fma(a, b, acc); }
+static inline float pow2i_f32(float n) {
+    uint32_t u = (uint32_t)((int32_t)n + 127) << 23;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline v16 v16_add(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] + b.x[l]; return a; }
+static inline v16 v16_mul(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] * b.x[l]; return a; }
+static inline v16 v16_max(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return a; }
+static inline v16 v16_round(v16 a) { for (int l = 0; l < 16; l++) a.x[l] = nearbyintf(a.x[l]); return a; }
+static inline v16 v16_pow2i(v16 n) { for (int l = 0; l < 16; l++) n.x[l] = pow2i_f32(n.x[l]); return n; }
 static inline void v16_store(float *p, v16 v, int n) {
     for (int l = 0; l < 16 && l < n; l++) p[l] = v.x[l];
 }
@@ -216,15 +269,31 @@ static inline float v16_reduce(v16 v) {
         for (int l = 0; l < h; l++) v.x[l] = v.x[l] + v.x[l + h];
     return v.x[0];
 }
-#endif
-
-#if !(defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__))
-/* r[j] = v16_reduce(a[j]) for 16 vectors (AVX2 and portable: one at a time) */
+/* r[j] = v16_reduce(a[j]) for 16 vectors, one at a time */
 static inline v16 v16_reduce16(const v16 a[16]) {
-    float r[16];
-    for (int j = 0; j < 16; j++) r[j] = v16_reduce(a[j]);
-    return v16_load_f32(r, 16);
+    v16 r;
+    for (int j = 0; j < 16; j++) r.x[j] = v16_reduce(a[j]);
+    return r;
 }
 #endif
+
+/* e^x for x <= 0 (softmax's shifted scores), within ~2 ulp: x = n ln2 + r, |r| <= ln2/2,
+ * e^r by Cephes' expf polynomial, times 2^n. x below -87.3 is taken as -87.3 (e^x ~ 1e-38
+ * instead of a denormal or 0). Only correctly rounded IEEE operations (add, mul, fma,
+ * round to nearest), so every path gives the same bits. */
+static inline v16 v16_exp_nonpositive(v16 x) {
+    x = v16_max(x, v16_set1(-87.3f));
+    v16 n = v16_round(v16_mul(x, v16_set1(1.44269504088896341f)));  /* x / ln2 */
+    v16 r = v16_fma(n, v16_set1(-0.693359375f), x);                   /* x - n ln2, ln2 in two parts */
+    r = v16_fma(n, v16_set1(2.12194440e-4f), r);
+    v16 p = v16_set1(1.9875691500e-4f);
+    p = v16_fma(p, r, v16_set1(1.3981999507e-3f));
+    p = v16_fma(p, r, v16_set1(8.3334519073e-3f));
+    p = v16_fma(p, r, v16_set1(4.1665795894e-2f));
+    p = v16_fma(p, r, v16_set1(1.6666665459e-1f));
+    p = v16_fma(p, r, v16_set1(5.0000001201e-1f));
+    v16 er = v16_add(v16_fma(p, v16_mul(r, r), r), v16_set1(1.0f));  /* 1 + r + r^2 p(r) */
+    return v16_mul(er, v16_pow2i(n));
+}
 
 #endif /* SIMD_H */

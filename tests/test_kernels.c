@@ -12,6 +12,7 @@
 #endif
 
 #include "kernels.h"
+#include "simd.h"
 #include "testutil.h"
 
 static uint16_t to_bf16(float v) {
@@ -275,6 +276,36 @@ static void test_matmul_thread_invariant(void **state) {
 #endif
 }
 
+/* simd.h's exp, the same IEEE operations in plain scalar C: every path must give these bits */
+static float exp_nonpositive_scalar(float x) {
+    x = x > -87.3f ? x : -87.3f;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
+    const float c[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                       5.0000001201e-1f};
+    float p = c[0];
+    for (int i = 1; i < 6; i++) p = fmaf(p, r, c[i]);
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return (fmaf(p, r * r, r) + 1.0f) * two_n;
+}
+
+static void test_exp_nonpositive(void **state) {
+    uint64_t seed = 5;
+    for (int i = 0; i < 4096; i += 16) {
+        float x[16], e[16];
+        for (int l = 0; l < 16; l++) x[l] = -100.0f * (float)(test_uniform(&seed) * 0.5 + 0.5);
+        if (i == 0) x[0] = 0.0f, x[1] = -0.0f, x[2] = -87.3f, x[3] = -1e-30f;
+        v16_store(e, v16_exp_nonpositive(v16_load_f32(x, 16)), 16);
+        for (int l = 0; l < 16; l++) {
+            float want = exp_nonpositive_scalar(x[l]);
+            assert_memory_equal(&e[l], &want, sizeof(float));
+            if (x[l] > -87.0f) assert_true(fabs(e[l] - exp((double)x[l])) <= 3e-7 * exp((double)x[l]));
+        }
+    }
+}
+
 static void test_rmsnorm_softmax_swiglu(void **state) {
     const int n = 100;
     float *x = random_floats(n, 41), out[100], w[100];
@@ -293,6 +324,27 @@ static void test_rmsnorm_softmax_swiglu(void **state) {
     for (int i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
     for (int i = 0; i < n; i++) z += exp(x[i] - mx);
     for (int i = 0; i < n; i++) assert_true(fabs(p[i] - exp(x[i] - mx) / z) < 1e-6);
+    /* lengths around the 16-lane tail, and scores far apart (e^x down to the clamp) */
+    const int lengths[] = {1, 5, 16, 17, 31, 33, 255};
+    for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
+        int m = lengths[li];
+        float *y = random_floats(m, 90 + li), *q = malloc((size_t)m * sizeof(float));
+        for (int i = 0; i < m; i++) y[i] *= 60.0f;
+        memcpy(q, y, (size_t)m * sizeof(float));
+        softmax(q, m);
+        double ym = y[0], zz = 0, total = 0;
+        for (int i = 1; i < m; i++) ym = y[i] > ym ? y[i] : ym;
+        for (int i = 0; i < m; i++) zz += exp((double)y[i] - ym);
+        for (int i = 0; i < m; i++) {
+            /* y - max is rounded to fp32 first: a relative error of |y - max| * 2^-24 */
+            double d = (double)y[i] - ym, want = exp(d) / zz;
+            assert_true(fabs(q[i] - want) <= want * (1e-6 + fabs(d) * 6e-8) + 1e-30);
+            total += q[i];
+        }
+        assert_true(fabs(total - 1.0) < 1e-5);
+        free(y);
+        free(q);
+    }
 
     float h1[100], h3[100];
     memcpy(h1, x, sizeof h1);
@@ -338,6 +390,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_matmul_batch_invariant),
         cmocka_unit_test(test_matmul_thread_invariant),
         cmocka_unit_test(test_matmul_jobs_and_swiglu),
+        cmocka_unit_test(test_exp_nonpositive),
         cmocka_unit_test(test_rmsnorm_softmax_swiglu),
         cmocka_unit_test(test_dot_rows_and_weighted_sum),
     };
