@@ -47,13 +47,15 @@ def pytorch_nll(model, stories, sp):
 
 
 def machine():
-    cpu = "unknown CPU"
+    cpu, flags = "unknown CPU", set()
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown CPU":
                 cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} cores ({platform.machine()})"
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    simd = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    return f"{cpu}, {os.cpu_count()} cores ({platform.machine()}, {simd})"
 
 
 def main():
@@ -62,6 +64,8 @@ def main():
     ap.add_argument("--run", required=True, help="the training run's folder (log.csv, best.pt)")
     ap.add_argument("--valid", required=True, help="validation text (TinyStoriesV2 layout)")
     ap.add_argument("--train-tokens", type=int, help="tokens in data/train.bin (for epochs)")
+    ap.add_argument("--precision", default="bf16 autocast",
+                    help="the run's arithmetic, when its checkpoint does not record it (runs before it did)")
     args = ap.parse_args()
     import sentencepiece as spm
 
@@ -92,7 +96,7 @@ def main():
     out.append(f"| machine | {machine()} |")
     out.append(f"| training | {float(last['minutes']):.1f} minutes (`--minutes` budget), {int(last['step']):,} steps of 16x256 tokens |")
     out.append(f"| tokens seen | {int(last['tokens']):,} ({int(last['tokens']) / train_tokens:.2f} epochs of {train_tokens:,}) |")
-    out.append(f"| best validation loss | {best['best_val']:.4f} nats/token (PyTorch, bf16 autocast), at step {best['step']:,} "
+    out.append(f"| best validation loss | {best['best_val']:.4f} nats/token (PyTorch, {best.get('precision', args.precision)}), at step {best['step']:,} "
                f"({best['tokens']:,} tokens, {best['elapsed'] / 60:.1f} min) |")
     out.append(f"| `./run {name}.bin --ppl valid.txt` (C, fp32) | {c_nll:.4f} nats/token |")
     out.append(f"| PyTorch reference, fp32, same windows | {pt_nll:.4f} nats/token over {pt_count:,} tokens "

@@ -177,6 +177,7 @@ def main():
     def save(path, kind):
         torch.save({"model": model.state_dict(), "config": cfg.__dict__, "step": step, "tokens": tokens_seen,
                     "elapsed": elapsed, "best_val": best_val, "kind": kind,
+                    "precision": "bf16 autocast" if bf16 else "fp32",
                     **({"optim": optim.state_dict(), "rng": rng.bit_generator.state} if kind == "last" else {})},
                    path + ".tmp")
         os.replace(path + ".tmp", path)
