@@ -375,6 +375,20 @@ def decode_cost_nokv(c, T):
 
 # ---------------------------------------------------------------- PyTorch
 
+def blas_in_use():
+    """The BLAS this process's torch runs fp32 products on, from its mappings: Debian's torch
+    calls the system libblas.so.3, which the alternatives point at the reference BLAS or at
+    OpenBLAS (libopenblas0-pthread, which scripts/install-deps.sh installs)."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f if "blas" in os.path.basename(line.split()[-1])})
+    except OSError:
+        return "unknown"
+    if any("openblas" in lib for lib in libs):
+        return "OpenBLAS (" + ", ".join(os.path.realpath(lib) for lib in libs if "openblas" in lib) + ")"
+    return ("the reference BLAS (" + ", ".join(libs) + ")") if libs else "unknown"
+
+
 class PyTorchBench:
     def __init__(self, threads):
         import torch
@@ -765,8 +779,8 @@ def write_report(ctx):
             if "max_logit_diff" in ch:
                 add("pytorch_path", r["info"]["variant"], "", "onednn_max_abs_logit_diff", f"{ch['max_logit_diff']:.3g}", "")
         md += ["Which PyTorch path each column timed. `eager` is `Transformer.forward` exactly as written "
-               "(fp32 `nn.Linear`; this torch build has BLAS_INFO=generic, so fp32 matmuls get no optimized "
-               "BLAS; only bf16 would go through oneDNN). `onednn-linear` is the same eager model with its "
+               "(fp32 `nn.Linear`, on the BLAS named in the machine table: this Debian torch calls the system's "
+               "libblas.so.3). `onednn-linear` is the same eager model with its "
                "`nn.Linear` layers replaced by fp32 oneDNN linears (torch.utils.mkldnn's MkldnnLinear as a plain "
                "eager module; MLA's W_UK and W_UV stay `nn.Linear` because the absorbed form reads their weights). "
                f"A mode switches to it only when a plain eager run of that mode would take over {args.pt_budget:.0f} s "
@@ -775,7 +789,7 @@ def write_report(ctx):
                "prefill + 16 steps), and it is faster at that mode's step"
                + (f"; `--pt-path {args.pt_path}` overrode this" if args.pt_path != "auto" else "")
                + ". On both paths the tied head is `F.linear` in `Transformer.forward`, computed for all T "
-               "positions on the generic path: its time at the average uncached T is shown. 'C tokens agree' "
+               "positions on the BLAS: its time at the average uncached T is shown. 'C tokens agree' "
                "counts the greedy tokens PyTorch generated identically to the engine before the first "
                "difference (fp32 rounding orders differ).", "",
                md_table(["Attention Mechanism", "path (no KV)", "path (KV)", "plain eager run, est. s (no KV / KV)",
@@ -1075,7 +1089,8 @@ def bench(args, ckpts):
 
     if not args.skip_pytorch:
         pt = PyTorchBench(args.threads)
-        mach["torch"] = (f"torch {pt.torch.__version__}, {pt.threads} thread{'s' if pt.threads > 1 else ''}; "
+        mach["torch"] = (f"torch {pt.torch.__version__}, {pt.threads} thread{'s' if pt.threads > 1 else ''}, "
+                         f"fp32 products on {blas_in_use()}; "
                          "path per mode and checkpoint below")
         for r in results:
             info = r["info"]
