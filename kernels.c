@@ -172,9 +172,9 @@ tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0, const float *x, int 
             const bf16 *chunk = (const bf16 *)group + (size_t)k * (size_t)nr;
             for (int r = 0; r < nr; r++)
                 for (int p = p0; p < p0 + np; p++) {
-                    const bf16 *pairs = chunk + 32 * r + 2 * VP_LANES * p;  /* columns c = k + p*VP_LANES + l */
-                    row_fma(acc[r], vp_load_bf16_pairs_first(pairs), x, ldx, t0, k + p * VP_LANES, VP_LANES, nt, p - p0);
-                    row_fma(acc[r], vp_load_bf16_pairs_second(pairs), x, ldx, t0, k + 16 + p * VP_LANES, VP_LANES, nt, p - p0);
+                    const vpairs pairs = vp_load_pairs(chunk + 32 * r + 2 * VP_LANES * p);  /* c = k + p*VP_LANES + l */
+                    row_fma(acc[r], vp_pairs_first(pairs), x, ldx, t0, k + p * VP_LANES, VP_LANES, nt, p - p0);
+                    row_fma(acc[r], vp_pairs_second(pairs), x, ldx, t0, k + 16 + p * VP_LANES, VP_LANES, nt, p - p0);
                 }
         }
     for (const int cc = mat_chunk_cols(dt); k < n; k += cc) {  /* plain chunks: nr rows x cw */

@@ -54,13 +54,14 @@ static inline vp vp_fma(vp a, vp b, vp acc) { return _mm512_fmadd_ps(a, b, acc);
 /* the first n elements, n <= VP_LANES (none when n <= 0); the rest are 0 */
 static inline vp vp_load_f32(const float *p, int n) { return n > 0 ? v16_load_f32(p, n) : v16_zero(); }
 static inline vp vp_load_bf16(const bf16 *p, int n) { return n > 0 ? v16_load_bf16(p, n) : v16_zero(); }
-/* p holds VP_LANES pairs of bf16: lane l gets the first (or the second) element of pair l,
- * by one load and a shift or a mask, no cross-lane widening. */
-static inline vp vp_load_bf16_pairs_first(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
-}
-static inline vp vp_load_bf16_pairs_second(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32((int)0xFFFF0000u)));
+/* VP_LANES pairs of bf16, as loaded (vpairs); lane l of vp_pairs_first (or _second) is the
+ * first (or second) element of pair l, widened by a shift (or a mask): no cross-lane
+ * widening instruction, and one load serves both. */
+typedef __m512i vpairs;
+static inline vpairs vp_load_pairs(const bf16 *p) { return _mm512_loadu_si512(p); }
+static inline vp vp_pairs_first(vpairs v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline vp vp_pairs_second(vpairs v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { return parts[0]; }
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
@@ -173,11 +174,11 @@ static inline vp vp_load_bf16(const bf16 *p, int n) {
     if (n > 0) memcpy(tmp, p, (size_t)n * sizeof(bf16));
     return avx2_widen8(_mm_loadu_si128((const __m128i *)tmp));
 }
-static inline vp vp_load_bf16_pairs_first(const bf16 *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)p), 16));
-}
-static inline vp vp_load_bf16_pairs_second(const bf16 *p) {
-    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi32((int)0xFFFF0000u)));
+typedef __m256i vpairs;
+static inline vpairs vp_load_pairs(const bf16 *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vp vp_pairs_first(vpairs v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline vp vp_pairs_second(vpairs v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { v16 v = {parts[0], parts[1]}; return v; }
 
@@ -233,15 +234,17 @@ typedef v16 vp;
 static inline vp vp_zero(void) { return v16_zero(); }
 static inline vp vp_load_f32(const float *p, int n) { return v16_load_f32(p, n); }
 static inline vp vp_load_bf16(const bf16 *p, int n) { return v16_load_bf16(p, n); }
-static inline vp vp_load_bf16_pairs_first(const bf16 *p) {
-    vp v;
-    for (int l = 0; l < 16; l++) v.x[l] = bf16_to_f32(p[2 * l]);
-    return v;
+typedef struct { bf16 x[32]; } vpairs;
+static inline vpairs vp_load_pairs(const bf16 *p) { vpairs v; memcpy(v.x, p, sizeof v.x); return v; }
+static inline vp vp_pairs_first(vpairs v) {
+    vp r;
+    for (int l = 0; l < 16; l++) r.x[l] = bf16_to_f32(v.x[2 * l]);
+    return r;
 }
-static inline vp vp_load_bf16_pairs_second(const bf16 *p) {
-    vp v;
-    for (int l = 0; l < 16; l++) v.x[l] = bf16_to_f32(p[2 * l + 1]);
-    return v;
+static inline vp vp_pairs_second(vpairs v) {
+    vp r;
+    for (int l = 0; l < 16; l++) r.x[l] = bf16_to_f32(v.x[2 * l + 1]);
+    return r;
 }
 static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { return parts[0]; }
 static inline v16 v16_set1(float x) { v16 v; for (int l = 0; l < 16; l++) v.x[l] = x; return v; }
