@@ -178,7 +178,7 @@ tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0, const float *x, int 
                 }
         }
     for (const int cc = mat_chunk_cols(dt); k < n; k += cc) {  /* plain chunks: nr rows x cw */
-        const int cw = n - k < cc ? n - k : cc;
+        const int cw = chunk_width(n, k, cc);
         const char *chunk = group + (size_t)k * (size_t)nr * es;
         for (int i = 0; i < cw; i += 16)
             for (int r = 0; r < nr; r++)
@@ -243,8 +243,14 @@ void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
     matmul_rows(out, ldo, x, ldx, &w, T, 0, (w.rows + RB - 1) / RB);
 }
 
-/* Thread id of nth threads gets tiles [n*id/nth, n*(id+1)/nth) of a list of n. */
-static long share_lo(long n, int id, int nth) { return n * id / nth; }
+/* This thread's share [*lo, *hi) of n tiles: all of them outside a parallel region. */
+static void thread_share(long n, long *lo, long *hi) {
+    int nth = 1, id = 0;
+#ifdef _OPENMP
+    nth = omp_get_num_threads(), id = omp_get_thread_num();
+#endif
+    *lo = n * id / nth, *hi = n * (id + 1) / nth;
+}
 
 /* Small products are not worth waking the other threads. */
 static int worth_threads(long work) { return work >= 32768; }
@@ -257,12 +263,9 @@ void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
     }
 #pragma omp parallel if (worth_threads(work))
     {
-        int nth = 1, id = 0;
-#ifdef _OPENMP
-        nth = omp_get_num_threads(), id = omp_get_thread_num();
-#endif
         /* this thread's range of the concatenated tile list, cut at the products' edges */
-        long lo = share_lo(tiles, id, nth), hi = share_lo(tiles, id + 1, nth), base = 0;
+        long lo, hi, base = 0;
+        thread_share(tiles, &lo, &hi);
         for (int j = 0; j < n_jobs; j++) {
             const MatmulJob *jb = &jobs[j];
             long n = (jb->w.rows + RB - 1) / RB, a = lo > base ? lo : base, b = hi < base + n ? hi : base + n;
@@ -281,14 +284,11 @@ void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3
     const int F = w1.rows, tiles = (F + RB - 1) / RB;
 #pragma omp parallel if (worth_threads((long)T * F * w1.cols))
     {
-        int nth = 1, id = 0;
-#ifdef _OPENMP
-        nth = omp_get_num_threads(), id = omp_get_thread_num();
-#endif
-        int lo = (int)share_lo(tiles, id, nth), hi = (int)share_lo(tiles, id + 1, nth);
-        matmul_rows(h1, F, x, ldx, &w1, T, lo, hi);
-        matmul_rows(h3, F, x, ldx, &w3, T, lo, hi);
-        int r_lo = lo * RB, r_hi = hi * RB < F ? hi * RB : F;  /* the rows this thread wrote */
+        long lo, hi;
+        thread_share(tiles, &lo, &hi);
+        matmul_rows(h1, F, x, ldx, &w1, T, (int)lo, (int)hi);
+        matmul_rows(h3, F, x, ldx, &w3, T, (int)lo, (int)hi);
+        int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;  /* the rows this thread wrote */
         for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
     }
 }
