@@ -331,11 +331,18 @@ void softmax(float *x, int n) {
     for (int i = 0; i < n; i += 16) v16_store(x + i, v16_mul(v16_load_f32(x + i, n - i), inv), n - i);
 }
 
+/* silu(a) = a sigmoid(a), sigmoid(a) = e^min(a,0) / (1 + e^-|a|): both exponents <= 0 */
+static inline v16 silu_times(v16 a, v16 b) {
+    const v16 zero = v16_zero();
+    v16 abs_a = v16_max(a, v16_mul(a, v16_set1(-1.0f)));
+    v16 sigmoid = v16_div(v16_exp_nonpositive(v16_min(a, zero)),
+                          v16_add(v16_set1(1.0f), v16_exp_nonpositive(v16_mul(abs_a, v16_set1(-1.0f)))));
+    return v16_mul(v16_mul(a, sigmoid), b);
+}
+
 void swiglu(float *h1, const float *h3, int n) {
-    for (int i = 0; i < n; i++) {
-        float a = h1[i];
-        h1[i] = a / (1.0f + expf(-a)) * h3[i];
-    }
+    for (int i = 0; i < n; i += 16)
+        v16_store(h1 + i, silu_times(v16_load_f32(h1 + i, n - i), v16_load_f32(h3 + i, n - i)), n - i);
 }
 
 void mat_row_f32(float *out, Mat w, int r) {

@@ -98,7 +98,7 @@ void rmsnorm(float *out, const float *x, Mat w, int n, float eps);
 /* In place: e^(x - max) by simd.h's polynomial exp (the same bits on every path), divided
  * by their sum in the canonical 16-lane order. */
 void softmax(float *x, int n);
-/* h1[i] = silu(h1[i]) * h3[i] */
+/* h1[i] = silu(h1[i]) * h3[i], with simd.h's exp (the same bits on every path) */
 void swiglu(float *h1, const float *h3, int n);
 /* out[i] = row r of w, widened to fp32 */
 void mat_row_f32(float *out, Mat w, int r);

@@ -68,6 +68,8 @@ static inline v16 v16_fma(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, 
 static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
 static inline v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+static inline v16 v16_min(v16 a, v16 b) { return _mm512_min_ps(a, b); }
+static inline v16 v16_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
 /* to the nearest integer, ties to even */
 static inline v16 v16_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* 2^n for integral n in [-126, 127] */
@@ -146,6 +148,8 @@ static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
 static inline v16 v16_add(v16 a, v16 b) { v16 v = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return v; }
 static inline v16 v16_mul(v16 a, v16 b) { v16 v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return v; }
 static inline v16 v16_max(v16 a, v16 b) { v16 v = {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; return v; }
+static inline v16 v16_min(v16 a, v16 b) { v16 v = {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; return v; }
+static inline v16 v16_div(v16 a, v16 b) { v16 v = {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; return v; }
 static inline __m256 avx2_round(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline v16 v16_round(v16 a) { v16 v = {avx2_round(a.lo), avx2_round(a.hi)}; return v; }
 static inline __m256 avx2_pow2i(__m256 n) {
@@ -262,6 +266,8 @@ static inline float pow2i_f32(float n) {
 static inline v16 v16_add(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] + b.x[l]; return a; }
 static inline v16 v16_mul(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] * b.x[l]; return a; }
 static inline v16 v16_max(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return a; }
+static inline v16 v16_min(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] < b.x[l] ? a.x[l] : b.x[l]; return a; }
+static inline v16 v16_div(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] / b.x[l]; return a; }
 static inline v16 v16_round(v16 a) { for (int l = 0; l < 16; l++) a.x[l] = nearbyintf(a.x[l]); return a; }
 static inline v16 v16_pow2i(v16 n) { for (int l = 0; l < 16; l++) n.x[l] = pow2i_f32(n.x[l]); return n; }
 static inline void v16_store(float *p, v16 v, int n) {

@@ -346,11 +346,14 @@ static void test_rmsnorm_softmax_swiglu(void **state) {
         free(q);
     }
 
-    float h1[100], h3[100];
-    memcpy(h1, x, sizeof h1);
-    for (int i = 0; i < n; i++) h3[i] = 2.0f;
+    /* SwiGLU over both signs and far into both tails (n = 100: a 4-element last vector) */
+    float h1[100], h3[100], a[100];
+    for (int i = 0; i < n; i++) a[i] = h1[i] = 40.0f * x[i], h3[i] = 2.0f;
     swiglu(h1, h3, n);
-    for (int i = 0; i < n; i++) assert_true(fabs(h1[i] - 2.0 * x[i] / (1.0 + exp(-x[i]))) < 1e-6);
+    for (int i = 0; i < n; i++) {
+        double want = 2.0 * a[i] / (1.0 + exp(-(double)a[i]));
+        assert_true(fabs(h1[i] - want) <= 1e-6 * fabs(want) + 1e-30);
+    }
     free(x);
 }
 
