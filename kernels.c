@@ -102,20 +102,27 @@ void dot_rows(float *out, const float *q, const float *rows, size_t stride, int 
 }
 
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
-    enum { NV = 4 };  /* 64 columns per pass, 4 registers of sums */
+    enum { NV = 2 };  /* 32 columns per pass, each with two chains of sums (even and odd j) */
     for (int c = 0; c < width; c += 16 * NV) {
-        int nv = (width - c + 15) / 16 < NV ? (width - c + 15) / 16 : NV;
-        v16 acc[NV];
-        for (int v = 0; v < nv; v++) acc[v] = v16_zero();
-        for (int j = 0; j < n; j++) {
-            v16 pj = v16_set1(p[j]);
+        int nv = (width - c + 15) / 16 < NV ? (width - c + 15) / 16 : NV, len[NV];
+        v16 even[NV], odd[NV];
+        for (int v = 0; v < nv; v++) {
+            len[v] = width - c - 16 * v < 16 ? width - c - 16 * v : 16;
+            even[v] = odd[v] = v16_zero();
+        }
+        int j = 0;
+        for (; j + 2 <= n; j += 2) {
+            const v16 p_even = v16_set1(p[j]), p_odd = v16_set1(p[j + 1]);
             const float *row = rows + (size_t)j * stride + c;
             for (int v = 0; v < nv; v++) {
-                int len = width - c - 16 * v < 16 ? width - c - 16 * v : 16;
-                acc[v] = v16_fma(pj, v16_load_f32(row + 16 * v, len), acc[v]);
+                even[v] = v16_fma(p_even, v16_load_f32(row + 16 * v, len[v]), even[v]);
+                odd[v] = v16_fma(p_odd, v16_load_f32(row + stride + 16 * v, len[v]), odd[v]);
             }
         }
-        for (int v = 0; v < nv; v++) v16_store(out + c + 16 * v, acc[v], width - c - 16 * v < 16 ? width - c - 16 * v : 16);
+        if (j < n)
+            for (int v = 0; v < nv; v++)
+                even[v] = v16_fma(v16_set1(p[j]), v16_load_f32(rows + (size_t)j * stride + c + 16 * v, len[v]), even[v]);
+        for (int v = 0; v < nv; v++) v16_store(out + c + 16 * v, v16_add(even[v], odd[v]), len[v]);
     }
 }
 

@@ -89,8 +89,9 @@ float dot_cat(const float *a1, const float *b1, int n1, const float *a2, const f
 /* out[j] = dot(q, rows + j*stride, width) * scale for j < n, bit for bit (attention
  * scores: 16 rows at a time share one transposed final reduction). */
 void dot_rows(float *out, const float *q, const float *rows, size_t stride, int n, int width, float scale);
-/* out[d] = sum_j p[j] * rows[j*stride + d] for d < width, adding in ascending j (fmaf(p[j],
- * row, sum) from sum = 0), with the sums held in registers. */
+/* out[d] = sum_j p[j] * rows[j*stride + d] for d < width, in a fixed order: the even j and
+ * the odd j each in ascending j (fmaf(p[j], row, sum) from sum = 0), then even + odd. Two
+ * chains per column: one alone waits on the FMA latency at every key. */
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width);
 
 /* out = w * x / sqrt(mean(x^2) + eps); w is a vector of n (out may be x). */

@@ -358,7 +358,7 @@ static void test_rmsnorm_softmax_swiglu(void **state) {
 }
 
 /* Attention's two loops: dot_rows equals dot() * scale bit for bit (the 16-row transposed
- * reduction and the tail), weighted_sum_rows equals a scalar fmaf chain over ascending j. */
+ * reduction and the tail), weighted_sum_rows equals two scalar fmaf chains (even and odd j) added. */
 static void test_dot_rows_and_weighted_sum(void **state) {
     const int widths[] = {7, 16, 32, 48, 80, 100, 144};
     const int n = 37, stride = 150;
@@ -371,11 +371,15 @@ static void test_dot_rows_and_weighted_sum(void **state) {
             float ref = dot(q, rows + (size_t)j * stride, w) * 0.125f;
             assert_memory_equal(&out[j], &ref, sizeof(float));
         }
-        weighted_sum_rows(sum, p, rows, stride, n, w);
-        for (int d = 0; d < w; d++) {
-            float ref = 0.0f;
-            for (int j = 0; j < n; j++) ref = fmaf(p[j], rows[(size_t)j * stride + d], ref);
-            assert_memory_equal(&sum[d], &ref, sizeof(float));
+        for (int m = n - 1; m <= n; m++) {  /* an even and an odd number of rows */
+            weighted_sum_rows(sum, p, rows, stride, m, w);
+            for (int d = 0; d < w; d++) {
+                float even = 0.0f, odd = 0.0f;
+                for (int j = 0; j < m; j += 2) even = fmaf(p[j], rows[(size_t)j * stride + d], even);
+                for (int j = 1; j < m; j += 2) odd = fmaf(p[j], rows[(size_t)j * stride + d], odd);
+                float ref = even + odd;
+                assert_memory_equal(&sum[d], &ref, sizeof(float));
+            }
         }
     }
     free(rows);
