@@ -74,7 +74,7 @@ test-isa:
 test: test-unit test-isa test-py
 
 clean:
-	rm -rf $(B) build-avx2 build-portable run
+	rm -rf $(B) build-avx512 build-avx2 build-portable run
 
 # The README's first command ends here: the GQA demo, or a plain word on what weights/ holds.
 DEMO_PROMPT ?= Once upon a time
