@@ -91,8 +91,8 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
     fflush(stdout);
 
     /* Warm-up, as llama.cpp does after loading: one untimed forward of the prompt, then
-     * an empty cache. A process's first forward reads the weights from DRAM through cold
-     * TLBs (on this project's VM 2-3 ms more than the same forward run again); that is a
+     * an empty cache. A process's first forward runs cold (its weights come from DRAM; on
+     * this project's VM it took 2-3 ms more than the same forward run again); that is a
      * cost of loading, so the timed prefill below runs warm, like every decode step. The
      * arithmetic is batch-invariant, so the prefill's logits are the same bits either way. */
     double warm0 = now_ms();

@@ -730,7 +730,7 @@ def write_report(ctx):
            f"1 untimed warm-up run, then {args.reps} timed runs (C) / {args.pt_reps} (PyTorch); every cell is "
            "the median over the timed runs. Within each C run, `./run` itself does one untimed forward of the "
            "prompt before the timed prefill (its `[warm-up]` line), as llama.cpp does after loading: a "
-           "process's first forward reads the weights from DRAM through cold TLBs; PyTorch's runs happen in "
+           "process's first forward runs cold, 2-3 ms slower than the same forward again; PyTorch's runs happen in "
            "one warm process. MLA uses the absorbed form with the cache and the expanded form "
            "without (the engine's and train/model.py's default). Checkpoints: "
            + ", ".join(f"`{rel(r['info']['checkpoint'])}`" for r in results) + ".", ""]
