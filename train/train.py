@@ -12,6 +12,7 @@ kept in OUT/best.pt. OUT/last.pt lets a run resume (--resume). A CSV loss log
 """
 import argparse
 import csv
+import ctypes
 import math
 import os
 import sys
@@ -26,6 +27,20 @@ from model import VARIANTS, Config, Transformer, story_windows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOS_ID = 1
+
+
+def keep_freed_memory():
+    """glibc gives each allocation above 32 MB its own fresh mapping and unmaps it on free, so
+    every step page-faults and zero-fills its large activations and gradients again (measured:
+    ~80k page faults/s and about two thirds of the CPU time in the kernel). Serve them from the
+    heap and keep freed memory for the next step instead."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 def split_stories(tokens):
@@ -137,6 +152,7 @@ def main():
 
     torch.set_num_threads(args.threads)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16())
+    keep_freed_memory()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
