@@ -220,7 +220,11 @@ static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w,
         switch (nt) {
 #if TB >= 6
         case 6: tile(out, ldo, x, ldx, w, r0, t0, RB, 6); return;
+#endif
+#if TB >= 5
         case 5: tile(out, ldo, x, ldx, w, r0, t0, RB, 5); return;
+#endif
+#if TB >= 4
         case 4: tile(out, ldo, x, ldx, w, r0, t0, RB, 4); return;
 #endif
 #if TB >= 3
