@@ -45,7 +45,7 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
         }
     }
 
-#pragma omp parallel for schedule(dynamic, 1) if (attention_is_big(m, T, pos0))
+#pragma omp parallel for schedule(static) if (attention_is_big(m, T, pos0))
     for (int ht = 0; ht < H * T; ht++) {
         int h = ht / T, t = ht % T, g = h / group, n = pos0 + t + 1;
         const float *q = s->q + ((size_t)t * H + h) * hd;
@@ -94,7 +94,7 @@ void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T
     matmul(s->k_exp, H * hd, kv_latent(cache, l, 0), lw, w->wuk, n_keys);  /* k_C: (n_keys, H*hd) */
     matmul(s->v_exp, H * hd, kv_latent(cache, l, 0), lw, w->wuv, n_keys);  /* v:   (n_keys, H*hd) */
 
-#pragma omp parallel for schedule(dynamic, 1) if (attention_is_big(m, T, pos0))
+#pragma omp parallel for schedule(static) if (attention_is_big(m, T, pos0))
     for (int ht = 0; ht < H * T; ht++) {
         int h = ht / T, t = ht % T, n = pos0 + t + 1;
         const float *q = s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
@@ -117,7 +117,7 @@ void attn_mla_absorbed(const Model *m, RunState *s, KVCache *cache, int l, int T
 
     mla_project(m, s, cache, l, T, pos0);
 
-#pragma omp parallel for schedule(dynamic, 1) if (attention_is_big(m, T, pos0))
+#pragma omp parallel for schedule(static) if (attention_is_big(m, T, pos0))
     for (int ht = 0; ht < H * T; ht++) {
         int h = ht / T, t = ht % T, n = pos0 + t + 1;
         const float *q = s->q + ((size_t)t * H + h) * qw;          /* [q_C ; q_R] */

@@ -92,8 +92,16 @@ float dot_cat(const float *a1, const float *b1, int n1, const float *a2, const f
 void dot_rows(float *out, const float *q, const float *rows, size_t stride, int n, int width, float scale) {
     int j = 0;
     for (; j + 16 <= n; j += 16) {
-        v16 acc[16];
-        for (int i = 0; i < 16; i++) acc[i] = dot_accumulate(v16_zero(), q, rows + (size_t)(j + i) * stride, width);
+        const float *block = rows + (size_t)j * stride;
+        v16 acc[16];  /* one per row, in registers: the row loop is unrolled */
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) acc[i] = v16_zero();
+        for (int k = 0; k < width; k += 16) {  /* ascending k in every row, as dot() */
+            const int len = width - k < 16 ? width - k : 16;
+            const v16 qk = v16_load_f32(q + k, len);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) acc[i] = v16_fma(qk, v16_load_f32(block + (size_t)i * stride + k, len), acc[i]);
+        }
         float r[16];
         v16_store(r, v16_reduce16(acc), 16);
         for (int i = 0; i < 16; i++) out[j + i] = r[i] * scale;
@@ -101,28 +109,28 @@ void dot_rows(float *out, const float *q, const float *rows, size_t stride, int 
     for (; j < n; j++) out[j] = dot(q, rows + (size_t)j * stride, width) * scale;
 }
 
+/* the columns of a 16-wide slice that lie in [c, width): 0 to 16 */
+static inline int slice_len(int width, int c) { return width - c < 0 ? 0 : width - c < 16 ? width - c : 16; }
+
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
-    enum { NV = 2 };  /* 32 columns per pass, each with two chains of sums (even and odd j) */
-    for (int c = 0; c < width; c += 16 * NV) {
-        int nv = (width - c + 15) / 16 < NV ? (width - c + 15) / 16 : NV, len[NV];
-        v16 even[NV], odd[NV];
-        for (int v = 0; v < nv; v++) {
-            len[v] = width - c - 16 * v < 16 ? width - c - 16 * v : 16;
-            even[v] = odd[v] = v16_zero();
-        }
+    for (int c = 0; c < width; c += 32) {  /* 32 columns per pass (two slices), each with two chains */
+        const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
+        v16 even0 = v16_zero(), odd0 = v16_zero(), even1 = v16_zero(), odd1 = v16_zero();
+        const float *row = rows + c;
         int j = 0;
-        for (; j + 2 <= n; j += 2) {
+        for (; j + 2 <= n; j += 2, row += 2 * stride) {
             const v16 p_even = v16_set1(p[j]), p_odd = v16_set1(p[j + 1]);
-            const float *row = rows + (size_t)j * stride + c;
-            for (int v = 0; v < nv; v++) {
-                even[v] = v16_fma(p_even, v16_load_f32(row + 16 * v, len[v]), even[v]);
-                odd[v] = v16_fma(p_odd, v16_load_f32(row + stride + 16 * v, len[v]), odd[v]);
-            }
+            even0 = v16_fma(p_even, v16_load_f32(row, len0), even0);
+            odd0 = v16_fma(p_odd, v16_load_f32(row + stride, len0), odd0);
+            even1 = v16_fma(p_even, v16_load_f32(row + 16, len1), even1);
+            odd1 = v16_fma(p_odd, v16_load_f32(row + stride + 16, len1), odd1);
         }
-        if (j < n)
-            for (int v = 0; v < nv; v++)
-                even[v] = v16_fma(v16_set1(p[j]), v16_load_f32(rows + (size_t)j * stride + c + 16 * v, len[v]), even[v]);
-        for (int v = 0; v < nv; v++) v16_store(out + c + 16 * v, v16_add(even[v], odd[v]), len[v]);
+        if (j < n) {
+            even0 = v16_fma(v16_set1(p[j]), v16_load_f32(row, len0), even0);
+            even1 = v16_fma(v16_set1(p[j]), v16_load_f32(row + 16, len1), even1);
+        }
+        v16_store(out + c, v16_add(even0, odd0), len0);
+        if (len1) v16_store(out + c + 16, v16_add(even1, odd1), len1);
     }
 }
 
