@@ -38,7 +38,14 @@ typedef struct {
     DType dtype;
 } Mat;
 
-enum { MAT_GROUP_ROWS = 4, MAT_CHUNK_BYTES = 64 };
+/* Rows per group: the row block of matmul's tile (kernels.c), 8 where simd.h uses AVX-512's
+ * 32 registers, 4 otherwise. The file's layout does not depend on it (the loader packs). */
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+enum { MAT_GROUP_ROWS = 8 };
+#else
+enum { MAT_GROUP_ROWS = 4 };
+#endif
+enum { MAT_CHUNK_BYTES = 64 };
 
 /* columns in a full chunk of a packed matrix */
 int mat_chunk_cols(DType dt);
