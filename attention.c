@@ -35,24 +35,27 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
         {s->v, Hkv * hd, s->xb, dim, w->wv, T},  /* v: (T, Hkv*hd) */
     };
     matmul_jobs(qkv, 3);
-    for (int t = 0; t < T; t++) {
-        for (int h = 0; h < H; h++) rope(m, s->q + ((size_t)t * H + h) * hd, hd, pos0 + t);
-        for (int g = 0; g < Hkv; g++) {
+
+#pragma omp parallel if (attention_is_big(m, T, pos0))
+    {
+#pragma omp for schedule(static)
+        for (int tg = 0; tg < T * Hkv; tg++) {  /* the new keys (rotated) and values, into the cache */
+            int t = tg / Hkv, g = tg % Hkv;
             float *k = s->k + ((size_t)t * Hkv + g) * hd;
             rope(m, k, hd, pos0 + t);
             memcpy(kv_key(cache, l, g, pos0 + t), k, (size_t)hd * sizeof(float));
             memcpy(kv_value(cache, l, g, pos0 + t), s->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
         }
-    }
-
-#pragma omp parallel for schedule(static) if (attention_is_big(m, T, pos0))
-    for (int ht = 0; ht < H * T; ht++) {
-        int h = ht / T, t = ht % T, g = h / group, n = pos0 + t + 1;
-        const float *q = s->q + ((size_t)t * H + h) * hd;
-        float *att = att_row(m, s, h, t);
-        dot_rows(att, q, kv_key(cache, l, g, 0), hd, n, hd, scale);               /* (n) */
-        softmax(att, n);
-        weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, kv_value(cache, l, g, 0), hd, n, hd);
+#pragma omp for schedule(static)
+        for (int ht = 0; ht < H * T; ht++) {
+            int h = ht / T, t = ht % T, g = h / group, n = pos0 + t + 1;
+            float *q = s->q + ((size_t)t * H + h) * hd;
+            rope(m, q, hd, pos0 + t);
+            float *att = att_row(m, s, h, t);
+            dot_rows(att, q, kv_key(cache, l, g, 0), hd, n, hd, scale);               /* (n) */
+            softmax(att, n);
+            weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, kv_value(cache, l, g, 0), hd, n, hd);
+        }
     }
 }
 
@@ -99,8 +102,8 @@ void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T
         int h = ht / T, t = ht % T, n = pos0 + t + 1;
         const float *q = s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
         float *att = att_row(m, s, h, t);
-        for (int j = 0; j < n; j++)
-            att[j] = dot_cat(q, s->k_exp + ((size_t)j * H + h) * hd, hd, q + hd, kv_latent(cache, l, j) + dc, rd) * scale;
+        dot_rows_cat(att, n, scale, q, s->k_exp + (size_t)h * hd, (size_t)H * hd, hd,  /* (n) */
+                     q + hd, kv_latent(cache, l, 0) + dc, (size_t)lw, rd);
         softmax(att, n);
         weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, s->v_exp + (size_t)h * hd, (size_t)H * hd, n, hd);
     }

@@ -89,24 +89,34 @@ float dot_cat(const float *a1, const float *b1, int n1, const float *a2, const f
     return v16_reduce(dot_accumulate(dot_accumulate(v16_zero(), a1, b1, n1), a2, b2, n2));
 }
 
-void dot_rows(float *out, const float *q, const float *rows, size_t stride, int n, int width, float scale) {
+/* acc[i] += q[k] * (row i of block)[k] for k < width, 16 rows, ascending k in every row */
+static inline __attribute__((always_inline)) void
+rows_accumulate(v16 acc[16], const float *q, const float *block, size_t stride, int width) {
+    for (int k = 0; k < width; k += 16) {
+        const int len = width - k < 16 ? width - k : 16;
+        const v16 qk = v16_load_f32(q + k, len);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) acc[i] = v16_fma(qk, v16_load_f32(block + (size_t)i * stride + k, len), acc[i]);
+    }
+}
+
+void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, int width1,
+                  const float *q2, const float *rows2, size_t stride2, int width2) {
     int j = 0;
     for (; j + 16 <= n; j += 16) {
-        const float *block = rows + (size_t)j * stride;
-        v16 acc[16];  /* one per row, in registers: the row loop is unrolled */
+        v16 acc[16];  /* one per row, in registers: the row loops are unrolled */
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) acc[i] = v16_zero();
-        for (int k = 0; k < width; k += 16) {  /* ascending k in every row, as dot() */
-            const int len = width - k < 16 ? width - k : 16;
-            const v16 qk = v16_load_f32(q + k, len);
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) acc[i] = v16_fma(qk, v16_load_f32(block + (size_t)i * stride + k, len), acc[i]);
-        }
-        float r[16];
-        v16_store(r, v16_reduce16(acc), 16);
-        for (int i = 0; i < 16; i++) out[j + i] = r[i] * scale;
+        rows_accumulate(acc, q1, rows1 + (size_t)j * stride1, stride1, width1);
+        rows_accumulate(acc, q2, rows2 + (size_t)j * stride2, stride2, width2);  /* from lane 0 again, as dot_cat */
+        v16_store(out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
     }
-    for (; j < n; j++) out[j] = dot(q, rows + (size_t)j * stride, width) * scale;
+    for (; j < n; j++)
+        out[j] = dot_cat(q1, rows1 + (size_t)j * stride1, width1, q2, rows2 + (size_t)j * stride2, width2) * scale;
+}
+
+void dot_rows(float *out, const float *q, const float *rows, size_t stride, int n, int width, float scale) {
+    dot_rows_cat(out, n, scale, q, rows, stride, width, q, rows, stride, 0);
 }
 
 /* the columns of a 16-wide slice that lie in [c, width): 0 to 16 */

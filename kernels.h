@@ -96,6 +96,10 @@ float dot_cat(const float *a1, const float *b1, int n1, const float *a2, const f
 /* out[j] = dot(q, rows + j*stride, width) * scale for j < n, bit for bit (attention
  * scores: 16 rows at a time share one transposed final reduction). */
 void dot_rows(float *out, const float *q, const float *rows, size_t stride, int n, int width, float scale);
+/* out[j] = dot_cat(q1, rows1 + j*stride1, width1, q2, rows2 + j*stride2, width2) * scale for
+ * j < n, bit for bit: keys stored in two parts (MLA's expanded [k_C ; k_R]). */
+void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, int width1,
+                  const float *q2, const float *rows2, size_t stride2, int width2);
 /* out[d] = sum_j p[j] * rows[j*stride + d] for d < width, in a fixed order: the even j and
  * the odd j each in ascending j (fmaf(p[j], row, sum) from sum = 0), then even + odd. Two
  * chains per column: one alone waits on the FMA latency at every key. */

@@ -357,8 +357,9 @@ static void test_rmsnorm_softmax_swiglu(void **state) {
     free(x);
 }
 
-/* Attention's two loops: dot_rows equals dot() * scale bit for bit (the 16-row transposed
- * reduction and the tail), weighted_sum_rows equals two scalar fmaf chains (even and odd j) added. */
+/* Attention's two loops: dot_rows (dot_rows_cat) equals dot() (dot_cat()) * scale bit for
+ * bit (the 16-row transposed reduction and the tail), weighted_sum_rows equals two scalar
+ * fmaf chains (even and odd j) added. */
 static void test_dot_rows_and_weighted_sum(void **state) {
     const int widths[] = {7, 16, 32, 48, 80, 100, 144};
     const int n = 37, stride = 150;
@@ -369,6 +370,12 @@ static void test_dot_rows_and_weighted_sum(void **state) {
         dot_rows(out, q, rows, stride, n, w, 0.125f);
         for (int j = 0; j < n; j++) {
             float ref = dot(q, rows + (size_t)j * stride, w) * 0.125f;
+            assert_memory_equal(&out[j], &ref, sizeof(float));
+        }
+        /* keys in two parts (rows of two tables), as MLA's expanded [k_C ; k_R] */
+        dot_rows_cat(out, n, 0.25f, q, rows, stride, w, q + 5, rows + 144, 3, 5);
+        for (int j = 0; j < n; j++) {
+            float ref = dot_cat(q, rows + (size_t)j * stride, w, q + 5, rows + 144 + (size_t)j * 3, 5) * 0.25f;
             assert_memory_equal(&out[j], &ref, sizeof(float));
         }
         for (int m = n - 1; m <= n; m++) {  /* an even and an odd number of rows */
