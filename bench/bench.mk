@@ -24,6 +24,10 @@ bench: run build/roofline
 	$(PYTHON) bench/bench.py --reps $(BENCH_REPS) --pt-reps $(BENCH_PT_REPS) --out $(BENCH_OUT) --cc "$(CC)" \
 	  $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
+# the matmul kernel alone on the model's shapes (bench/matmul.c); not part of `make bench`
+build/matmul_bench: bench/matmul.c $(B)/kernels.o kernels.h
+	$(CC) $(CFLAGS) -I. $< $(B)/kernels.o -o $@ -lm
+
 build/roofline: bench/roofline.c
 	@mkdir -p build
 	$(CC) -O3 -march=native -fopenmp -std=c11 $< -o $@

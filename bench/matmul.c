@@ -1,0 +1,84 @@
+/* matmul.c: the engine's matmul alone, on the model's weight shapes, in GFLOP/s.
+ *
+ *   build/matmul_bench [--threads N] [--reps R]
+ *
+ * For each shape (rows x cols of a bf16 weight, packed as the loader packs it) and token
+ * count T: best and median of R timed calls (default 30) after one untimed call, with the
+ * weights and activations already in cache, as they are inside a no-KV step. T = 1 is a
+ * cached decode step's product; T = 3 one token block; 64 to 256 the products of a step
+ * without the cache. 2 * rows * cols * T FLOPs per call. Compare with roofline's
+ * peak_best_GFLOPs (`build/roofline`): the kernel's share of the peak, without attention,
+ * norms or thread waits. --threads 1 gives one core's figure. */
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    int reps = 30;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) omp_set_num_threads(atoi(argv[++i]));
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "usage: matmul_bench [--threads N] [--reps R]\n");
+            return 2;
+        }
+    }
+    if (reps < 1 || reps > 100000) {
+        fprintf(stderr, "matmul_bench: --reps must be 1 to 100000\n");
+        return 2;
+    }
+    static const struct { const char *name; int rows, cols; } shapes[] = {
+        {"wq 512x512", 512, 512}, {"w1 1344x512", 1344, 512}, {"w2 512x1344", 512, 1344}, {"head 4096x512", 4096, 512},
+    };
+    static const int token_counts[] = {1, 3, 64, 128, 256};
+    double *times = malloc((size_t)reps * sizeof *times);
+    printf("kernels %s, %d threads, %d reps\n", kernels_simd_name(), omp_get_max_threads(), reps);
+    printf("%-14s %4s %10s %12s %14s\n", "shape", "T", "best ms", "best GFLOP/s", "median GFLOP/s");
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int rows = shapes[s].rows, cols = shapes[s].cols;
+        bf16 *raw = malloc((size_t)rows * cols * sizeof(bf16)), *packed = malloc((size_t)rows * cols * sizeof(bf16));
+        for (size_t i = 0; i < (size_t)rows * cols; i++) raw[i] = (bf16)(0x3C00 + i % 97);  /* ~0.008 to 0.02 */
+        mat_pack(packed, raw, rows, cols, DTYPE_BF16);
+        Mat w = {packed, rows, cols, DTYPE_BF16};
+        for (size_t k = 0; k < sizeof token_counts / sizeof token_counts[0]; k++) {
+            const int T = token_counts[k];
+            float *x = alloc_floats_touched((size_t)T * cols), *out = alloc_floats_touched((size_t)T * rows);
+            if (!times || !raw || !packed || !x || !out) {
+                fprintf(stderr, "matmul_bench: out of memory\n");
+                return 1;
+            }
+            for (size_t i = 0; i < (size_t)T * cols; i++) x[i] = 1e-3f * (float)(i % 113);
+            matmul(out, rows, x, cols, w, T);  /* untimed */
+            for (int r = 0; r < reps; r++) {
+                double t0 = now_s();
+                matmul(out, rows, x, cols, w, T);
+                times[r] = now_s() - t0;
+            }
+            qsort(times, (size_t)reps, sizeof *times, cmp_double);
+            double flop = 2.0 * rows * cols * T;
+            printf("%-14s %4d %10.4f %12.1f %14.1f\n", shapes[s].name, T, 1e3 * times[0], flop / times[0] * 1e-9,
+                   flop / times[reps / 2] * 1e-9);
+            free(x);
+            free(out);
+        }
+        free(raw);
+        free(packed);
+    }
+    free(times);
+    return 0;
+}
