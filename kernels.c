@@ -340,28 +340,25 @@ void rmsnorm(float *out, const float *x, Mat w, int n, float eps) {
 void softmax(float *x, int n) {
     int full = n / 16 * 16, tail = n - full;
     float max = x[0];
-    if (full) {  /* max is exact in any order */
-        v16 m = v16_load_f32(x, 16);
-        for (int i = 16; i < full; i += 16) m = v16_max(m, v16_load_f32(x + i, 16));
+    if (n >= 16) {  /* max is exact in any order: the last 16 elements overlap the blocks */
+        v16 m = v16_load_f32(x + n - 16, 16);
+        for (int i = 0; i < full; i += 16) m = v16_max(m, v16_load_f32(x + i, 16));
         float lanes[16];
         v16_store(lanes, m, 16);
         for (int l = 0; l < 16; l++) max = lanes[l] > max ? lanes[l] : max;
+    } else {
+        for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
     }
-    for (int i = full; i < n; i++) max = x[i] > max ? x[i] : max;
-    const v16 shift = v16_set1(-max);
+    const v16 shift = v16_set1(-max), zero = v16_zero();
     v16 sum = v16_zero();  /* element i in lane i % 16, as in every canonical sum */
     for (int i = 0; i < full; i += 16) {
         v16 e = v16_exp_nonpositive(v16_add(v16_load_f32(x + i, 16), shift));
         v16_store(x + i, e, 16);
         sum = v16_add(sum, e);
     }
-    if (tail) {  /* the other lanes hold max (e^0), then count as 0 */
-        float e[16];
-        for (int l = 0; l < 16; l++) e[l] = l < tail ? x[full + l] : max;
-        v16_store(e, v16_exp_nonpositive(v16_add(v16_load_f32(e, 16), shift)), 16);
-        for (int l = tail; l < 16; l++) e[l] = 0.0f;
-        memcpy(x + full, e, (size_t)tail * sizeof(float));
-        sum = v16_add(sum, v16_load_f32(e, 16));
+    if (tail) {  /* lanes past the end: e^min(0, -max), not stored, and reloaded as 0 (min keeps a NaN) */
+        v16_store(x + full, v16_exp_nonpositive(v16_min(zero, v16_add(v16_load_f32(x + full, tail), shift))), tail);
+        sum = v16_add(sum, v16_load_f32(x + full, tail));
     }
     const v16 inv = v16_set1(1.0f / v16_reduce(sum));
     for (int i = 0; i < n; i += 16) v16_store(x + i, v16_mul(v16_load_f32(x + i, n - i), inv), n - i);
