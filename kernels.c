@@ -173,6 +173,7 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
  * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains. */
 #define RB MAT_GROUP_ROWS
 #define TB 3
+_Static_assert(TB == 3, "tile_any has one case per token count, 1 to TB");
 _Static_assert(MAT_CHUNK_BYTES == 64, "a full bf16 chunk is 16 pairs, a full fp32 chunk 16 columns");
 
 /* acc[t][slot] += w * x[t0 + t][col .. col + n) for the tile's tokens: one weight register
@@ -242,19 +243,8 @@ tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0,
 
 static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, int nr, int nt) {
     if (nr == RB) {
-        switch (nt) {
-#if TB >= 6
-        case 6: tile(out, ldo, x, ldx, w, r0, t0, RB, 6); return;
-#endif
-#if TB >= 5
-        case 5: tile(out, ldo, x, ldx, w, r0, t0, RB, 5); return;
-#endif
-#if TB >= 4
-        case 4: tile(out, ldo, x, ldx, w, r0, t0, RB, 4); return;
-#endif
-#if TB >= 3
+        switch (nt) {  /* nt <= TB = 3 */
         case 3: tile(out, ldo, x, ldx, w, r0, t0, RB, 3); return;
-#endif
         case 2: tile(out, ldo, x, ldx, w, r0, t0, RB, 2); return;
         default: tile(out, ldo, x, ldx, w, r0, t0, RB, 1); return;
         }
