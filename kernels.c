@@ -238,6 +238,14 @@ tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0,
                 for (int t = 0; t < nt; t++) parts[r][t][p] = acc[r][t][0];
         }
     }
+    if (nr == 8) {  /* a full AVX-512 group: a token's 8 outputs are adjacent, reduced side by side */
+        for (int t = 0; t < nt; t++) {
+            v16 a[8];
+            for (int r = 0; r < 8; r++) a[r] = v16_from_parts(parts[r][t]);
+            v16_reduce8_store(out + (size_t)(t0 + t) * ldo + r0, a);
+        }
+        return;
+    }
     for (int t = 0; t < nt; t++)
         for (int r = 0; r < nr; r++) out[(size_t)(t0 + t) * ldo + r0 + r] = v16_reduce(v16_from_parts(parts[r][t]));
 }

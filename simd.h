@@ -109,6 +109,24 @@ static inline v16 v16_reduce16(const v16 a[16]) {
     return _mm512_permutexvar_ps(order, r);  /* lane j: a(j) */
 }
 
+/* out[j] = v16_reduce(a[j]) for j < 8: v16_reduce16's tree on 8 vectors side by side */
+static inline void v16_reduce8_store(float *out, const v16 a[8]) {
+    __m512 s8[4], s4[2];
+    for (int i = 0; i < 4; i++)  /* [a(2i) l+(l+8) ; a(2i+1) l+(l+8)], l < 8 */
+        s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)  /* 128-bit block b: a(4i+b) l+(l+4), l < 4 */
+        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* block b: [a(b) l+(l+2) ; a(b+4) l+(l+2)], l < 2 */
+    __m512d x = _mm512_castps_pd(s4[0]), y = _mm512_castps_pd(s4[1]);
+    __m512 s2 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    /* block b: [a(b), a(b+4), a(b), a(b+4)], each lane 0 + lane 1 */
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r)));  /* lane j: a(j) */
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SIMD_NAME "avx2"
@@ -216,6 +234,8 @@ static inline v16 v16_reduce16(const v16 a[16]) {
     v16 r = {avx2_reduce8(a), avx2_reduce8(a + 8)};
     return r;
 }
+/* out[j] = v16_reduce(a[j]) for j < 8 */
+static inline void v16_reduce8_store(float *out, const v16 a[8]) { _mm256_storeu_ps(out, avx2_reduce8(a)); }
 
 #else
 #define SIMD_NAME "portable"
@@ -283,6 +303,10 @@ static inline v16 v16_reduce16(const v16 a[16]) {
     v16 r;
     for (int j = 0; j < 16; j++) r.x[j] = v16_reduce(a[j]);
     return r;
+}
+/* out[j] = v16_reduce(a[j]) for j < 8 */
+static inline void v16_reduce8_store(float *out, const v16 a[8]) {
+    for (int j = 0; j < 8; j++) out[j] = v16_reduce(a[j]);
 }
 #endif
 
