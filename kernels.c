@@ -296,22 +296,40 @@ static void thread_share(long n, long *lo, long *hi) {
 /* Small products are not worth waking the other threads. */
 static int worth_threads(long work) { return work >= 32768; }
 
+/* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges. */
+static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi) {
+    long base = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        const MatmulJob *jb = &jobs[j];
+        long n = (jb->w.rows + RB - 1) / RB, a = lo > base ? lo : base, b = hi < base + n ? hi : base + n;
+        if (a < b) matmul_rows(jb->out, jb->ldo, jb->x, jb->ldx, &jb->w, jb->T, (int)(a - base), (int)(b - base));
+        base += n;
+    }
+}
+
+/* Tiles per claim when the threads take tiles as they go: for more than two token blocks
+ * (a no-KV step), where a tile is microseconds of work and a claim ~0.1 us. With an even
+ * static split the main thread waited at the barriers for 7.5% of a no-KV step's samples
+ * (perf, MHA; the two cores do not run at the same speed on this VM); claimed, each
+ * thread waits ~2%. Decode keeps one contiguous share per thread: w streams from memory. */
+enum { CLAIM_TILES = 4 };
+
 void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
     long tiles = 0, work = 0;
     for (int j = 0; j < n_jobs; j++) {
         tiles += (jobs[j].w.rows + RB - 1) / RB;
         work += (long)jobs[j].T * jobs[j].w.rows * jobs[j].w.cols;
     }
+    const int claims = jobs[0].T > 2 * TB;
 #pragma omp parallel if (worth_threads(work))
     {
-        /* this thread's range of the concatenated tile list, cut at the products' edges */
-        long lo, hi, base = 0;
-        thread_share(tiles, &lo, &hi);
-        for (int j = 0; j < n_jobs; j++) {
-            const MatmulJob *jb = &jobs[j];
-            long n = (jb->w.rows + RB - 1) / RB, a = lo > base ? lo : base, b = hi < base + n ? hi : base + n;
-            if (a < b) matmul_rows(jb->out, jb->ldo, jb->x, jb->ldx, &jb->w, jb->T, (int)(a - base), (int)(b - base));
-            base += n;
+        if (claims) {
+#pragma omp for schedule(dynamic) nowait
+            for (long c = 0; c < tiles; c += CLAIM_TILES) jobs_tiles(jobs, n_jobs, c, c + CLAIM_TILES < tiles ? c + CLAIM_TILES : tiles);
+        } else {
+            long lo, hi;
+            thread_share(tiles, &lo, &hi);
+            jobs_tiles(jobs, n_jobs, lo, hi);
         }
     }
 }
@@ -321,16 +339,27 @@ void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
     matmul_jobs(&job, 1);
 }
 
+/* Tiles [lo, hi) of both up projections, then SwiGLU on the rows they wrote. */
+static void swiglu_tiles(float *h1, float *h3, const float *x, int ldx, const Mat *w1, const Mat *w3, int T, long lo, long hi) {
+    const int F = w1->rows;
+    matmul_rows(h1, F, x, ldx, w1, T, (int)lo, (int)hi);
+    matmul_rows(h3, F, x, ldx, w3, T, (int)lo, (int)hi);
+    int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;
+    for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
+}
+
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
-    const int F = w1.rows, tiles = (F + RB - 1) / RB;
-#pragma omp parallel if (worth_threads((long)T * F * w1.cols))
+    const long tiles = (w1.rows + RB - 1) / RB;
+#pragma omp parallel if (worth_threads((long)T * w1.rows * w1.cols))
     {
-        long lo, hi;
-        thread_share(tiles, &lo, &hi);
-        matmul_rows(h1, F, x, ldx, &w1, T, (int)lo, (int)hi);
-        matmul_rows(h3, F, x, ldx, &w3, T, (int)lo, (int)hi);
-        int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;  /* the rows this thread wrote */
-        for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
+        if (T > 2 * TB) {
+#pragma omp for schedule(dynamic) nowait
+            for (long c = 0; c < tiles; c += CLAIM_TILES) swiglu_tiles(h1, h3, x, ldx, &w1, &w3, T, c, c + CLAIM_TILES < tiles ? c + CLAIM_TILES : tiles);
+        } else {
+            long lo, hi;
+            thread_share(tiles, &lo, &hi);
+            swiglu_tiles(h1, h3, x, ldx, &w1, &w3, T, lo, hi);
+        }
     }
 }
 

@@ -72,8 +72,9 @@ void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T);
 /* The same, on the calling thread only (for use inside a parallel region). */
 void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T);
 /* Independent products in one parallel region (one fork and join instead of n; a decode
- * step makes ~37 of them otherwise): the row tiles of all of them, split evenly over the
- * threads. Each output is computed exactly as matmul computes it. */
+ * step makes ~37 of them otherwise): the row tiles of all of them, one contiguous share per
+ * thread for one or two token blocks, else claimed a few at a time by whichever thread is
+ * free. Each output is computed exactly as matmul computes it, by one thread. */
 typedef struct {
     float *out;
     int ldo;

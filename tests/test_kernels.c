@@ -200,9 +200,9 @@ static void test_matmul_batch_invariant(void **state) {
 
 /* matmul_jobs gives every product exactly what matmul gives it, whatever the thread count
  * and wherever the threads' shares cut the concatenated tile list; matmul_swiglu equals
- * matmul, matmul and swiglu */
-static void test_matmul_jobs_and_swiglu(void **state) {
-    const int T = 7, cols = 96, rows[3] = {37, 8, 64};
+ * matmul, matmul and swiglu. T tokens; cols is wide enough that every call is threaded. */
+static void check_jobs_and_swiglu(int T) {
+    const int cols = 288, rows[3] = {37, 8, 64};
     float *x = random_floats(T * cols, 41);
     Mat w[3];
     uint16_t *wb[3];
@@ -250,6 +250,11 @@ static void test_matmul_jobs_and_swiglu(void **state) {
         free(got[j]);
     }
     free(x);
+}
+
+static void test_matmul_jobs_and_swiglu(void **state) {
+    check_jobs_and_swiglu(2);  /* two token blocks: each thread one contiguous share */
+    check_jobs_and_swiglu(7);  /* more: the threads claim tiles as they go */
 }
 
 static void test_matmul_thread_invariant(void **state) {
