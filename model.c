@@ -387,33 +387,47 @@ void runstate_free(RunState *s) {
 
 /* ---- the forward pass ---- */
 
+/* Rows t < T of the residual stream (T, dim): x += dx (unless dx is NULL), then
+ * out = RMSNorm(x) w. out may be dx. One parallel loop over rows for a long batch (the
+ * serial version took 0.21 ms of a no-KV step, with the other thread idle). */
+static void residual_rmsnorm(float *x, const float *dx, float *out, Mat w, int T, const Config *c) {
+    const int D = c->dim;
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        float *row = x + (size_t)t * D;
+        if (dx)
+            for (int i = 0; i < D; i++) row[i] += dx[(size_t)t * D + i];
+        rmsnorm(out + (size_t)t * D, row, w, D, c->norm_eps);
+    }
+}
+
 void model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, int pos0,
                    float *logits, int all_logits) {
     const Config *c = &m->cfg;
     const int D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
 
     for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, tokens[t]);  /* x: (T, D) */
+    residual_rmsnorm(s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c);  /* xb = RMSNorm(x): (T, D) */
 
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
-        /* x += W_O Attn(RMSNorm(x)) */
-        for (int t = 0; t < T; t++) rmsnorm(s->xb + (size_t)t * D, s->x + (size_t)t * D, w->attn_norm, D, c->norm_eps);
+        /* x += W_O Attn(xb), then xb = RMSNorm(x) */
         if (c->variant != VARIANT_MLA) attn_kv_heads(m, s, cache, l, T, pos0);
         else if (s->mla_absorb) attn_mla_absorbed(m, s, cache, l, T, pos0);
         else attn_mla_expanded(m, s, cache, l, T, pos0);
         matmul(s->xb, D, s->heads, HD, w->wo, T);                      /* (T, D) */
-        for (size_t i = 0; i < (size_t)T * D; i++) s->x[i] += s->xb[i];
+        residual_rmsnorm(s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
-        /* x += W2 (silu(W1 h) * W3 h), h = RMSNorm(x) */
-        for (int t = 0; t < T; t++) rmsnorm(s->xb + (size_t)t * D, s->x + (size_t)t * D, w->ffn_norm, D, c->norm_eps);
-        matmul_swiglu(s->hb, s->hb2, s->xb, D, w->w1, w->w3, T);       /* hb = silu(W1 h) * W3 h: (T, F) */
+        /* x += W2 (silu(W1 xb) * W3 xb), then xb = RMSNorm(x), with the next layer's norm
+         * or the final one */
+        matmul_swiglu(s->hb, s->hb2, s->xb, D, w->w1, w->w3, T);       /* hb = silu(W1 xb) * W3 xb: (T, F) */
         matmul(s->xb, D, s->hb, F, w->w2, T);                          /* (T, D) */
-        for (size_t i = 0; i < (size_t)T * D; i++) s->x[i] += s->xb[i];
+        Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
+        residual_rmsnorm(s->x, s->xb, s->xb, next_norm, T, c);
     }
     cache->len = pos0 + T;
 
-    /* final norm and the tied head, for the last token or for all */
-    int first = all_logits ? 0 : T - 1, n = T - first;
-    for (int t = first; t < T; t++) rmsnorm(s->xb + (size_t)t * D, s->x + (size_t)t * D, m->w.final_norm, D, c->norm_eps);
-    matmul(logits, c->vocab_size, s->xb + (size_t)first * D, D, m->w.tok_embeddings, n);
+    /* the tied head, for the last token or for all */
+    int first = all_logits ? 0 : T - 1;
+    matmul(logits, c->vocab_size, s->xb + (size_t)first * D, D, m->w.tok_embeddings, T - first);
 }
