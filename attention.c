@@ -89,23 +89,26 @@ void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T
     const Config *c = &m->cfg;
     const LayerWeights *w = &m->w.layers[l];
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd;
-    const int lw = dc + rd, n_keys = pos0 + T;
+    const int lw = dc + rd, n_keys = pos0 + T, es = mla_exp_stride(c);
     const float scale = 1.0f / sqrtf((float)qw);
 
     mla_project(m, s, cache, l, T, pos0);
     /* rows of the cache are [c ; k_R]: the products read the first dc floats of each */
-    matmul(s->k_exp, H * hd, kv_latent(cache, l, 0), lw, w->wuk, n_keys);  /* k_C: (n_keys, H*hd) */
-    matmul(s->v_exp, H * hd, kv_latent(cache, l, 0), lw, w->wuv, n_keys);  /* v:   (n_keys, H*hd) */
+    const MatmulJob expand[] = {
+        {s->k_exp, es, kv_latent(cache, l, 0), lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
+        {s->v_exp, es, kv_latent(cache, l, 0), lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
+    };
+    matmul_jobs(expand, 2);
 
 #pragma omp parallel for schedule(static) if (attention_is_big(m, T, pos0))
     for (int ht = 0; ht < H * T; ht++) {
         int h = ht / T, t = ht % T, n = pos0 + t + 1;
         const float *q = s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
         float *att = att_row(m, s, h, t);
-        dot_rows_cat(att, n, scale, q, s->k_exp + (size_t)h * hd, (size_t)H * hd, hd,  /* (n) */
+        dot_rows_cat(att, n, scale, q, s->k_exp + (size_t)h * hd, (size_t)es, hd,  /* (n) */
                      q + hd, kv_latent(cache, l, 0) + dc, (size_t)lw, rd);
         softmax(att, n);
-        weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, s->v_exp + (size_t)h * hd, (size_t)H * hd, n, hd);
+        weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, s->v_exp + (size_t)h * hd, (size_t)es, n, hd);
     }
 }
 

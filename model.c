@@ -352,7 +352,7 @@ int runstate_init(RunState *s, const Config *c) {
     struct { float **p; size_t n; } bufs[] = {
         {&s->x, T * c->dim}, {&s->xb, T * c->dim}, {&s->heads, T * H * hd}, {&s->q, T * H * q_width},
         {&s->k, T * kv}, {&s->v, T * kv}, {&s->latent, T * dc}, {&s->k_rope, T * rd},
-        {&s->k_exp, dc ? T * H * hd : 0}, {&s->v_exp, dc ? T * H * hd : 0},
+        {&s->k_exp, dc ? T * (size_t)mla_exp_stride(c) : 0}, {&s->v_exp, dc ? T * (size_t)mla_exp_stride(c) : 0},
         {&s->q_abs, T * H * (dc + rd)}, {&s->ctx_lat, T * H * dc}, {&s->att, H * T * T},
         {&s->hb, T * c->hidden_dim}, {&s->hb2, T * c->hidden_dim}, {&s->logits, T * c->vocab_size},
     };

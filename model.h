@@ -78,7 +78,7 @@ typedef struct {
     float *k, *v;       /* (T, n_kv_heads*head_dim) new keys and values (MHA, GQA, MQA) */
     float *latent;      /* (T, kv_latent) new latents c (MLA) */
     float *k_rope;      /* (T, rope_dim) new shared RoPE keys (MLA) */
-    float *k_exp, *v_exp; /* (max_seq_len, n_heads*head_dim) expanded keys/values (MLA, expand form) */
+    float *k_exp, *v_exp; /* (max_seq_len, mla_exp_stride) expanded keys/values (MLA, expand form) */
     float *q_abs;       /* (T, n_heads, kv_latent+rope_dim) absorbed queries [W_UK,h^T q_C ; q_R] (MLA) */
     float *ctx_lat;     /* (T, n_heads, kv_latent) attention-weighted latents (MLA, absorbed form) */
     float *att;         /* (n_heads, T, max_seq_len) attention scores, then probabilities */
@@ -87,6 +87,11 @@ typedef struct {
     int *tokens;        /* (max_seq_len + 1) the ids of the sequence being generated */
     int mla_absorb;     /* MLA: 1 = absorbed form, 0 = expanded form */
 } RunState;
+
+/* Row stride of k_exp and v_exp: n_heads*head_dim and 16 floats more. A head reads its
+ * slice of every row; at a stride of 2 KB (512 floats) those slices all fall in 2 of L1's
+ * 64 sets and evict each other long before the next query reads them again. */
+static inline int mla_exp_stride(const Config *c) { return c->n_heads * c->head_dim + 16; }
 
 /* Loads and checks a checkpoint (docs/FORMAT.md). On failure returns -1 and writes one
  * sentence into err. */
