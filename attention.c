@@ -74,6 +74,7 @@ static void mla_project(const Model *m, RunState *s, KVCache *cache, int l, int 
         {s->k_rope, rd, s->xb, c->dim, w->wkr, T},      /* k_R: (T, rd) */
     };
     matmul_jobs(projections, 3);
+#pragma omp parallel for schedule(static) if (T >= 64)
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++) rope(m, s->q + ((size_t)t * H + h) * qw + c->head_dim, rd, pos0 + t);
         float *row = kv_latent(cache, l, pos0 + t);
