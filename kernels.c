@@ -100,8 +100,50 @@ rows_accumulate(v16 acc[16], const float *q, const float *block, size_t stride, 
     }
 }
 
+/* dot_rows_cat for widths known at compile time (the callers below pass constants): q1
+ * and q2 stay in registers, and each part's rows are walked by one pointer that steps by
+ * its stride (the asm hides the pointer's value, or GCC keeps 16 row addresses and spills
+ * them). On one core, 32-wide keys: 0.51 ns per key against 0.73 for the loop over a
+ * runtime width below. Same order in every row: part 1, then part 2 from lane 0 again. */
+static inline __attribute__((always_inline)) void
+dot_rows_fixed(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, const int width1,
+               const float *q2, const float *rows2, size_t stride2, const int width2) {
+    enum { MAX_CHUNKS = 9 };  /* widths up to 144 */
+    const int c1 = (width1 + 15) / 16, c2 = (width2 + 15) / 16;
+    v16 q1c[MAX_CHUNKS], q2c[MAX_CHUNKS];
+    for (int c = 0; c < c1; c++) q1c[c] = v16_load_f32(q1 + 16 * c, width1 - 16 * c);
+    for (int c = 0; c < c2; c++) q2c[c] = v16_load_f32(q2 + 16 * c, width2 - 16 * c);
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const float *row1 = rows1 + (size_t)j * stride1, *row2 = rows2 + (size_t)j * stride2;
+        v16 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            v16 a = v16_zero();
+            for (int c = 0; c < c1; c++) a = v16_fma(q1c[c], v16_load_f32(row1 + 16 * c, width1 - 16 * c), a);
+            for (int c = 0; c < c2; c++) a = v16_fma(q2c[c], v16_load_f32(row2 + 16 * c, width2 - 16 * c), a);
+            acc[i] = a;
+            row1 += stride1;
+            row2 += stride2;
+            __asm__("" : "+r"(row1), "+r"(row2));
+        }
+        v16_store(out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
+    }
+    for (; j < n; j++)
+        out[j] = dot_cat(q1, rows1 + (size_t)j * stride1, width1, q2, rows2 + (size_t)j * stride2, width2) * scale;
+}
+
 void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, int width1,
                   const float *q2, const float *rows2, size_t stride2, int width2) {
+    /* the shipped checkpoints' widths: 32 (MHA, GQA, MQA keys), 32 + 16 (MLA expanded
+     * [k_C ; k_R]), 80 and 144 (MLA absorbed [c ; k_R]) */
+#define FIXED(w1, w2) \
+    if (width1 == (w1) && width2 == (w2)) return dot_rows_fixed(out, n, scale, q1, rows1, stride1, w1, q2, rows2, stride2, w2)
+    FIXED(32, 0);
+    FIXED(32, 16);
+    FIXED(80, 0);
+    FIXED(144, 0);
+#undef FIXED
     int j = 0;
     for (; j + 16 <= n; j += 16) {
         v16 acc[16];  /* one per row, in registers: the row loops are unrolled */

@@ -378,10 +378,12 @@ static void test_dot_rows_and_weighted_sum(void **state) {
             assert_memory_equal(&out[j], &ref, sizeof(float));
         }
         /* keys in two parts (rows of two tables), as MLA's expanded [k_C ; k_R] */
-        dot_rows_cat(out, n, 0.25f, q, rows, stride, w, q + 5, rows + 144, 3, 5);
-        for (int j = 0; j < n; j++) {
-            float ref = dot_cat(q, rows + (size_t)j * stride, w, q + 5, rows + 144 + (size_t)j * 3, 5) * 0.25f;
-            assert_memory_equal(&out[j], &ref, sizeof(float));
+        for (int w2 = 5; w2 <= 16; w2 += 11) {
+            dot_rows_cat(out, n, 0.25f, q, rows, stride, w, q + 5, rows + 130, 3, w2);
+            for (int j = 0; j < n; j++) {
+                float ref = dot_cat(q, rows + (size_t)j * stride, w, q + 5, rows + 130 + (size_t)j * 3, w2) * 0.25f;
+                assert_memory_equal(&out[j], &ref, sizeof(float));
+            }
         }
         for (int m = n - 1; m <= n; m++) {  /* an even and an odd number of rows */
             weighted_sum_rows(sum, p, rows, stride, m, w);
