@@ -72,9 +72,10 @@ void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T);
 /* The same, on the calling thread only (for use inside a parallel region). */
 void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T);
 /* Independent products in one parallel region (one fork and join instead of n; a decode
- * step makes ~37 of them otherwise): the row tiles of all of them, one contiguous share per
- * thread for one or two token blocks, else claimed a few at a time by whichever thread is
- * free. Each output is computed exactly as matmul computes it, by one thread. */
+ * step makes ~37 of them otherwise). For one or two token blocks (decode, the prompt) the
+ * threads split the row tiles of all of them; for more, each thread computes every row
+ * for its share of the tokens. Each output is computed exactly as matmul computes it, by
+ * one thread. */
 typedef struct {
     float *out;
     int ldo;
@@ -85,8 +86,9 @@ typedef struct {
 } MatmulJob;
 void matmul_jobs(const MatmulJob *jobs, int n_jobs);
 /* The FFN's up projections: h1 = silu(W1 x) * (W3 x), h3 = W3 x, both (T, w1.rows). A
- * thread computes the same rows of both products and applies SwiGLU to them, so no
- * barrier separates the three. */
+ * thread computes the same outputs of both products (the same rows, or for a long batch
+ * the same tokens, as matmul_jobs splits them) and applies SwiGLU to them, so no barrier
+ * separates the three. */
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T);
 
 /* sum_i a[i] b[i] in the canonical order. */

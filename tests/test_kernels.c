@@ -253,8 +253,8 @@ static void check_jobs_and_swiglu(int T) {
 }
 
 static void test_matmul_jobs_and_swiglu(void **state) {
-    check_jobs_and_swiglu(2);  /* two token blocks: each thread one contiguous share */
-    check_jobs_and_swiglu(7);  /* more: the threads claim tiles as they go */
+    check_jobs_and_swiglu(2);  /* two token blocks: split by rows */
+    check_jobs_and_swiglu(7);  /* more: split by tokens (3 blocks: with 4 or 5 threads some get none) */
 }
 
 static void test_matmul_thread_invariant(void **state) {
