@@ -352,12 +352,14 @@ static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi) {
 /* How a product is split over the threads.
  * One or two token blocks (decode, the prompt): by rows, a contiguous share of the tiles
  * per thread, so each thread streams its part of w from memory once.
- * More (a no-KV step): by tokens, every row for a contiguous share of the token blocks.
- * A thread's part of x is then half of x (W2's input at 256 tokens: 0.7 of 1.4 MB, for a
- * 1 MB L2), and its rows of x and of the output are those residual_rmsnorm and the next
- * product handle on the same thread. MHA no-KV step 12.30 -> 12.02 ms against the rows
- * split in claims of 4 tiles (7 alternated runs); token chunks claimed as the threads
- * went ran at 13.06. */
+ * More (a no-KV step): by tokens, every row for a contiguous share of the token blocks,
+ * so a thread's part of x is half of x (W2's input at 256 tokens: 0.7 of 1.4 MB, for a
+ * 1 MB L2) and mostly written on the same thread (residual_rmsnorm splits rows alike).
+ * MHA no-KV step 12.30 -> 12.02 ms against rows claimed 4 tiles at a time (7 alternated
+ * runs); token chunks claimed as the threads went ran at 13.06. matmul_swiglu stays by
+ * rows: by tokens each thread would stream all 2.7 MB of W1 and W3, and the step ran
+ * 12.22 ms against 11.78 with it by rows (static shares; claimed rows 12.22 against
+ * 12.06). */
 static int split_by_tokens(int T) { return T > 2 * TB; }
 
 /* This thread's share [*lo, *hi) of T tokens, in whole token blocks (may be empty). */
@@ -400,25 +402,15 @@ void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
 }
 
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
-    const int F = w1.rows, tiles = (F + RB - 1) / RB;
+    const int F = w1.rows;
 #pragma omp parallel if (worth_threads((long)T * F * w1.cols))
     {
-        if (split_by_tokens(T)) {  /* all rows of this thread's tokens */
-            int lo, hi;
-            token_share(T, &lo, &hi);
-            if (lo < hi) {
-                matmul_rows(h1 + (size_t)lo * F, F, x + (size_t)lo * ldx, ldx, &w1, hi - lo, 0, tiles);
-                matmul_rows(h3 + (size_t)lo * F, F, x + (size_t)lo * ldx, ldx, &w3, hi - lo, 0, tiles);
-                swiglu(h1 + (size_t)lo * F, h3 + (size_t)lo * F, (hi - lo) * F);
-            }
-        } else {  /* this thread's rows of every token */
-            long lo, hi;
-            thread_share(tiles, &lo, &hi);
-            matmul_rows(h1, F, x, ldx, &w1, T, (int)lo, (int)hi);
-            matmul_rows(h3, F, x, ldx, &w3, T, (int)lo, (int)hi);
-            int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;
-            for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
-        }
+        long lo, hi;  /* by rows, whatever T: see split_by_tokens */
+        thread_share((F + RB - 1) / RB, &lo, &hi);
+        matmul_rows(h1, F, x, ldx, &w1, T, (int)lo, (int)hi);
+        matmul_rows(h3, F, x, ldx, &w3, T, (int)lo, (int)hi);
+        int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;  /* the rows this thread wrote */
+        for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
     }
 }
 

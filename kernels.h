@@ -86,9 +86,8 @@ typedef struct {
 } MatmulJob;
 void matmul_jobs(const MatmulJob *jobs, int n_jobs);
 /* The FFN's up projections: h1 = silu(W1 x) * (W3 x), h3 = W3 x, both (T, w1.rows). A
- * thread computes the same outputs of both products (the same rows, or for a long batch
- * the same tokens, as matmul_jobs splits them) and applies SwiGLU to them, so no barrier
- * separates the three. */
+ * thread computes the same rows of both products (split by rows for every T) and applies
+ * SwiGLU to them, so no barrier separates the three. */
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T);
 
 /* sum_i a[i] b[i] in the canonical order. */
