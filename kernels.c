@@ -326,25 +326,85 @@ void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
     matmul_rows(out, ldo, x, ldx, &w, T, 0, (w.rows + RB - 1) / RB);
 }
 
-/* This thread's share [*lo, *hi) of n tiles: all of them outside a parallel region. */
-static void thread_share(long n, long *lo, long *hi) {
-    int nth = 1, id = 0;
-#ifdef _OPENMP
-    nth = omp_get_num_threads(), id = omp_get_thread_num();
-#endif
-    *lo = n * id / nth, *hi = n * (id + 1) / nth;
+/* Share [*lo, *hi) of n items for part p of parts (a thread's static share). */
+static void part_share(long n, int p, int parts, long *lo, long *hi) {
+    *lo = n * p / parts, *hi = n * (p + 1) / parts;
 }
+
+static int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* This thread's share [*lo, *hi) of n tiles: all of them outside a parallel region. */
+static void thread_share(long n, long *lo, long *hi) { part_share(n, thread_id(), team_size(), lo, hi); }
 
 /* Small products are not worth waking the other threads. */
 static int worth_threads(long work) { return work >= 32768; }
 
-/* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges. */
-static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi) {
+/* Work in one part per thread, its static share: each thread does its own part's items in
+ * order, then helps with the others' remaining ones, claiming one item at a time from the
+ * part's counter (one cache line each). Every item is done once, by one thread, so the
+ * outputs are the static split's bit for bit; when one core runs slower for a while (a
+ * neighbour on this VM), the other takes over the end of its share instead of waiting at
+ * the barrier. MHA no-KV step, 7 alternated runs in a noisy hour: 14.14 ms with static
+ * shares, 12.85 with take-overs (barrier waits 5.6% -> 2.5% of perf samples); in quiet
+ * runs within 1-2% of static shares. */
+typedef struct {
+    _Alignas(64) long next;
+} Claim;
+
+typedef struct {
+    long (*count)(const void *ctx, int part, int parts);          /* items in a part */
+    void (*item)(const void *ctx, int part, int parts, long i);  /* does item i of a part */
+    const void *ctx;
+} Parts;
+
+static void run_parts(Claim *claims, const Parts *w) {
+    const int parts = team_size(), id = thread_id();
+    for (int k = 0; k < parts; k++) {
+        const int p = (id + k) % parts;  /* its own part first */
+        const long n = w->count(w->ctx, p, parts);
+        for (;;) {
+            long i;
+#pragma omp atomic capture
+            i = claims[p].next++;
+            if (i >= n) break;
+            w->item(w->ctx, p, parts, i);
+        }
+    }
+}
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges;
+ * tokens [t_lo, t_hi) of each job, or all of them when t_hi < 0. */
+static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int t_lo, int t_hi) {
     long base = 0;
     for (int j = 0; j < n_jobs; j++) {
         const MatmulJob *jb = &jobs[j];
         long n = (jb->w.rows + RB - 1) / RB, a = lo > base ? lo : base, b = hi < base + n ? hi : base + n;
-        if (a < b) matmul_rows(jb->out, jb->ldo, jb->x, jb->ldx, &jb->w, jb->T, (int)(a - base), (int)(b - base));
+        const int t0 = t_hi < 0 ? 0 : t_lo, t1 = t_hi < 0 ? jb->T : t_hi < jb->T ? t_hi : jb->T;
+        if (a < b && t0 < t1)
+            matmul_rows(jb->out + (size_t)t0 * jb->ldo, jb->ldo, jb->x + (size_t)t0 * jb->ldx, jb->ldx, &jb->w, t1 - t0,
+                        (int)(a - base), (int)(b - base));
         base += n;
     }
 }
@@ -358,40 +418,51 @@ static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi) {
  * MHA no-KV step 12.30 -> 12.02 ms against rows claimed 4 tiles at a time (7 alternated
  * runs); token chunks claimed as the threads went ran at 13.06. matmul_swiglu stays by
  * rows: by tokens each thread would stream all 2.7 MB of W1 and W3, and the step ran
- * 12.22 ms against 11.78 with it by rows (static shares; claimed rows 12.22 against
- * 12.06). */
+ * 12.22 ms against 11.78 with it by rows. For more than two token blocks both take over
+ * the other thread's remaining tiles at the end (run_parts); decode keeps static shares
+ * (a tile is ~0.1 us of work there). */
 static int split_by_tokens(int T) { return T > 2 * TB; }
 
-/* This thread's share [*lo, *hi) of T tokens, in whole token blocks (may be empty). */
-static void token_share(int T, int *lo, int *hi) {
+typedef struct {
+    const MatmulJob *jobs;
+    int n_jobs, max_T;
+    long tiles;
+} JobsByTokens;
+
+static long jobs_part_count(const void *ctx, int part, int parts) {
+    (void)part, (void)parts;
+    return ((const JobsByTokens *)ctx)->tiles;
+}
+
+/* tile i of the jobs for part p's tokens (a share of the token blocks of the longest job) */
+static void jobs_part_item(const void *ctx, int p, int parts, long i) {
+    const JobsByTokens *c = ctx;
     long b_lo, b_hi;
-    thread_share((T + TB - 1) / TB, &b_lo, &b_hi);
-    *lo = (int)b_lo * TB;
-    *hi = (int)b_hi * TB < T ? (int)b_hi * TB : T;
+    part_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
+    jobs_tiles(c->jobs, c->n_jobs, i, i + 1, (int)b_lo * TB, (int)b_hi * TB);
 }
 
 void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
     long tiles = 0, work = 0;
+    int max_T = 0;
     for (int j = 0; j < n_jobs; j++) {
         tiles += (jobs[j].w.rows + RB - 1) / RB;
         work += (long)jobs[j].T * jobs[j].w.rows * jobs[j].w.cols;
+        max_T = jobs[j].T > max_T ? jobs[j].T : max_T;
     }
-    const int by_tokens = split_by_tokens(jobs[0].T);
+    const JobsByTokens ctx = {jobs, n_jobs, max_T, tiles};
+    const Parts by_tokens = {jobs_part_count, jobs_part_item, &ctx};
+    const int use_tokens = split_by_tokens(max_T);
+    Claim claims[max_threads()];
+    memset(claims, 0, sizeof claims);
 #pragma omp parallel if (worth_threads(work))
     {
-        if (by_tokens) {
-            for (int j = 0; j < n_jobs; j++) {
-                const MatmulJob *jb = &jobs[j];
-                int lo, hi;
-                token_share(jb->T, &lo, &hi);
-                if (lo < hi)
-                    matmul_rows(jb->out + (size_t)lo * jb->ldo, jb->ldo, jb->x + (size_t)lo * jb->ldx, jb->ldx, &jb->w,
-                                hi - lo, 0, (jb->w.rows + RB - 1) / RB);
-            }
+        if (use_tokens) {
+            run_parts(claims, &by_tokens);
         } else {
             long lo, hi;
             thread_share(tiles, &lo, &hi);
-            jobs_tiles(jobs, n_jobs, lo, hi);
+            jobs_tiles(jobs, n_jobs, lo, hi, 0, -1);
         }
     }
 }
@@ -401,16 +472,54 @@ void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
     matmul_jobs(&job, 1);
 }
 
+typedef struct {
+    float *h1, *h3;
+    const float *x;
+    int ldx, T;
+    const Mat *w1, *w3;
+} SwigluRows;
+
+/* Row tiles [lo, hi) of both up projections, then SwiGLU on the rows they wrote. */
+static void swiglu_tiles(const SwigluRows *c, long lo, long hi) {
+    const int F = c->w1->rows;
+    matmul_rows(c->h1, F, c->x, c->ldx, c->w1, c->T, (int)lo, (int)hi);
+    matmul_rows(c->h3, F, c->x, c->ldx, c->w3, c->T, (int)lo, (int)hi);
+    int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;
+    for (int t = 0; r_lo < r_hi && t < c->T; t++)
+        swiglu(c->h1 + (size_t)t * F + r_lo, c->h3 + (size_t)t * F + r_lo, r_hi - r_lo);
+}
+
+/* Items of 2 tiles: 16 rows, one vector of SwiGLU per token */
+enum { SWIGLU_ITEM_TILES = 2 };
+
+static long swiglu_part_count(const void *ctx, int p, int parts) {
+    long lo, hi;
+    part_share(((long)((const SwigluRows *)ctx)->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
+    return (hi - lo + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
+}
+
+static void swiglu_part_item(const void *ctx, int p, int parts, long i) {
+    const SwigluRows *c = ctx;
+    long lo, hi;
+    part_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
+    const long a = lo + i * SWIGLU_ITEM_TILES;
+    swiglu_tiles(c, a, a + SWIGLU_ITEM_TILES < hi ? a + SWIGLU_ITEM_TILES : hi);
+}
+
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
-    const int F = w1.rows;
-#pragma omp parallel if (worth_threads((long)T * F * w1.cols))
+    const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3};
+    const Parts by_rows = {swiglu_part_count, swiglu_part_item, &ctx};
+    Claim claims[max_threads()];
+    memset(claims, 0, sizeof claims);
+#pragma omp parallel if (worth_threads((long)T * w1.rows * w1.cols))
     {
-        long lo, hi;  /* by rows, whatever T: see split_by_tokens */
-        thread_share((F + RB - 1) / RB, &lo, &hi);
-        matmul_rows(h1, F, x, ldx, &w1, T, (int)lo, (int)hi);
-        matmul_rows(h3, F, x, ldx, &w3, T, (int)lo, (int)hi);
-        int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;  /* the rows this thread wrote */
-        for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
+        if (split_by_tokens(T)) {  /* by rows all the same (see split_by_tokens), with take-overs */
+            run_parts(claims, &by_rows);
+        } else {
+            long lo, hi;
+            thread_share((w1.rows + RB - 1) / RB, &lo, &hi);
+            swiglu_tiles(&ctx, lo, hi);
+        }
     }
 }
 
