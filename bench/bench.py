@@ -257,26 +257,40 @@ def summarize_run(rows, expect_decode, what):
             "tokens": [r["token"] for r in pre + dec]}
 
 
-def c_runs(info, kv, args, tmpdir, n_steps):
-    """One warm-up and args.reps timed runs of the engine; returns the timed runs' summaries."""
+def c_run(info, kv, args, tmpdir, n_steps, rep):
+    """One run of the engine (rep 0 is the warm-up); returns its summary."""
     name = info["variant"]
     mode = "kv" if kv else "no-kv"
-    runs = []
+    path = os.path.join(tmpdir, f"c-{name}-{mode}-{rep}.csv")
+    cmd = [info["checkpoint"], "-p", PROMPT, "-n", n_steps, "-k", 1, "-s", 0, "--ignore-eos", "-q",
+           "--log", path, "--threads", args.threads] + (["--kv"] if kv else [])
+    run_engine(cmd, f"{name} {mode}")
+    rows = read_step_log(path)
+    n_prompt = rows[0]["n_tokens"]
+    expect = min(n_steps - 1, info["context"] - n_prompt)
+    s = summarize_run(rows, expect, f"{name} {mode}")
+    log_rep("C", name, mode, rep, args.reps, s)
+    return s
+
+
+def c_rounds(infos, args, tmpdir, steps_of):
+    """The engine's runs in rounds: one warm-up round, then args.reps timed rounds, each
+    one run of every checkpoint and mode in turn. A VM's speed can drift by 10-30% for
+    minutes at a time (other tenants on the same cores); in rounds a slow minute lands on
+    one run of every cell instead of on every run of one cell. Returns the timed runs per
+    (checkpoint, kv)."""
+    cells = [(i, info, kv) for i, info in enumerate(infos) for kv in (False, True)]
+    runs = {(i, kv): [] for i, _, kv in cells}
     for rep in range(args.reps + 1):
-        path = os.path.join(tmpdir, f"c-{name}-{mode}-{rep}.csv")
-        cmd = [info["checkpoint"], "-p", PROMPT, "-n", n_steps, "-k", 1, "-s", 0, "--ignore-eos", "-q",
-               "--log", path, "--threads", args.threads] + (["--kv"] if kv else [])
-        run_engine(cmd, f"{name} {mode}")
-        rows = read_step_log(path)
-        n_prompt = rows[0]["n_tokens"]
-        expect = min(n_steps - 1, info["context"] - n_prompt)
-        s = summarize_run(rows, expect, f"{name} {mode}")
-        log_rep("C", name, mode, rep, args.reps, s)
-        if rep:
-            runs.append(s)
-    toks = {tuple(r["tokens"]) for r in runs}
-    if len(toks) != 1:
-        raise BenchError(f"{name} {mode}: greedy runs generated different tokens from run to run")
+        log(f"bench: C engine, {'warm-up round' if rep == 0 else f'round {rep}/{args.reps}'}")
+        for i, info, kv in cells:
+            s = c_run(info, kv, args, tmpdir, steps_of(info), rep)
+            if rep:
+                runs[(i, kv)].append(s)
+    for i, info, kv in cells:
+        if len({tuple(r["tokens"]) for r in runs[(i, kv)]}) != 1:
+            raise BenchError(f"{info['variant']} {'kv' if kv else 'no-kv'}: greedy runs generated different "
+                             "tokens from run to run")
     return runs
 
 
@@ -728,7 +742,9 @@ def write_report(ctx):
            + f": one prefill of {n_prompt} tokens, then {n_dec} decode steps, each timed on its own. "
            f"Per run: the prefill ms, and Avg. Gen = the mean ms of the decode steps. Each checkpoint and mode: "
            f"1 untimed warm-up run, then {args.reps} timed runs (C) / {args.pt_reps} (PyTorch); every cell is "
-           "the median over the timed runs. Within each C run, `./run` itself does one untimed forward of the "
+           "the median over the timed runs. The C runs go in rounds: a warm-up round, then each timed round one "
+           "run of every checkpoint and mode in turn, so a minute in which the machine runs slow (other tenants "
+           "of a VM) lands on one run of every cell rather than on all the runs of one. Within each C run, `./run` itself does one untimed forward of the "
            "prompt before the timed prefill (its `[warm-up]` line), as llama.cpp does after loading: a "
            "process's first forward runs cold, 2-3 ms slower than the same forward again; PyTorch's runs happen in "
            "one warm process. MLA uses the absorbed form with the cache and the expanded form "
@@ -1086,16 +1102,17 @@ def bench(args, ckpts):
         log(f"  bandwidth over {ws['bandwidth_bytes']} bytes (a decode step's working set): "
             f"{float(ws['bandwidth_best_GBps']):.1f} GB/s")
 
+    def steps_of(info):
+        return min(args.steps, info["context"]) if args.steps else info["context"]
+
+    c_all = c_rounds(infos, args, tmpdir, steps_of)
     results = []
-    for info in infos:
-        n_steps = min(args.steps, info["context"]) if args.steps else info["context"]
-        log(f"bench: C engine, {info['variant']} ({rel(info['checkpoint'])})")
-        r = {"info": info, "c": {}}
+    for i, info in enumerate(infos):
+        r = {"info": info, "c": {}, "n_steps": steps_of(info)}
         for kv in (False, True):
-            runs = c_runs(info, kv, args, tmpdir, n_steps)
+            runs = c_all[(i, kv)]
             r["c"]["kv" if kv else "no-kv"] = {"runs": runs, "stats": cell_stats(runs),
                                               "representative": representative(runs)}
-        r["n_steps"] = n_steps
         results.append(r)
     for r in results:
         log(f"bench: --check-kv, {r['info']['variant']}")
