@@ -208,9 +208,11 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
  * and serve all RB rows, so every FMA is register to register. An accumulator is
  * SIMD_PARTS registers (simd.h). With 32 registers (AVX-512) an 8x3 tile holds 24
  * accumulators, 3 token registers and one weight register, and one pass computes
- * everything: on one Zen 5 core, 184 GFLOP/s for 512x512 at 128 tokens (83% of the FMA
- * peak; build/matmul_bench --threads 1) against 156 for the 4x6 tile it replaced, whose
- * FMAs each loaded their token from memory. With 16 (AVX2: two parts per
+ * everything, and a token's 8 outputs are reduced side by side (v16_reduce8_store; one
+ * at a time, the reductions took 23% of the kernel's samples): on one Zen 5 core, 191-193
+ * GFLOP/s for 512x512 at 128 tokens (87% of the FMA peak; build/matmul_bench --threads 1)
+ * against 156 for the 4x6 tile it replaced, whose FMAs each loaded their token from
+ * memory, and 172-184 with one reduction per output. With 16 (AVX2: two parts per
  * accumulator) a tile's accumulators would not fit; there, a 4x3 tile computes one part
  * of its accumulators per pass over the group, which stays in L1 between the passes,
  * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains. */
