@@ -87,21 +87,30 @@ static inline float v16_reduce(v16 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
+/* The levels of v16_reduce's tree on two vectors side by side, by shuffles:
+ * fold8(a, b) = [a l+(l+8) ; b l+(l+8)], l < 8;
+ * fold4(a, b), a and b two fold8 results: 128-bit block k holds the 4 sums l+(l+4) of
+ *   the k-th of their 4 halves (a's two, then b's two);
+ * fold2(a, b), two fold4 results: block k = [a's block k l+(l+2) ; b's block k l+(l+2)]. */
+static inline __m512 avx512_fold8(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline __m512 avx512_fold4(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static inline __m512 avx512_fold2(__m512 a, __m512 b) {
+    __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
 /* r[j] = v16_reduce(a[j]) for 16 vectors at once: the same tree of adds (l + l+8, + l+4,
  * + l+2, + l+1) for every vector, done on 16 of them side by side by shuffles, so the
  * result equals v16_reduce bit for bit. */
 static inline v16 v16_reduce16(const v16 a[16]) {
     __m512 s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++)  /* [a(2i) l+(l+8) ; a(2i+1) l+(l+8)], l < 8 */
-        s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 4; i++)  /* 128-bit block b: a(4i+b) l+(l+4), l < 4 */
-        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int i = 0; i < 2; i++) {  /* block b: [a(8i+b) l+(l+2) ; a(8i+b+4) l+(l+2)], l < 2 */
-        __m512d x = _mm512_castps_pd(s4[2 * i]), y = _mm512_castps_pd(s4[2 * i + 1]);
-        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
+    for (int i = 0; i < 8; i++) s8[i] = avx512_fold8(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 4; i++) s4[i] = avx512_fold4(s8[2 * i], s8[2 * i + 1]);      /* block b: a(4i+b) */
+    for (int i = 0; i < 2; i++) s2[i] = avx512_fold2(s4[2 * i], s4[2 * i + 1]);      /* block b: a(8i+b), a(8i+b+4) */
     /* block b, element i: a(b + 4i) lane 0 + lane 1 */
     __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -111,16 +120,9 @@ static inline v16 v16_reduce16(const v16 a[16]) {
 
 /* out[j] = v16_reduce(a[j]) for j < 8: v16_reduce16's tree on 8 vectors side by side */
 static inline void v16_reduce8_store(float *out, const v16 a[8]) {
-    __m512 s8[4], s4[2];
-    for (int i = 0; i < 4; i++)  /* [a(2i) l+(l+8) ; a(2i+1) l+(l+8)], l < 8 */
-        s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)  /* 128-bit block b: a(4i+b) l+(l+4), l < 4 */
-        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* block b: [a(b) l+(l+2) ; a(b+4) l+(l+2)], l < 2 */
-    __m512d x = _mm512_castps_pd(s4[0]), y = _mm512_castps_pd(s4[1]);
-    __m512 s2 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    __m512 s4[2];
+    for (int i = 0; i < 2; i++) s4[i] = avx512_fold4(avx512_fold8(a[4 * i], a[4 * i + 1]), avx512_fold8(a[4 * i + 2], a[4 * i + 3]));
+    __m512 s2 = avx512_fold2(s4[0], s4[1]);  /* block b: [a(b) l+(l+2) ; a(b+4) l+(l+2)], l < 2 */
     /* block b: [a(b), a(b+4), a(b), a(b+4)], each lane 0 + lane 1 */
     __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
