@@ -356,8 +356,9 @@ static void thread_share(long n, long *lo, long *hi) { part_share(n, thread_id()
 static int worth_threads(long work) { return work >= 32768; }
 
 /* Work in one part per thread, its static share: each thread does its own part's items in
- * order, then helps with the others' remaining ones, claiming one item at a time from the
- * part's counter (one cache line each). Every item is done once, by one thread, so the
+ * order, then helps with the others' remaining ones, claiming them from the part's counter
+ * (one cache line each), a quarter of what is left at a time (claiming single items cost
+ * 0.9% of an MHA no-KV run's samples in run_parts; in quarters 0.3%). Every item is done once, by one thread, so the
  * outputs are the static split's bit for bit; when one core runs slower for a while (a
  * neighbour on this VM), the other takes over the end of its share instead of waiting at
  * the barrier. MHA no-KV step, 7 alternated runs in a noisy hour: 14.14 ms with static
@@ -379,11 +380,16 @@ static void run_parts(Claim *claims, const Parts *w) {
         const int p = (id + k) % parts;  /* its own part first */
         const long n = w->count(w->ctx, p, parts);
         for (;;) {
-            long i;
+            /* a claim takes a quarter of what looked left (at least one item): few claims
+             * while the part is long, single items at its end */
+            long seen, i;
+#pragma omp atomic read
+            seen = claims[p].next;
+            const long take = (n - seen) / 4 > 1 ? (n - seen) / 4 : 1;
 #pragma omp atomic capture
-            i = claims[p].next++;
+            { i = claims[p].next; claims[p].next += take; }
             if (i >= n) break;
-            w->item(w->ctx, p, parts, i);
+            for (long e = i + take < n ? i + take : n; i < e; i++) w->item(w->ctx, p, parts, i);
         }
     }
 }
