@@ -355,15 +355,15 @@ static void thread_share(long n, long *lo, long *hi) { part_share(n, thread_id()
 /* Small products are not worth waking the other threads. */
 static int worth_threads(long work) { return work >= 32768; }
 
-/* Work in one part per thread, its static share: each thread does its own part's items in
- * order, then helps with the others' remaining ones, claiming them from the part's counter
- * (one cache line each), a quarter of what is left at a time (claiming single items cost
- * 0.9% of an MHA no-KV run's samples in run_parts; in quarters 0.3%). Every item is done once, by one thread, so the
- * outputs are the static split's bit for bit; when one core runs slower for a while (a
- * neighbour on this VM), the other takes over the end of its share instead of waiting at
- * the barrier. MHA no-KV step, 7 alternated runs in a noisy hour: 14.14 ms with static
- * shares, 12.85 with take-overs (barrier waits 5.6% -> 2.5% of perf samples); in quiet
- * runs within 1-2% of static shares. */
+/* Work in one part per thread, its static share: each thread does its own part's items
+ * in order, then helps with the others' remaining ones, claiming them from the part's
+ * counter (one cache line each), a quarter of what is left at a time (claiming single
+ * items cost 0.9% of an MHA no-KV run's samples in run_parts; in quarters 0.3%). Every
+ * item is done once, by one thread, so the outputs are the static split's bit for bit;
+ * when one core runs slower for a while (a neighbour on this VM), the other takes over
+ * the end of its share instead of waiting at the barrier. MHA no-KV step, 7 alternated
+ * runs in a noisy hour: 14.14 ms with static shares, 12.85 with take-overs (barrier
+ * waits 5.6% -> 2.5% of perf samples); in quiet runs within 1-2% of static shares. */
 typedef struct {
     _Alignas(64) long next;
 } Claim;
