@@ -309,9 +309,10 @@ static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w,
 
 /* Tiles [tile_lo, tile_hi) of RB rows. For more than two token blocks (a no-KV step):
  * tiles outside, so a tile's RB weight rows stay in L1 while every token passes, and x
- * streams from L2. The other order (a block of x in L1, the thread's share of w streamed
+ * streams from L2. The other order (a block of x in L1, the thread's tiles of w streamed
  * from L2 for every block) ran 512x512 at 305 GFLOP/s on 2 threads against 348 for this
- * one (build/matmul_bench, T = 128). For one or two blocks (decode, the prompt), where w
+ * one (build/matmul_bench, T = 128, measured at 8c6b134 when products were split by
+ * rows). For one or two blocks (decode, the prompt), where w
  * comes from memory: token blocks outside, so w is read as one unbroken stream; tiles
  * outside made the 5-token prefill 4-10% slower. */
 static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat *w, int T, int tile_lo, int tile_hi) {
