@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "model.h"
+#include "parallel.h"
 
 /* The scores of query t of head h against positions 0..n-1 live in this row. */
 static float *att_row(const Model *m, const RunState *s, int h, int t) {
@@ -17,17 +18,49 @@ static float *att_row(const Model *m, const RunState *s, int h, int t) {
     return s->att + ((size_t)h * max_seq + t) * max_seq;
 }
 
-/* Work worth a second thread: (heads x queries x keys); a fork and join costs ~0.7 us
- * here, about 16 heads x 16 keys of work */
+/* Work worth a second thread: (heads x queries x keys); a hand-off and join costs ~0.5 us
+ * here (parallel.h), about 16 heads x 16 keys of work */
 static int attention_is_big(const Model *m, int T, int pos0) { return m->cfg.n_heads * T * (pos0 + T) >= 256; }
 
+/* One layer's attention over T tokens at positions pos0.., for the parallel loops below. */
+typedef struct {
+    const Model *m;
+    RunState *s;
+    KVCache *cache;
+    int l, T, pos0;
+} AttnPass;
+
 /* ---- MHA, GQA, MQA: n_kv_heads KV heads; query head h reads KV head h / (n_heads/n_kv_heads). ---- */
+
+/* Item tg = (t, g): token t's key for KV head g, rotated, and its value, into the cache. */
+static void kv_heads_store(const void *ctx, long tg) {
+    const AttnPass *a = ctx;
+    const Config *c = &a->m->cfg;
+    const int Hkv = c->n_kv_heads, hd = c->head_dim, t = (int)(tg / Hkv), g = (int)(tg % Hkv);
+    float *k = a->s->k + ((size_t)t * Hkv + g) * hd;
+    rope(a->m, k, hd, a->pos0 + t);
+    memcpy(kv_key(a->cache, a->l, g, a->pos0 + t), k, (size_t)hd * sizeof(float));
+    memcpy(kv_value(a->cache, a->l, g, a->pos0 + t), a->s->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
+}
+
+/* Item ht = (h, t): query t of head h against positions 0 .. pos0+t of its KV head. */
+static void kv_heads_query(const void *ctx, long ht) {
+    const AttnPass *a = ctx;
+    const Config *c = &a->m->cfg;
+    const int H = c->n_heads, hd = c->head_dim, T = a->T;
+    const int h = (int)(ht / T), t = (int)(ht % T), g = h / (H / c->n_kv_heads), n = a->pos0 + t + 1;
+    float *q = a->s->q + ((size_t)t * H + h) * hd;
+    rope(a->m, q, hd, a->pos0 + t);
+    float *att = att_row(a->m, a->s, h, t);
+    dot_rows(att, q, kv_key(a->cache, a->l, g, 0), hd, n, hd, 1.0f / sqrtf((float)hd));  /* (n) */
+    softmax(att, n);
+    weighted_sum_rows(a->s->heads + ((size_t)t * H + h) * hd, att, kv_value(a->cache, a->l, g, 0), hd, n, hd);
+}
+
 void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
     const Config *c = &m->cfg;
     const LayerWeights *w = &m->w.layers[l];
     const int H = c->n_heads, Hkv = c->n_kv_heads, hd = c->head_dim, dim = c->dim;
-    const int group = H / Hkv;
-    const float scale = 1.0f / sqrtf((float)hd);
 
     const MatmulJob qkv[] = {
         {s->q, H * hd, s->xb, dim, w->wq, T},    /* q: (T, H*hd) */
@@ -36,37 +69,34 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
     };
     matmul_jobs(qkv, 3);
 
-#pragma omp parallel if (attention_is_big(m, T, pos0))
-    {
-#pragma omp for schedule(static)
-        for (int tg = 0; tg < T * Hkv; tg++) {  /* the new keys (rotated) and values, into the cache */
-            int t = tg / Hkv, g = tg % Hkv;
-            float *k = s->k + ((size_t)t * Hkv + g) * hd;
-            rope(m, k, hd, pos0 + t);
-            memcpy(kv_key(cache, l, g, pos0 + t), k, (size_t)hd * sizeof(float));
-            memcpy(kv_value(cache, l, g, pos0 + t), s->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
-        }
-#pragma omp for schedule(static)
-        for (int ht = 0; ht < H * T; ht++) {
-            int h = ht / T, t = ht % T, g = h / group, n = pos0 + t + 1;
-            float *q = s->q + ((size_t)t * H + h) * hd;
-            rope(m, q, hd, pos0 + t);
-            float *att = att_row(m, s, h, t);
-            dot_rows(att, q, kv_key(cache, l, g, 0), hd, n, hd, scale);               /* (n) */
-            softmax(att, n);
-            weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, kv_value(cache, l, g, 0), hd, n, hd);
-        }
-    }
+    const AttnPass pass = {m, s, cache, l, T, pos0};
+    parallel_for((long)T * c->n_kv_heads, kv_heads_store, &pass, T >= 64);
+    parallel_for((long)c->n_heads * T, kv_heads_query, &pass, attention_is_big(m, T, pos0));
 }
 
 /* ---- MLA (DeepSeek-V2, no query compression) ----
  * q = W_Q x, per head [q_C (head_dim) ; q_R (rope_dim)], q_R rotated;
  * c = RMSNorm(W_DKV x) (kv_latent); k_R = RoPE(W_KR x) (rope_dim), shared by all heads.
  * The cache keeps [c ; k_R] per position. Scores are scaled by 1/sqrt(head_dim+rope_dim). */
-static void mla_project(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
-    const Config *c = &m->cfg;
-    const LayerWeights *w = &m->w.layers[l];
+
+/* Item t: token t's queries get q_R rotated; its [c ; k_R] goes into the cache. */
+static void mla_store(const void *ctx, long t) {
+    const AttnPass *a = ctx;
+    const Config *c = &a->m->cfg;
     const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
+    const int pos = a->pos0 + (int)t;
+    for (int h = 0; h < H; h++) rope(a->m, a->s->q + ((size_t)t * H + h) * qw + c->head_dim, rd, pos);
+    float *row = kv_latent(a->cache, a->l, pos);
+    rmsnorm(row, a->s->latent + (size_t)t * dc, a->m->w.layers[a->l].kv_norm, dc, c->norm_eps);
+    memcpy(row + dc, a->s->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
+    rope(a->m, row + dc, rd, pos);
+}
+
+static void mla_project(const AttnPass *a) {
+    const Config *c = &a->m->cfg;
+    const LayerWeights *w = &a->m->w.layers[a->l];
+    RunState *s = a->s;
+    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim, T = a->T;
 
     const MatmulJob projections[] = {
         {s->q, H * qw, s->xb, c->dim, w->wq, T},        /* q: (T, H*(hd+rd)) */
@@ -74,68 +104,65 @@ static void mla_project(const Model *m, RunState *s, KVCache *cache, int l, int 
         {s->k_rope, rd, s->xb, c->dim, w->wkr, T},      /* k_R: (T, rd) */
     };
     matmul_jobs(projections, 3);
-#pragma omp parallel for schedule(static) if (T >= 64)
-    for (int t = 0; t < T; t++) {
-        for (int h = 0; h < H; h++) rope(m, s->q + ((size_t)t * H + h) * qw + c->head_dim, rd, pos0 + t);
-        float *row = kv_latent(cache, l, pos0 + t);
-        rmsnorm(row, s->latent + (size_t)t * dc, w->kv_norm, dc, c->norm_eps);
-        memcpy(row + dc, s->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
-        rope(m, row + dc, rd, pos0 + t);
-    }
+    parallel_for(T, mla_store, a, T >= 64);
 }
 
 /* Expanded form: every head's keys [W_UK,h c_j ; k_R,j] and values W_UV,h c_j are
- * materialized for all positions j, then attention runs as in MHA (48-dim keys). */
+ * materialized for all positions j, then attention runs as in MHA (48-dim keys).
+ * Item ht = (h, t): query t of head h against the expanded keys and values. */
+static void mla_expanded_query(const void *ctx, long ht) {
+    const AttnPass *a = ctx;
+    const Config *c = &a->m->cfg;
+    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, T = a->T;
+    const int h = (int)(ht / T), t = (int)(ht % T), n = a->pos0 + t + 1, es = mla_exp_stride(c);
+    const float *q = a->s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
+    float *att = att_row(a->m, a->s, h, t);
+    dot_rows_cat(att, n, 1.0f / sqrtf((float)qw), q, a->s->k_exp + (size_t)h * hd, (size_t)es, hd,  /* (n) */
+                 q + hd, kv_latent(a->cache, a->l, 0) + dc, (size_t)(dc + rd), rd);
+    softmax(att, n);
+    weighted_sum_rows(a->s->heads + ((size_t)t * H + h) * hd, att, a->s->v_exp + (size_t)h * hd, (size_t)es, n, hd);
+}
+
 void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
     const Config *c = &m->cfg;
     const LayerWeights *w = &m->w.layers[l];
-    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd;
-    const int lw = dc + rd, n_keys = pos0 + T, es = mla_exp_stride(c);
-    const float scale = 1.0f / sqrtf((float)qw);
+    const int lw = c->kv_latent + c->rope_dim, n_keys = pos0 + T, es = mla_exp_stride(c);
+    const AttnPass pass = {m, s, cache, l, T, pos0};
 
-    mla_project(m, s, cache, l, T, pos0);
+    mla_project(&pass);
     /* rows of the cache are [c ; k_R]: the products read the first dc floats of each */
     const MatmulJob expand[] = {
         {s->k_exp, es, kv_latent(cache, l, 0), lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
         {s->v_exp, es, kv_latent(cache, l, 0), lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
     };
     matmul_jobs(expand, 2);
-
-#pragma omp parallel for schedule(static) if (attention_is_big(m, T, pos0))
-    for (int ht = 0; ht < H * T; ht++) {
-        int h = ht / T, t = ht % T, n = pos0 + t + 1;
-        const float *q = s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
-        float *att = att_row(m, s, h, t);
-        dot_rows_cat(att, n, scale, q, s->k_exp + (size_t)h * hd, (size_t)es, hd,  /* (n) */
-                     q + hd, kv_latent(cache, l, 0) + dc, (size_t)lw, rd);
-        softmax(att, n);
-        weighted_sum_rows(s->heads + ((size_t)t * H + h) * hd, att, s->v_exp + (size_t)h * hd, (size_t)es, n, hd);
-    }
+    parallel_for((long)c->n_heads * T, mla_expanded_query, &pass, attention_is_big(m, T, pos0));
 }
 
 /* Absorbed form: q_lat,h = W_UK,h^T q_C,h; score_j = [q_lat,h ; q_R,h] . [c_j ; k_R,j];
- * o_h = W_UV,h (sum_j p_j c_j). Cached latents are never expanded. */
+ * o_h = W_UV,h (sum_j p_j c_j). Cached latents are never expanded.
+ * Item ht = (h, t): query t of head h against the cached latents. */
+static void mla_absorbed_query(const void *ctx, long ht) {
+    const AttnPass *a = ctx;
+    const Config *c = &a->m->cfg;
+    const LayerWeights *w = &a->m->w.layers[a->l];
+    RunState *s = a->s;
+    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, lw = dc + rd;
+    const int h = (int)(ht / a->T), t = (int)(ht % a->T), n = a->pos0 + t + 1;
+    const float *q = s->q + ((size_t)t * H + h) * qw;          /* [q_C ; q_R] */
+    float *q_abs = s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
+    matmul_serial(q_abs, dc, q, hd, mat_block(w->wuk_t, h, dc), 1);
+    memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
+    float *att = att_row(a->m, s, h, t);
+    dot_rows(att, q_abs, kv_latent(a->cache, a->l, 0), lw, n, lw, 1.0f / sqrtf((float)qw));  /* (n) */
+    softmax(att, n);
+    float *ctx_lat = s->ctx_lat + ((size_t)t * H + h) * dc;    /* sum_j p_j c_j: (dc) */
+    weighted_sum_rows(ctx_lat, att, kv_latent(a->cache, a->l, 0), lw, n, dc);
+    matmul_serial(s->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(w->wuv_heads, h, hd), 1);
+}
+
 void attn_mla_absorbed(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
-    const Config *c = &m->cfg;
-    const LayerWeights *w = &m->w.layers[l];
-    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd;
-    const int lw = dc + rd;
-    const float scale = 1.0f / sqrtf((float)qw);
-
-    mla_project(m, s, cache, l, T, pos0);
-
-#pragma omp parallel for schedule(static) if (attention_is_big(m, T, pos0))
-    for (int ht = 0; ht < H * T; ht++) {
-        int h = ht / T, t = ht % T, n = pos0 + t + 1;
-        const float *q = s->q + ((size_t)t * H + h) * qw;          /* [q_C ; q_R] */
-        float *q_abs = s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
-        matmul_serial(q_abs, dc, q, hd, mat_block(w->wuk_t, h, dc), 1);
-        memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
-        float *att = att_row(m, s, h, t);
-        dot_rows(att, q_abs, kv_latent(cache, l, 0), lw, n, lw, scale);          /* (n) */
-        softmax(att, n);
-        float *ctx = s->ctx_lat + ((size_t)t * H + h) * dc;        /* sum_j p_j c_j: (dc) */
-        weighted_sum_rows(ctx, att, kv_latent(cache, l, 0), lw, n, dc);
-        matmul_serial(s->heads + ((size_t)t * H + h) * hd, hd, ctx, dc, mat_block(w->wuv_heads, h, hd), 1);
-    }
+    const AttnPass pass = {m, s, cache, l, T, pos0};
+    mla_project(&pass);
+    parallel_for((long)m->cfg.n_heads * T, mla_absorbed_query, &pass, attention_is_big(m, T, pos0));
 }

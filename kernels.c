@@ -4,10 +4,8 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
+#include "parallel.h"
 #include "simd.h"
 
 size_t dtype_size(DType dt) { return dt == DTYPE_BF16 ? 2 : 4; }
@@ -329,30 +327,6 @@ void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
     matmul_rows(out, ldo, x, ldx, &w, T, 0, (w.rows + RB - 1) / RB);
 }
 
-/* Share [*lo, *hi) of n items for part p of parts (a thread's static share). */
-static void part_share(long n, int p, int parts, long *lo, long *hi) {
-    *lo = n * p / parts, *hi = n * (p + 1) / parts;
-}
-
-static int team_size(void) {
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
-
-static int thread_id(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-/* This thread's share [*lo, *hi) of n tiles: all of them outside a parallel region. */
-static void thread_share(long n, long *lo, long *hi) { part_share(n, thread_id(), team_size(), lo, hi); }
-
 /* Small products are not worth waking the other threads. */
 static int worth_threads(long work) { return work >= 32768; }
 
@@ -375,8 +349,8 @@ typedef struct {
     const void *ctx;
 } Parts;
 
-static void run_parts(Claim *claims, const Parts *w) {
-    const int parts = team_size(), id = thread_id();
+/* run by thread id of parts (parallel.h), one part per thread */
+static void run_parts(Claim *claims, const Parts *w, int id, int parts) {
     for (int k = 0; k < parts; k++) {
         const int p = (id + k) % parts;  /* its own part first */
         const long n = w->count(w->ctx, p, parts);
@@ -393,14 +367,6 @@ static void run_parts(Claim *claims, const Parts *w) {
             for (long e = i + take < n ? i + take : n; i < e; i++) w->item(w->ctx, p, parts, i);
         }
     }
-}
-
-static int max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
 }
 
 /* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges;
@@ -436,6 +402,7 @@ typedef struct {
     const MatmulJob *jobs;
     int n_jobs, max_T;
     long tiles;
+    Claim *claims;  /* one per thread */
 } JobsByTokens;
 
 static long jobs_part_count(const void *ctx, int part, int parts) {
@@ -447,8 +414,20 @@ static long jobs_part_count(const void *ctx, int part, int parts) {
 static void jobs_part_item(const void *ctx, int p, int parts, long i) {
     const JobsByTokens *c = ctx;
     long b_lo, b_hi;
-    part_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
+    parallel_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
     jobs_tiles(c->jobs, c->n_jobs, i, i + 1, (int)b_lo * TB, (int)b_hi * TB);
+}
+
+static void matmul_jobs_thread(const void *ctx, int thread, int threads) {
+    const JobsByTokens *c = ctx;
+    if (split_by_tokens(c->max_T)) {
+        const Parts by_tokens = {jobs_part_count, jobs_part_item, c};
+        run_parts(c->claims, &by_tokens, thread, threads);
+    } else {
+        long lo, hi;
+        parallel_share(c->tiles, thread, threads, &lo, &hi);
+        jobs_tiles(c->jobs, c->n_jobs, lo, hi, 0, -1);
+    }
 }
 
 void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
@@ -459,21 +438,10 @@ void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
         work += (long)jobs[j].T * jobs[j].w.rows * jobs[j].w.cols;
         max_T = jobs[j].T > max_T ? jobs[j].T : max_T;
     }
-    const JobsByTokens ctx = {jobs, n_jobs, max_T, tiles};
-    const Parts by_tokens = {jobs_part_count, jobs_part_item, &ctx};
-    const int use_tokens = split_by_tokens(max_T);
-    Claim claims[max_threads()];
+    Claim claims[parallel_threads()];
     memset(claims, 0, sizeof claims);
-#pragma omp parallel if (worth_threads(work))
-    {
-        if (use_tokens) {
-            run_parts(claims, &by_tokens);
-        } else {
-            long lo, hi;
-            thread_share(tiles, &lo, &hi);
-            jobs_tiles(jobs, n_jobs, lo, hi, 0, -1);
-        }
-    }
+    const JobsByTokens ctx = {jobs, n_jobs, max_T, tiles, claims};
+    parallel_run(matmul_jobs_thread, &ctx, worth_threads(work));
 }
 
 void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
@@ -486,6 +454,7 @@ typedef struct {
     const float *x;
     int ldx, T;
     const Mat *w1, *w3;
+    Claim *claims;  /* one per thread */
 } SwigluRows;
 
 /* Row tiles [lo, hi) of both up projections, then SwiGLU on the rows they wrote. */
@@ -503,33 +472,35 @@ enum { SWIGLU_ITEM_TILES = 2 };
 
 static long swiglu_part_count(const void *ctx, int p, int parts) {
     long lo, hi;
-    part_share(((long)((const SwigluRows *)ctx)->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
+    parallel_share(((long)((const SwigluRows *)ctx)->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
     return (hi - lo + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
 }
 
 static void swiglu_part_item(const void *ctx, int p, int parts, long i) {
     const SwigluRows *c = ctx;
     long lo, hi;
-    part_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
+    parallel_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
     const long a = lo + i * SWIGLU_ITEM_TILES;
     swiglu_tiles(c, a, a + SWIGLU_ITEM_TILES < hi ? a + SWIGLU_ITEM_TILES : hi);
 }
 
-void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
-    const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3};
-    const Parts by_rows = {swiglu_part_count, swiglu_part_item, &ctx};
-    Claim claims[max_threads()];
-    memset(claims, 0, sizeof claims);
-#pragma omp parallel if (worth_threads((long)T * w1.rows * w1.cols))
-    {
-        if (split_by_tokens(T)) {  /* by rows all the same (see split_by_tokens), with take-overs */
-            run_parts(claims, &by_rows);
-        } else {
-            long lo, hi;
-            thread_share((w1.rows + RB - 1) / RB, &lo, &hi);
-            swiglu_tiles(&ctx, lo, hi);
-        }
+static void matmul_swiglu_thread(const void *ctx, int thread, int threads) {
+    const SwigluRows *c = ctx;
+    if (split_by_tokens(c->T)) {  /* by rows all the same (see split_by_tokens), with take-overs */
+        const Parts by_rows = {swiglu_part_count, swiglu_part_item, c};
+        run_parts(c->claims, &by_rows, thread, threads);
+    } else {
+        long lo, hi;
+        parallel_share((c->w1->rows + RB - 1) / RB, thread, threads, &lo, &hi);
+        swiglu_tiles(c, lo, hi);
     }
+}
+
+void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
+    Claim claims[parallel_threads()];
+    memset(claims, 0, sizeof claims);
+    const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3, claims};
+    parallel_run(matmul_swiglu_thread, &ctx, worth_threads((long)T * w1.rows * w1.cols));
 }
 
 /* ---- elementwise ---- */

@@ -67,11 +67,11 @@ void mat_pack_blocks(void *dst, const void *src, int blocks, int n, int cols, DT
 float mat_get(Mat w, int r, int c);
 
 /* out[t*ldo + i] = sum_k w[i][k] * x[t*ldx + k] for t < T, i < w.rows, k < w.cols.
- * A blocked matrix-matrix kernel (T = 1 is the matrix-vector case); OpenMP over rows. */
+ * A blocked matrix-matrix kernel (T = 1 is the matrix-vector case), threaded as matmul_jobs. */
 void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T);
-/* The same, on the calling thread only (for use inside a parallel region). */
+/* The same, on the calling thread only (inside one thread's share of other work). */
 void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T);
-/* Independent products in one parallel region (one fork and join instead of n; a decode
+/* Independent products in one parallel_run (one hand-off and join instead of n; a decode
  * step makes ~37 of them otherwise). For one or two token blocks (decode, the prompt) the
  * threads split the row tiles of all of them; for more, each thread computes every row
  * for its share of the tokens. Each output is computed exactly as matmul computes it, by

@@ -25,8 +25,8 @@ bench: run build/roofline
 	  $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
 # the matmul kernel alone on the model's shapes (bench/matmul.c); not part of `make bench`
-build/matmul_bench: bench/matmul.c $(B)/kernels.o kernels.h
-	$(CC) $(CFLAGS) -I. $< $(B)/kernels.o -o $@ -lm
+build/matmul_bench: bench/matmul.c $(B)/kernels.o $(B)/parallel.o kernels.h parallel.h
+	$(CC) $(CFLAGS) -I. $< $(B)/kernels.o $(B)/parallel.o -o $@ -lm
 
 build/roofline: bench/roofline.c
 	@mkdir -p build

@@ -12,6 +12,7 @@
 #endif
 
 #include "kernels.h"
+#include "parallel.h"
 #include "simd.h"
 #include "testutil.h"
 
@@ -199,56 +200,70 @@ static void test_matmul_batch_invariant(void **state) {
 }
 
 /* matmul_jobs gives every product exactly what matmul gives it, whatever the thread count
- * and wherever the threads' shares cut the concatenated tile list; matmul_swiglu equals
- * matmul, matmul and swiglu. T tokens; cols is wide enough that every call is threaded. */
+ * and wherever the threads' shares cut the concatenated tile list, in a forward pass's team
+ * (parallel.h) or outside one; matmul_swiglu equals matmul, matmul and swiglu. T tokens;
+ * cols is wide enough that every call is threaded. */
+typedef struct {
+    int T, cols;
+    const float *x;
+    MatmulJob jobs[3];
+    float *want[3];
+    Mat w3;           /* a second matrix of w[2]'s shape: W1 = w[2], W3 = w3 */
+    const float *ref1, *ref3;  /* silu(W1 x) * W3 x, W3 x */
+} JobsCheck;
+
+static void check_jobs(void *arg) {
+    const JobsCheck *c = arg;
+    const int T = c->T;
+    for (int j = 0; j < 3; j++) memset(c->jobs[j].out, 0xff, (size_t)T * c->jobs[j].w.rows * sizeof(float));
+    matmul_jobs(c->jobs, 3);
+    for (int j = 0; j < 3; j++) assert_memory_equal(c->jobs[j].out, c->want[j], (size_t)T * c->jobs[j].w.rows * sizeof(float));
+    float *h1 = malloc((size_t)T * 64 * sizeof(float)), *h3 = malloc((size_t)T * 64 * sizeof(float));
+    matmul_swiglu(h1, h3, c->x, c->cols, c->jobs[2].w, c->w3, T);
+    assert_memory_equal(h3, c->ref3, (size_t)T * 64 * sizeof(float));
+    assert_memory_equal(h1, c->ref1, (size_t)T * 64 * sizeof(float));
+    free(h1);
+    free(h3);
+}
+
 static void check_jobs_and_swiglu(int T) {
     const int cols = 288, rows[3] = {37, 8, 64};
     float *x = random_floats(T * cols, 41);
-    Mat w[3];
+    JobsCheck c = {.T = T, .cols = cols, .x = x};
     uint16_t *wb[3];
-    float *want[3], *got[3];
-    MatmulJob jobs[3];
     for (int j = 0; j < 3; j++) {
         wb[j] = random_bf16(rows[j] * cols, 42 + j, 0.3f);
-        w[j] = packed(wb[j], rows[j], cols, DTYPE_BF16);
-        want[j] = malloc((size_t)T * rows[j] * sizeof(float));
-        got[j] = malloc((size_t)T * rows[j] * sizeof(float));
-        matmul(want[j], rows[j], x, cols, w[j], T);
-        jobs[j] = (MatmulJob){got[j], rows[j], x, cols, w[j], T};
+        Mat w = packed(wb[j], rows[j], cols, DTYPE_BF16);
+        c.want[j] = malloc((size_t)T * rows[j] * sizeof(float));
+        matmul(c.want[j], rows[j], x, cols, w, T);
+        c.jobs[j] = (MatmulJob){malloc((size_t)T * rows[j] * sizeof(float)), rows[j], x, cols, w, T};
     }
+    uint16_t *w3b = random_bf16(64 * cols, 49, 0.3f);
+    c.w3 = packed(w3b, 64, cols, DTYPE_BF16);
+    float *ref1 = malloc((size_t)T * 64 * sizeof(float)), *ref3 = malloc((size_t)T * 64 * sizeof(float));
+    matmul(ref3, 64, x, cols, c.w3, T);
+    memcpy(ref1, c.want[2], (size_t)T * 64 * sizeof(float));
+    swiglu(ref1, ref3, T * 64);
+    c.ref1 = ref1;
+    c.ref3 = ref3;
+
     int saved = omp_get_max_threads();
     for (int threads = 1; threads <= 5; threads++) {
         omp_set_num_threads(threads);
-        for (int j = 0; j < 3; j++) memset(got[j], 0xff, (size_t)T * rows[j] * sizeof(float));
-        matmul_jobs(jobs, 3);
-        for (int j = 0; j < 3; j++) assert_memory_equal(got[j], want[j], (size_t)T * rows[j] * sizeof(float));
-
-        /* w[2] and a second matrix of its shape as W1 and W3 */
-        float *h1 = malloc((size_t)T * 64 * sizeof(float)), *h3 = malloc((size_t)T * 64 * sizeof(float));
-        float *ref3 = malloc((size_t)T * 64 * sizeof(float));
-        uint16_t *w3b = random_bf16(64 * cols, 49, 0.3f);
-        Mat w3 = packed(w3b, 64, cols, DTYPE_BF16);
-        matmul_swiglu(h1, h3, x, cols, w[2], w3, T);
-        matmul(ref3, 64, x, cols, w3, T);
-        float *ref1 = malloc((size_t)T * 64 * sizeof(float));
-        memcpy(ref1, want[2], (size_t)T * 64 * sizeof(float));
-        swiglu(ref1, ref3, T * 64);
-        assert_memory_equal(h3, ref3, (size_t)T * 64 * sizeof(float));
-        assert_memory_equal(h1, ref1, (size_t)T * 64 * sizeof(float));
-        free(h1);
-        free(h3);
-        free(ref1);
-        free(ref3);
-        free(w3b);
-        free((void *)w3.data);
+        check_jobs(&c);
+        parallel_team(check_jobs, &c);
     }
     omp_set_num_threads(saved);
     for (int j = 0; j < 3; j++) {
         free(wb[j]);
-        free((void *)w[j].data);
-        free(want[j]);
-        free(got[j]);
+        free((void *)c.jobs[j].w.data);
+        free(c.jobs[j].out);
+        free(c.want[j]);
     }
+    free(w3b);
+    free((void *)c.w3.data);
+    free(ref1);
+    free(ref3);
     free(x);
 }
 

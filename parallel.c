@@ -1,0 +1,130 @@
+/* parallel.c: the team of a forward pass (parallel.h). */
+#include "parallel.h"
+
+#include <sched.h>
+#include <stdatomic.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The team's mailbox. Thread 0 writes fn and ctx, then bumps `posted`; each other
+ * thread, having seen the bump, runs fn and bumps `finished`. Thread 0 writes the next
+ * job only once every thread has finished this one, so a job is never overwritten while
+ * it is read. The two counters live on cache lines of their own. */
+typedef struct {
+    _Alignas(64) atomic_uint posted;   /* jobs posted so far */
+    ParallelFn fn;
+    const void *ctx;
+    int threads;
+    int closing;                       /* the last post: leave */
+    _Alignas(64) atomic_uint finished; /* jobs finished so far, summed over threads 1.. */
+} Team;
+
+/* the team whose thread 0 is this thread, if any */
+static _Thread_local Team *my_team;
+
+/* One turn of a wait. After a while it gives the core away at every turn: with more
+ * threads than cores (--threads 3 on 2 cores), the thread being waited for may not be
+ * running at all. */
+enum { SPINS_BEFORE_YIELDING = 1 << 14 };
+static inline void wait_turn(unsigned *spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (*spins < SPINS_BEFORE_YIELDING) ++*spins;
+    else sched_yield();
+}
+
+#ifdef _OPENMP
+/* the life of threads 1.. of a team: run each posted job, until the team closes */
+static void serve(Team *t, int thread) {
+    for (unsigned seen = 0;; ) {
+        unsigned spins = 0;
+        while (atomic_load_explicit(&t->posted, memory_order_acquire) == seen) wait_turn(&spins);
+        seen++;
+        if (t->closing) return;
+        t->fn(t->ctx, thread, t->threads);
+        atomic_fetch_add_explicit(&t->finished, 1, memory_order_release);
+    }
+}
+#endif
+
+static void post(Team *t) {
+    atomic_store_explicit(&t->posted, atomic_load_explicit(&t->posted, memory_order_relaxed) + 1, memory_order_release);
+}
+
+void parallel_team(void (*body)(void *arg), void *arg) {
+#ifdef _OPENMP
+    if (my_team || omp_in_parallel()) {
+        body(arg);
+        return;
+    }
+    Team team = {.threads = 1};
+#pragma omp parallel
+    {
+        if (omp_get_thread_num() == 0) {
+            team.threads = omp_get_num_threads();  /* read by the others after a post */
+            my_team = &team;
+            body(arg);
+            my_team = NULL;
+            team.closing = 1;
+            post(&team);
+        } else {
+            serve(&team, omp_get_thread_num());
+        }
+    }
+#else
+    body(arg);
+#endif
+}
+
+void parallel_run(ParallelFn fn, const void *ctx, int use_threads) {
+    Team *t = my_team;
+    if (!use_threads || (t && t->threads == 1)) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    if (t) {
+        t->fn = fn;
+        t->ctx = ctx;
+        post(t);
+        fn(ctx, 0, t->threads);
+        const unsigned all = atomic_load_explicit(&t->posted, memory_order_relaxed) * (unsigned)(t->threads - 1);
+        unsigned spins = 0;
+        while (atomic_load_explicit(&t->finished, memory_order_acquire) != all) wait_turn(&spins);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel
+    fn(ctx, omp_get_thread_num(), omp_get_num_threads());
+#else
+    fn(ctx, 0, 1);
+#endif
+}
+
+int parallel_threads(void) {
+    if (my_team) return my_team->threads;
+#ifdef _OPENMP
+    return omp_in_parallel() ? 1 : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+typedef struct {
+    long n_items;
+    void (*item)(const void *ctx, long i);
+    const void *ctx;
+} ForLoop;
+
+static void for_share(const void *ctx, int thread, int threads) {
+    const ForLoop *f = ctx;
+    long lo, hi;
+    parallel_share(f->n_items, thread, threads, &lo, &hi);
+    for (long i = lo; i < hi; i++) f->item(f->ctx, i);
+}
+
+void parallel_for(long n_items, void (*item)(const void *ctx, long i), const void *ctx, int use_threads) {
+    const ForLoop f = {n_items, item, ctx};
+    parallel_run(for_share, &f, use_threads);
+}
