@@ -12,12 +12,6 @@
 #include "model.h"
 #include "parallel.h"
 
-/* The scores of query t of head h against positions 0..n-1 live in this row. */
-static float *att_row(const Model *m, const RunState *s, int h, int t) {
-    int max_seq = m->cfg.max_seq_len;
-    return s->att + ((size_t)h * max_seq + t) * max_seq;
-}
-
 /* Work worth a second thread: (heads x queries x keys); a hand-off and join costs ~0.5 us
  * here (parallel.h), about 16 heads x 16 keys of work */
 static int attention_is_big(const Model *m, int T, int pos0) { return m->cfg.n_heads * T * (pos0 + T) >= 256; }
@@ -51,7 +45,7 @@ static void kv_heads_query(const void *ctx, long ht) {
     const int h = (int)(ht / T), t = (int)(ht % T), g = h / (H / c->n_kv_heads), n = a->pos0 + t + 1;
     float *q = a->s->q + ((size_t)t * H + h) * hd;
     rope(a->m, q, hd, a->pos0 + t);
-    float *att = att_row(a->m, a->s, h, t);
+    _Alignas(64) float att[MAX_SEQ_LEN];  /* scores, then probabilities: (n), in L1 on this thread's stack */
     dot_rows(att, q, kv_key(a->cache, a->l, g, 0), hd, n, hd, 1.0f / sqrtf((float)hd));  /* (n) */
     softmax(att, n);
     weighted_sum_rows(a->s->heads + ((size_t)t * H + h) * hd, att, kv_value(a->cache, a->l, g, 0), hd, n, hd);
@@ -116,7 +110,7 @@ static void mla_expanded_query(const void *ctx, long ht) {
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, T = a->T;
     const int h = (int)(ht / T), t = (int)(ht % T), n = a->pos0 + t + 1, es = mla_exp_stride(c);
     const float *q = a->s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
-    float *att = att_row(a->m, a->s, h, t);
+    _Alignas(64) float att[MAX_SEQ_LEN];  /* scores, then probabilities: (n) */
     dot_rows_cat(att, n, 1.0f / sqrtf((float)qw), q, a->s->k_exp + (size_t)h * hd, (size_t)es, hd,  /* (n) */
                  q + hd, kv_latent(a->cache, a->l, 0) + dc, (size_t)(dc + rd), rd);
     softmax(att, n);
@@ -153,7 +147,7 @@ static void mla_absorbed_query(const void *ctx, long ht) {
     float *q_abs = s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
     matmul_serial(q_abs, dc, q, hd, mat_block(w->wuk_t, h, dc), 1);
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
-    float *att = att_row(a->m, s, h, t);
+    _Alignas(64) float att[MAX_SEQ_LEN];  /* scores, then probabilities: (n) */
     dot_rows(att, q_abs, kv_latent(a->cache, a->l, 0), lw, n, lw, 1.0f / sqrtf((float)qw));  /* (n) */
     softmax(att, n);
     float *ctx_lat = s->ctx_lat + ((size_t)t * H + h) * dc;    /* sum_j p_j c_j: (dc) */

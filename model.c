@@ -101,11 +101,9 @@ static int check_config(const Config *c, char *err, size_t errlen) {
         if (dims[i].v <= 0 || dims[i].v > MAX_DIM)
             return fail(err, errlen, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v, MAX_DIM);
     if (c->n_layers > 256) return fail(err, errlen, "checkpoint: n_layers = %d is absurd", c->n_layers);
-    if (c->max_seq_len > 8192) return fail(err, errlen, "checkpoint: max_seq_len = %d is over 8192", c->max_seq_len);
+    if (c->max_seq_len > MAX_SEQ_LEN) return fail(err, errlen, "checkpoint: max_seq_len = %d is over %d", c->max_seq_len, MAX_SEQ_LEN);
     if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
         return fail(err, errlen, "checkpoint: n_heads * head_dim = %ld is absurd", (long)c->n_heads * c->head_dim);
-    if ((long)c->n_heads * c->max_seq_len * c->max_seq_len > (1L << 28))
-        return fail(err, errlen, "checkpoint: n_heads * max_seq_len^2 is too large for the attention scratch");
     if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
         c->n_kv_heads > MAX_DIM)
         return fail(err, errlen, "checkpoint: n_kv_heads, kv_latent or rope_dim is out of range");
@@ -354,7 +352,7 @@ int runstate_init(RunState *s, const Config *c) {
         {&s->x, T * c->dim}, {&s->xb, T * c->dim}, {&s->heads, T * H * hd}, {&s->q, T * H * q_width},
         {&s->k, T * kv}, {&s->v, T * kv}, {&s->latent, T * dc}, {&s->k_rope, T * rd},
         {&s->k_exp, dc ? T * (size_t)mla_exp_stride(c) : 0}, {&s->v_exp, dc ? T * (size_t)mla_exp_stride(c) : 0},
-        {&s->q_abs, T * H * (dc + rd)}, {&s->ctx_lat, T * H * dc}, {&s->att, H * T * T},
+        {&s->q_abs, T * H * (dc + rd)}, {&s->ctx_lat, T * H * dc},
         {&s->hb, T * c->hidden_dim}, {&s->hb2, T * c->hidden_dim}, {&s->logits, T * c->vocab_size},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
@@ -380,7 +378,7 @@ int runstate_init(RunState *s, const Config *c) {
 
 void runstate_free(RunState *s) {
     float *bufs[] = {s->x, s->xb, s->heads, s->q, s->k, s->v, s->latent, s->k_rope, s->k_exp,
-                     s->v_exp, s->q_abs, s->ctx_lat, s->att, s->hb, s->hb2, s->logits};
+                     s->v_exp, s->q_abs, s->ctx_lat, s->hb, s->hb2, s->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(s->tokens);
     memset(s, 0, sizeof *s);

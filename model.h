@@ -14,6 +14,9 @@
 #include "kvcache.h"
 #include "spm_c.h"
 
+/* the longest context a checkpoint may have: a query's scores live on its thread's stack */
+enum { MAX_SEQ_LEN = 8192 };
+
 typedef enum { VARIANT_MHA = 0, VARIANT_GQA = 1, VARIANT_MQA = 2, VARIANT_MLA = 3 } Variant;
 
 typedef struct {
@@ -81,7 +84,6 @@ typedef struct {
     float *k_exp, *v_exp; /* (max_seq_len, mla_exp_stride) expanded keys/values (MLA, expand form) */
     float *q_abs;       /* (T, n_heads, kv_latent+rope_dim) absorbed queries [W_UK,h^T q_C ; q_R] (MLA) */
     float *ctx_lat;     /* (T, n_heads, kv_latent) attention-weighted latents (MLA, absorbed form) */
-    float *att;         /* (n_heads, T, max_seq_len) attention scores, then probabilities */
     float *hb, *hb2;    /* (T, hidden_dim) */
     float *logits;      /* (T, vocab_size) */
     int *tokens;        /* (max_seq_len + 1) the ids of the sequence being generated */

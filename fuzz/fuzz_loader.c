@@ -51,7 +51,7 @@ static size_t scratch_floats(const Config *c) {
     size_t per_token = 2 * (size_t)c->dim + H * hd + H * (hd + rd) + 2 * kv + dc + rd + (dc ? 2 * H * hd : 0) +
                        H * (dc + rd) + H * dc + 2 * (size_t)c->hidden_dim + 2 * (size_t)c->vocab_size;
     size_t cache = (size_t)c->n_layers * T * (dc ? dc + rd : 2 * kv);
-    return T * per_token + H * T * T + cache + T * (hd + rd);
+    return T * per_token + cache + T * (hd + rd);
 }
 
 static void forward_once(const Model *m, int absorb, int t1) {
