@@ -24,6 +24,36 @@ typedef struct {
     int l, T, pos0;
 } AttnPass;
 
+/* The (head, query) items of a pass, each in two halves: scores writes the scores of query
+ * t of head h against positions 0 .. pos0+t into att; mix turns them into probabilities
+ * and the head's output. */
+typedef void (*QueryHalf)(const AttnPass *a, int h, int t, float *att);
+typedef struct {
+    const AttnPass *a;
+    QueryHalf scores, mix;
+} Queries;
+
+/* A thread's share of the items, software-pipelined: item i+1's scores are computed
+ * before item i's mix. In order, softmax's first load waited on the scores just stored
+ * (40% of softmax's perf samples, the pipeline stalled behind the last keys' dot products). */
+static void queries_share(const void *ctx, int thread, int threads) {
+    const Queries *qs = ctx;
+    const int T = qs->a->T;
+    long lo, hi;
+    parallel_share((long)qs->a->m->cfg.n_heads * T, thread, threads, &lo, &hi);
+    _Alignas(64) float att[2][MAX_SEQ_LEN];  /* two items' scores, then probabilities: in L1 on this thread's stack */
+    if (lo < hi) qs->scores(qs->a, (int)(lo / T), (int)(lo % T), att[0]);
+    for (long i = lo; i < hi; i++) {
+        if (i + 1 < hi) qs->scores(qs->a, (int)((i + 1) / T), (int)((i + 1) % T), att[(i + 1 - lo) % 2]);
+        qs->mix(qs->a, (int)(i / T), (int)(i % T), att[(i - lo) % 2]);
+    }
+}
+
+static void run_queries(const AttnPass *a, QueryHalf scores, QueryHalf mix) {
+    const Queries qs = {a, scores, mix};
+    parallel_run(queries_share, &qs, attention_is_big(a->m, a->T, a->pos0));
+}
+
 /* ---- MHA, GQA, MQA: n_kv_heads KV heads; query head h reads KV head h / (n_heads/n_kv_heads). ---- */
 
 /* Item tg = (t, g): token t's key for KV head g, rotated, and its value, into the cache. */
@@ -37,16 +67,18 @@ static void kv_heads_store(const void *ctx, long tg) {
     memcpy(kv_value(a->cache, a->l, g, a->pos0 + t), a->s->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
 }
 
-/* Item ht = (h, t): query t of head h against positions 0 .. pos0+t of its KV head. */
-static void kv_heads_query(const void *ctx, long ht) {
-    const AttnPass *a = ctx;
+/* query t of head h reads KV head g = h / (n_heads / n_kv_heads) */
+static void kv_heads_scores(const AttnPass *a, int h, int t, float *att) {
     const Config *c = &a->m->cfg;
-    const int H = c->n_heads, hd = c->head_dim, T = a->T;
-    const int h = (int)(ht / T), t = (int)(ht % T), g = h / (H / c->n_kv_heads), n = a->pos0 + t + 1;
+    const int H = c->n_heads, hd = c->head_dim, g = h / (H / c->n_kv_heads), n = a->pos0 + t + 1;
     float *q = a->s->q + ((size_t)t * H + h) * hd;
     rope(a->m, q, hd, a->pos0 + t);
-    _Alignas(64) float att[MAX_SEQ_LEN];  /* scores, then probabilities: (n), in L1 on this thread's stack */
     dot_rows(att, q, kv_key(a->cache, a->l, g, 0), hd, n, hd, 1.0f / sqrtf((float)hd));  /* (n) */
+}
+
+static void kv_heads_mix(const AttnPass *a, int h, int t, float *att) {
+    const Config *c = &a->m->cfg;
+    const int H = c->n_heads, hd = c->head_dim, g = h / (H / c->n_kv_heads), n = a->pos0 + t + 1;
     softmax(att, n);
     weighted_sum_rows(a->s->heads + ((size_t)t * H + h) * hd, att, kv_value(a->cache, a->l, g, 0), hd, n, hd);
 }
@@ -65,7 +97,7 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
 
     const AttnPass pass = {m, s, cache, l, T, pos0};
     parallel_for((long)T * c->n_kv_heads, kv_heads_store, &pass, T >= 64);
-    parallel_for((long)c->n_heads * T, kv_heads_query, &pass, attention_is_big(m, T, pos0));
+    run_queries(&pass, kv_heads_scores, kv_heads_mix);
 }
 
 /* ---- MLA (DeepSeek-V2, no query compression) ----
@@ -103,18 +135,21 @@ static void mla_project(const AttnPass *a) {
 
 /* Expanded form: every head's keys [W_UK,h c_j ; k_R,j] and values W_UV,h c_j are
  * materialized for all positions j, then attention runs as in MHA (48-dim keys).
- * Item ht = (h, t): query t of head h against the expanded keys and values. */
-static void mla_expanded_query(const void *ctx, long ht) {
-    const AttnPass *a = ctx;
+ * Query t of head h against the expanded keys and values: */
+static void mla_expanded_scores(const AttnPass *a, int h, int t, float *att) {
     const Config *c = &a->m->cfg;
-    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, T = a->T;
-    const int h = (int)(ht / T), t = (int)(ht % T), n = a->pos0 + t + 1, es = mla_exp_stride(c);
-    const float *q = a->s->q + ((size_t)t * H + h) * qw;  /* [q_C ; q_R] */
-    _Alignas(64) float att[MAX_SEQ_LEN];  /* scores, then probabilities: (n) */
-    dot_rows_cat(att, n, 1.0f / sqrtf((float)qw), q, a->s->k_exp + (size_t)h * hd, (size_t)es, hd,  /* (n) */
+    const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, n = a->pos0 + t + 1;
+    const float *q = a->s->q + ((size_t)t * c->n_heads + h) * qw;  /* [q_C ; q_R] */
+    dot_rows_cat(att, n, 1.0f / sqrtf((float)qw), q, a->s->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd,  /* (n) */
                  q + hd, kv_latent(a->cache, a->l, 0) + dc, (size_t)(dc + rd), rd);
+}
+
+static void mla_expanded_mix(const AttnPass *a, int h, int t, float *att) {
+    const Config *c = &a->m->cfg;
+    const int hd = c->head_dim, n = a->pos0 + t + 1;
     softmax(att, n);
-    weighted_sum_rows(a->s->heads + ((size_t)t * H + h) * hd, att, a->s->v_exp + (size_t)h * hd, (size_t)es, n, hd);
+    weighted_sum_rows(a->s->heads + ((size_t)t * c->n_heads + h) * hd, att, a->s->v_exp + (size_t)h * hd,
+                      (size_t)mla_exp_stride(c), n, hd);
 }
 
 void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
@@ -130,33 +165,33 @@ void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T
         {s->v_exp, es, kv_latent(cache, l, 0), lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
     };
     matmul_jobs(expand, 2);
-    parallel_for((long)c->n_heads * T, mla_expanded_query, &pass, attention_is_big(m, T, pos0));
+    run_queries(&pass, mla_expanded_scores, mla_expanded_mix);
 }
 
 /* Absorbed form: q_lat,h = W_UK,h^T q_C,h; score_j = [q_lat,h ; q_R,h] . [c_j ; k_R,j];
  * o_h = W_UV,h (sum_j p_j c_j). Cached latents are never expanded.
- * Item ht = (h, t): query t of head h against the cached latents. */
-static void mla_absorbed_query(const void *ctx, long ht) {
-    const AttnPass *a = ctx;
+ * Query t of head h against the cached latents: */
+static void mla_absorbed_scores(const AttnPass *a, int h, int t, float *att) {
     const Config *c = &a->m->cfg;
-    const LayerWeights *w = &a->m->w.layers[a->l];
-    RunState *s = a->s;
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, lw = dc + rd;
-    const int h = (int)(ht / a->T), t = (int)(ht % a->T), n = a->pos0 + t + 1;
-    const float *q = s->q + ((size_t)t * H + h) * qw;          /* [q_C ; q_R] */
-    float *q_abs = s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
-    matmul_serial(q_abs, dc, q, hd, mat_block(w->wuk_t, h, dc), 1);
+    const float *q = a->s->q + ((size_t)t * H + h) * qw;          /* [q_C ; q_R] */
+    float *q_abs = a->s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
+    matmul_serial(q_abs, dc, q, hd, mat_block(a->m->w.layers[a->l].wuk_t, h, dc), 1);
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
-    _Alignas(64) float att[MAX_SEQ_LEN];  /* scores, then probabilities: (n) */
-    dot_rows(att, q_abs, kv_latent(a->cache, a->l, 0), lw, n, lw, 1.0f / sqrtf((float)qw));  /* (n) */
+    dot_rows(att, q_abs, kv_latent(a->cache, a->l, 0), lw, a->pos0 + t + 1, lw, 1.0f / sqrtf((float)qw));  /* (n) */
+}
+
+static void mla_absorbed_mix(const AttnPass *a, int h, int t, float *att) {
+    const Config *c = &a->m->cfg;
+    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = a->pos0 + t + 1;
     softmax(att, n);
-    float *ctx_lat = s->ctx_lat + ((size_t)t * H + h) * dc;    /* sum_j p_j c_j: (dc) */
-    weighted_sum_rows(ctx_lat, att, kv_latent(a->cache, a->l, 0), lw, n, dc);
-    matmul_serial(s->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(w->wuv_heads, h, hd), 1);
+    float *ctx_lat = a->s->ctx_lat + ((size_t)t * H + h) * dc;    /* sum_j p_j c_j: (dc) */
+    weighted_sum_rows(ctx_lat, att, kv_latent(a->cache, a->l, 0), dc + c->rope_dim, n, dc);
+    matmul_serial(a->s->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(a->m->w.layers[a->l].wuv_heads, h, hd), 1);
 }
 
 void attn_mla_absorbed(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
     const AttnPass pass = {m, s, cache, l, T, pos0};
     mla_project(&pass);
-    parallel_for((long)m->cfg.n_heads * T, mla_absorbed_query, &pass, attention_is_big(m, T, pos0));
+    run_queries(&pass, mla_absorbed_scores, mla_absorbed_mix);
 }

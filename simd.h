@@ -80,6 +80,8 @@ static inline void v16_store(float *p, v16 v, int n) {
     if (n >= 16) _mm512_storeu_ps(p, v);
     else _mm512_mask_storeu_ps(p, v16_mask(n), v);
 }
+/* lanes l < n of v; the others +0 */
+static inline v16 v16_first(v16 v, int n) { return n >= 16 ? v : _mm512_maskz_mov_ps(v16_mask(n), v); }
 static inline float v16_reduce(v16 v) {
     __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -180,6 +182,12 @@ static inline void v16_store(float *p, v16 v, int n) {
     if (n >= 16) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); return; }
     _mm256_maskstore_ps(p, avx2_mask8(n), v.lo);
     if (n > 8) _mm256_maskstore_ps(p + 8, avx2_mask8(n - 8), v.hi);
+}
+static inline v16 v16_first(v16 v, int n) {
+    if (n >= 16) return v;
+    v.lo = _mm256_and_ps(v.lo, _mm256_castsi256_ps(avx2_mask8(n)));
+    v.hi = n > 8 ? _mm256_and_ps(v.hi, _mm256_castsi256_ps(avx2_mask8(n - 8))) : _mm256_setzero_ps();
+    return v;
 }
 
 #define SIMD_PARTS 2
@@ -294,6 +302,10 @@ static inline v16 v16_round(v16 a) { for (int l = 0; l < 16; l++) a.x[l] = nearb
 static inline v16 v16_pow2i(v16 n) { for (int l = 0; l < 16; l++) n.x[l] = pow2i_f32(n.x[l]); return n; }
 static inline void v16_store(float *p, v16 v, int n) {
     for (int l = 0; l < 16 && l < n; l++) p[l] = v.x[l];
+}
+static inline v16 v16_first(v16 v, int n) {
+    for (int l = n < 0 ? 0 : n; l < 16; l++) v.x[l] = 0.0f;
+    return v;
 }
 static inline float v16_reduce(v16 v) {
     for (int h = 8; h >= 1; h /= 2)
