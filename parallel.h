@@ -1,6 +1,7 @@
 /* parallel.h: how the kernels share their work among the OpenMP threads.
  *
- * A forward pass runs inside one OpenMP parallel region, its team (parallel_team):
+ * A forward pass runs inside one OpenMP parallel region, its team (parallel_team; run.c
+ * opens one team for a whole generation, and the passes inside it use that one):
  * thread 0 runs the pass top to bottom, and the other threads wait, spinning on one
  * cache line, for the work it hands them (parallel_run). On this VM an OpenMP region
  * costs ~3.3 us to open and close (libgomp wakes its threads with futex calls) and a

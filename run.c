@@ -17,6 +17,7 @@
 
 #include "cli.h"
 #include "model.h"
+#include "parallel.h"
 #include "sampler.h"
 #include "textfile.h"
 
@@ -140,6 +141,23 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
             st.hit_eos ? "eos" : st.context_full ? "context full" : "steps");
     spm_stream_free(stream);
     free(logits);
+}
+
+/* generate() inside one team (parallel.h), so that every forward pass of the run uses it
+ * instead of opening an OpenMP region of its own: the other threads stay awake, spinning,
+ * while a token is sampled and printed. MHA with the cache: 0.406 -> 0.397 ms/token (9
+ * alternated runs, 7 pairs faster). */
+typedef struct {
+    Engine *e;
+    const Options *o;
+    Sampler *sampler;
+    FILE *log_csv, *dump;
+    int *tokens, n;
+} Generation;
+
+static void generate_in_team(void *arg) {
+    Generation *g = arg;
+    generate(g->e, g->o, g->sampler, g->log_csv, g->dump, g->tokens, g->n);
 }
 
 /* ---- --check-kv ---- */
@@ -372,7 +390,8 @@ int main(int argc, char **argv) {
                 1,
 #endif
                 o.top_k, o.temperature);
-        generate(&e, &o, &sampler, log_csv, dump, state.tokens, n_prompt);
+        Generation g = {&e, &o, &sampler, log_csv, dump, state.tokens, n_prompt};
+        parallel_team(generate_in_team, &g);
         if (log_csv && fclose(log_csv) != 0) die(1, "cannot write %s", o.log_path);
         if (dump && fclose(dump) != 0) die(1, "cannot write %s", o.dump_path);
         sampler_free(&sampler);
