@@ -16,6 +16,7 @@ typedef struct {
     ParallelFn fn;
     const void *ctx;
     int threads;
+    unsigned spins_before_yielding;    /* see wait_turn */
     int closing;                       /* the last post: leave */
     _Alignas(64) atomic_uint finished; /* jobs finished so far, summed over threads 1.. */
 } Team;
@@ -23,15 +24,16 @@ typedef struct {
 /* the team whose thread 0 is this thread, if any */
 static _Thread_local Team *my_team;
 
-/* One turn of a wait. After a while it gives the core away at every turn: with more
- * threads than cores (--threads 3 on 2 cores), the thread being waited for may not be
- * running at all. */
+/* One turn of a wait: a pause, and after a while (at once when the team has more threads
+ * than there are cores: --threads 3 on 2 cores, where the thread waited for may not be
+ * running) it gives the core away at every turn. Spinning 2^14 turns first there made a
+ * cached step take 11.9 ms instead of 1.1 ms with libgomp's own waits. */
 enum { SPINS_BEFORE_YIELDING = 1 << 14 };
-static inline void wait_turn(unsigned *spins) {
+static inline void wait_turn(const Team *t, unsigned *spins) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
-    if (*spins < SPINS_BEFORE_YIELDING) ++*spins;
+    if (*spins < t->spins_before_yielding) ++*spins;
     else sched_yield();
 }
 
@@ -40,7 +42,7 @@ static inline void wait_turn(unsigned *spins) {
 static void serve(Team *t, int thread) {
     for (unsigned seen = 0;; ) {
         unsigned spins = 0;
-        while (atomic_load_explicit(&t->posted, memory_order_acquire) == seen) wait_turn(&spins);
+        while (atomic_load_explicit(&t->posted, memory_order_acquire) == seen) wait_turn(t, &spins);
         seen++;
         if (t->closing) return;
         t->fn(t->ctx, thread, t->threads);
@@ -64,6 +66,7 @@ void parallel_team(void (*body)(void *arg), void *arg) {
     {
         if (omp_get_thread_num() == 0) {
             team.threads = omp_get_num_threads();  /* read by the others after a post */
+            team.spins_before_yielding = team.threads > omp_get_num_procs() ? 0 : SPINS_BEFORE_YIELDING;
             my_team = &team;
             body(arg);
             my_team = NULL;
@@ -91,7 +94,7 @@ void parallel_run(ParallelFn fn, const void *ctx, int use_threads) {
         fn(ctx, 0, t->threads);
         const unsigned all = atomic_load_explicit(&t->posted, memory_order_relaxed) * (unsigned)(t->threads - 1);
         unsigned spins = 0;
-        while (atomic_load_explicit(&t->finished, memory_order_acquire) != all) wait_turn(&spins);
+        while (atomic_load_explicit(&t->finished, memory_order_acquire) != all) wait_turn(t, &spins);
         return;
     }
 #ifdef _OPENMP
