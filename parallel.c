@@ -18,6 +18,7 @@ typedef struct {
     int threads;
     unsigned spins_before_yielding;    /* see wait_turn */
     int closing;                       /* the last post: leave */
+    int in_job;                        /* thread 0 is inside a job (its own share of it) */
     _Alignas(64) atomic_uint finished; /* jobs finished so far, summed over threads 1.. */
 } Team;
 
@@ -83,7 +84,8 @@ void parallel_team(void (*body)(void *arg), void *arg) {
 
 void parallel_run(ParallelFn fn, const void *ctx, int use_threads) {
     Team *t = my_team;
-    if (!use_threads || (t && t->threads == 1)) {
+    /* alone: when asked, in a team of one, or from inside a job (the team is busy with it) */
+    if (!use_threads || (t && (t->threads == 1 || t->in_job))) {
         fn(ctx, 0, 1);
         return;
     }
@@ -91,7 +93,9 @@ void parallel_run(ParallelFn fn, const void *ctx, int use_threads) {
         t->fn = fn;
         t->ctx = ctx;
         post(t);
+        t->in_job = 1;
         fn(ctx, 0, t->threads);
+        t->in_job = 0;
         const unsigned all = atomic_load_explicit(&t->posted, memory_order_relaxed) * (unsigned)(t->threads - 1);
         unsigned spins = 0;
         while (atomic_load_explicit(&t->finished, memory_order_acquire) != all) wait_turn(t, &spins);
@@ -106,7 +110,7 @@ void parallel_run(ParallelFn fn, const void *ctx, int use_threads) {
 }
 
 int parallel_threads(void) {
-    if (my_team) return my_team->threads;
+    if (my_team) return my_team->in_job ? 1 : my_team->threads;
 #ifdef _OPENMP
     return omp_in_parallel() ? 1 : omp_get_max_threads();
 #else

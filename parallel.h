@@ -20,8 +20,8 @@ typedef void (*ParallelFn)(const void *ctx, int thread, int threads);
 void parallel_team(void (*body)(void *arg), void *arg);
 
 /* fn(ctx, i, n) for every thread i < n, and returns when all have returned: on the
- * calling thread alone (n = 1) unless use_threads, on the team's threads inside a team,
- * otherwise in a new OpenMP region. */
+ * calling thread alone (n = 1) unless use_threads or when called from inside an fn, on the
+ * team's threads inside a team, otherwise in a new OpenMP region. */
 void parallel_run(ParallelFn fn, const void *ctx, int use_threads);
 
 /* item(ctx, i) for every i < n_items, each thread a contiguous share (parallel_share). */

@@ -102,20 +102,21 @@ static void test_run_returns_after_every_thread(void **state) {
     omp_set_num_threads(saved);
 }
 
-/* A team's thread that calls parallel_run or parallel_team runs the work alone, with
- * thread 0 of 1: nothing deadlocks, nothing is skipped. */
+/* A job that calls parallel_run, parallel_for or parallel_team runs that work alone, with
+ * thread 0 of 1, on whichever thread it is: nothing deadlocks, nothing is skipped, and
+ * thread 0 does not post a job over the one the others are running. */
 typedef struct {
-    Record inner;           /* what thread 1's own parallel_run and parallel_for did */
-    atomic_int threads_of[2];  /* parallel_threads() on each thread of the team */
+    Record inner[2];           /* what each thread's own parallel_run and parallel_for did */
+    atomic_int threads_of[2];  /* parallel_threads() on each thread, inside the job */
 } Nested;
 
 static void nested_run(const void *ctx, int thread, int threads) {
     (void)threads;
     Nested *n = (Nested *)ctx;
     atomic_store(&n->threads_of[thread], parallel_threads());
-    if (thread == 0) return;  /* thread 0 is the team's caller, which posts the jobs */
-    parallel_run(record_thread, &n->inner, 1);
-    parallel_for(10, record_item, &n->inner, 1);
+    n->inner[thread].use_threads = 1;
+    parallel_run(record_thread, &n->inner[thread], 1);
+    parallel_for(10, record_item, &n->inner[thread], 1);
 }
 
 static void run_nested(void *arg) { parallel_run(nested_run, arg, 1); }
@@ -131,13 +132,15 @@ static void test_nested_calls_run_alone(void **state) {
     static Nested n;
     memset(&n, 0, sizeof n);
     parallel_team(run_nested, &n);
-    assert_int_equal(atomic_load(&n.threads_of[0]), 2);
-    assert_int_equal(atomic_load(&n.threads_of[1]), 1);
-    assert_int_equal(atomic_load(&n.inner.bad_numbers), 0);
-    assert_int_equal(atomic_load(&n.inner.calls[0]), 1);
-    assert_int_equal(atomic_load(&n.inner.calls[1]), 0);
-    assert_int_equal(atomic_load(&n.inner.seen_threads), 1);
-    for (int i = 0; i < MAX_ITEMS; i++) assert_int_equal(atomic_load(&n.inner.visits[i]), i < 10 ? 1 : 0);
+    for (int t = 0; t < 2; t++) {
+        const Record *r = &n.inner[t];
+        assert_int_equal(atomic_load(&n.threads_of[t]), 1);
+        assert_int_equal(atomic_load(&r->bad_numbers), 0);
+        assert_int_equal(atomic_load(&r->calls[0]), 1);
+        assert_int_equal(atomic_load(&r->calls[1]), 0);
+        assert_int_equal(atomic_load(&r->seen_threads), 1);
+        for (int i = 0; i < MAX_ITEMS; i++) assert_int_equal(atomic_load(&r->visits[i]), i < 10 ? 1 : 0);
+    }
     atomic_int bodies = 0;
     parallel_team(team_in_team, &bodies);
     assert_int_equal(atomic_load(&bodies), 1);
