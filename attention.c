@@ -96,7 +96,7 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
     matmul_jobs(qkv, 3);
 
     const AttnPass pass = {m, s, cache, l, T, pos0};
-    parallel_for((long)T * c->n_kv_heads, kv_heads_store, &pass, T >= 64);
+    parallel_for((long)T * c->n_kv_heads, kv_heads_store, &pass, T >= MIN_TOKENS_THREADED);
     run_queries(&pass, kv_heads_scores, kv_heads_mix);
 }
 
@@ -130,7 +130,7 @@ static void mla_project(const AttnPass *a) {
         {s->k_rope, rd, s->xb, c->dim, w->wkr, T},      /* k_R: (T, rd) */
     };
     matmul_jobs(projections, 3);
-    parallel_for(T, mla_store, a, T >= 64);
+    parallel_for(T, mla_store, a, T >= MIN_TOKENS_THREADED);
 }
 
 /* Expanded form: every head's keys [W_UK,h c_j ; k_R,j] and values W_UV,h c_j are

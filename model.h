@@ -16,6 +16,9 @@
 
 /* the longest context a checkpoint may have: a query's scores live on its thread's stack */
 enum { MAX_SEQ_LEN = 8192 };
+/* Tokens of per-token work (a residual add and norm, a cache write) worth handing to the
+ * other threads: a hand-off costs ~0.5 us (parallel.h), a token's norm ~0.1 us. */
+enum { MIN_TOKENS_THREADED = 16 };
 
 typedef enum { VARIANT_MHA = 0, VARIANT_GQA = 1, VARIANT_MQA = 2, VARIANT_MLA = 3 } Variant;
 
