@@ -31,16 +31,30 @@ typedef void (*QueryHalf)(const AttnPass *a, int h, int t, float *att);
 typedef struct {
     const AttnPass *a;
     QueryHalf scores, mix;
+    ParallelClaim *claims;  /* one per thread */
 } Queries;
 
-/* A thread's share of the items, software-pipelined: item i+1's scores are computed
- * before item i's mix. In order, softmax's first load waited on the scores just stored
- * (40% of softmax's perf samples, the pipeline stalled behind the last keys' dot products). */
-static void queries_share(const void *ctx, int thread, int threads) {
+/* A part of the items is a thread's static share of the n_heads*T items, in order. */
+static void queries_part_range(const Queries *qs, int part, int parts, long *lo, long *hi) {
+    parallel_share((long)qs->a->m->cfg.n_heads * qs->a->T, part, parts, lo, hi);
+}
+
+static long queries_part_count(const void *ctx, int part, int parts) {
+    long lo, hi;
+    queries_part_range(ctx, part, parts, &lo, &hi);
+    return hi - lo;
+}
+
+/* Items [lo, hi) of a part, software-pipelined: item i+1's scores are computed before
+ * item i's mix. In order, softmax's first load waited on the scores just stored (40% of
+ * softmax's perf samples, the pipeline stalled behind the last keys' dot products). */
+static void queries_part_items(const void *ctx, int part, int parts, long lo, long hi) {
     const Queries *qs = ctx;
     const int T = qs->a->T;
-    long lo, hi;
-    parallel_share((long)qs->a->m->cfg.n_heads * T, thread, threads, &lo, &hi);
+    long first, last;
+    queries_part_range(qs, part, parts, &first, &last);
+    lo += first;
+    hi += first;
     _Alignas(64) float att[2][MAX_SEQ_LEN];  /* two items' scores, then probabilities: in L1 on this thread's stack */
     if (lo < hi) qs->scores(qs->a, (int)(lo / T), (int)(lo % T), att[0]);
     for (long i = lo; i < hi; i++) {
@@ -49,9 +63,25 @@ static void queries_share(const void *ctx, int thread, int threads) {
     }
 }
 
+/* From MIN_TOKENS_THREADED queries a thread takes over the end of the other's share when
+ * it finishes its own first (parallel_parts): with static shares, the thread on the
+ * faster vCPU waited 28% as long as its own attention work took, in one MHA no-KV run.
+ * Decode keeps static shares (16 heads of one query). */
+static void queries_thread(const void *ctx, int thread, int threads) {
+    const Queries *qs = ctx;
+    if (qs->a->T >= MIN_TOKENS_THREADED) {
+        const ParallelParts parts = {queries_part_count, queries_part_items, qs};
+        parallel_parts(qs->claims, &parts, thread, threads);
+    } else {
+        queries_part_items(qs, thread, threads, 0, queries_part_count(qs, thread, threads));
+    }
+}
+
 static void run_queries(const AttnPass *a, QueryHalf scores, QueryHalf mix) {
-    const Queries qs = {a, scores, mix};
-    parallel_run(queries_share, &qs, attention_is_big(a->m, a->T, a->pos0));
+    ParallelClaim claims[parallel_threads()];
+    memset(claims, 0, sizeof claims);
+    const Queries qs = {a, scores, mix, claims};
+    parallel_run(queries_thread, &qs, attention_is_big(a->m, a->T, a->pos0));
 }
 
 /* ---- MHA, GQA, MQA: n_kv_heads KV heads; query head h reads KV head h / (n_heads/n_kv_heads). ---- */

@@ -330,45 +330,6 @@ void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
 /* Small products are not worth waking the other threads. */
 static int worth_threads(long work) { return work >= 32768; }
 
-/* Work in one part per thread, its static share: each thread does its own part's items
- * in order, then helps with the others' remaining ones, claiming them from the part's
- * counter (one cache line each), a quarter of what is left at a time (claiming single
- * items cost 0.9% of an MHA no-KV run's samples in run_parts; in quarters 0.3%). Every
- * item is done once, by one thread, so the outputs are the static split's bit for bit;
- * when one core runs slower for a while (a neighbour on this VM), the other takes over
- * the end of its share instead of waiting at the barrier. MHA no-KV step, 7 alternated
- * runs in a noisy hour: 14.14 ms with static shares, 12.85 with take-overs (barrier
- * waits 5.6% -> 2.5% of perf samples); in quiet runs within 1-2% of static shares. */
-typedef struct {
-    _Alignas(64) long next;
-} Claim;
-
-typedef struct {
-    long (*count)(const void *ctx, int part, int parts);          /* items in a part */
-    void (*item)(const void *ctx, int part, int parts, long i);  /* does item i of a part */
-    const void *ctx;
-} Parts;
-
-/* run by thread id of parts (parallel.h), one part per thread */
-static void run_parts(Claim *claims, const Parts *w, int id, int parts) {
-    for (int k = 0; k < parts; k++) {
-        const int p = (id + k) % parts;  /* its own part first */
-        const long n = w->count(w->ctx, p, parts);
-        for (;;) {
-            /* a claim takes a quarter of what looked left (at least one item): few claims
-             * while the part is long, single items at its end */
-            long seen, i;
-#pragma omp atomic read
-            seen = claims[p].next;
-            const long take = (n - seen) / 4 > 1 ? (n - seen) / 4 : 1;
-#pragma omp atomic capture
-            { i = claims[p].next; claims[p].next += take; }
-            if (i >= n) break;
-            for (long e = i + take < n ? i + take : n; i < e; i++) w->item(w->ctx, p, parts, i);
-        }
-    }
-}
-
 /* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges;
  * tokens [t_lo, t_hi) of each job, or all of them when t_hi < 0. */
 static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int t_lo, int t_hi) {
@@ -394,7 +355,7 @@ static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int 
  * runs); token chunks claimed as the threads went ran at 13.06. matmul_swiglu stays by
  * rows: by tokens each thread would stream all 2.7 MB of W1 and W3, and the step ran
  * 12.22 ms against 11.78 with it by rows. For more than two token blocks both take over
- * the other thread's remaining tiles at the end (run_parts); decode keeps static shares
+ * the other thread's remaining tiles at the end (parallel_parts); decode keeps static shares
  * (a tile is ~0.1 us of work there). */
 static int split_by_tokens(int T) { return T > 2 * TB; }
 
@@ -402,7 +363,7 @@ typedef struct {
     const MatmulJob *jobs;
     int n_jobs, max_T;
     long tiles;
-    Claim *claims;  /* one per thread */
+    ParallelClaim *claims;  /* one per thread */
 } JobsByTokens;
 
 static long jobs_part_count(const void *ctx, int part, int parts) {
@@ -410,19 +371,19 @@ static long jobs_part_count(const void *ctx, int part, int parts) {
     return ((const JobsByTokens *)ctx)->tiles;
 }
 
-/* tile i of the jobs for part p's tokens (a share of the token blocks of the longest job) */
-static void jobs_part_item(const void *ctx, int p, int parts, long i) {
+/* tiles [lo, hi) of the jobs for part p's tokens (a share of the token blocks of the longest job) */
+static void jobs_part_items(const void *ctx, int p, int parts, long lo, long hi) {
     const JobsByTokens *c = ctx;
     long b_lo, b_hi;
     parallel_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
-    jobs_tiles(c->jobs, c->n_jobs, i, i + 1, (int)b_lo * TB, (int)b_hi * TB);
+    jobs_tiles(c->jobs, c->n_jobs, lo, hi, (int)b_lo * TB, (int)b_hi * TB);
 }
 
 static void matmul_jobs_thread(const void *ctx, int thread, int threads) {
     const JobsByTokens *c = ctx;
     if (split_by_tokens(c->max_T)) {
-        const Parts by_tokens = {jobs_part_count, jobs_part_item, c};
-        run_parts(c->claims, &by_tokens, thread, threads);
+        const ParallelParts by_tokens = {jobs_part_count, jobs_part_items, c};
+        parallel_parts(c->claims, &by_tokens, thread, threads);
     } else {
         long lo, hi;
         parallel_share(c->tiles, thread, threads, &lo, &hi);
@@ -438,7 +399,7 @@ void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
         work += (long)jobs[j].T * jobs[j].w.rows * jobs[j].w.cols;
         max_T = jobs[j].T > max_T ? jobs[j].T : max_T;
     }
-    Claim claims[parallel_threads()];
+    ParallelClaim claims[parallel_threads()];
     memset(claims, 0, sizeof claims);
     const JobsByTokens ctx = {jobs, n_jobs, max_T, tiles, claims};
     parallel_run(matmul_jobs_thread, &ctx, worth_threads(work));
@@ -454,7 +415,7 @@ typedef struct {
     const float *x;
     int ldx, T;
     const Mat *w1, *w3;
-    Claim *claims;  /* one per thread */
+    ParallelClaim *claims;  /* one per thread */
 } SwigluRows;
 
 /* Row tiles [lo, hi) of both up projections, then SwiGLU on the rows they wrote. */
@@ -476,19 +437,20 @@ static long swiglu_part_count(const void *ctx, int p, int parts) {
     return (hi - lo + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
 }
 
-static void swiglu_part_item(const void *ctx, int p, int parts, long i) {
+/* items [lo, hi) of part p */
+static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long hi) {
     const SwigluRows *c = ctx;
-    long lo, hi;
-    parallel_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
-    const long a = lo + i * SWIGLU_ITEM_TILES;
-    swiglu_tiles(c, a, a + SWIGLU_ITEM_TILES < hi ? a + SWIGLU_ITEM_TILES : hi);
+    long t_lo, t_hi;
+    parallel_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &t_lo, &t_hi);
+    const long a = t_lo + lo * SWIGLU_ITEM_TILES, b = t_lo + hi * SWIGLU_ITEM_TILES;
+    swiglu_tiles(c, a, b < t_hi ? b : t_hi);
 }
 
 static void matmul_swiglu_thread(const void *ctx, int thread, int threads) {
     const SwigluRows *c = ctx;
     if (split_by_tokens(c->T)) {  /* by rows all the same (see split_by_tokens), with take-overs */
-        const Parts by_rows = {swiglu_part_count, swiglu_part_item, c};
-        run_parts(c->claims, &by_rows, thread, threads);
+        const ParallelParts by_rows = {swiglu_part_count, swiglu_part_items, c};
+        parallel_parts(c->claims, &by_rows, thread, threads);
     } else {
         long lo, hi;
         parallel_share((c->w1->rows + RB - 1) / RB, thread, threads, &lo, &hi);
@@ -497,7 +459,7 @@ static void matmul_swiglu_thread(const void *ctx, int thread, int threads) {
 }
 
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
-    Claim claims[parallel_threads()];
+    ParallelClaim claims[parallel_threads()];
     memset(claims, 0, sizeof claims);
     const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3, claims};
     parallel_run(matmul_swiglu_thread, &ctx, worth_threads((long)T * w1.rows * w1.cols));

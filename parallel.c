@@ -135,3 +135,19 @@ void parallel_for(long n_items, void (*item)(const void *ctx, long i), const voi
     const ForLoop f = {n_items, item, ctx};
     parallel_run(for_share, &f, use_threads);
 }
+
+void parallel_parts(ParallelClaim *claims, const ParallelParts *w, int thread, int threads) {
+    for (int k = 0; k < threads; k++) {
+        const int p = (thread + k) % threads;  /* its own part first */
+        const long n = w->count(w->ctx, p, threads);
+        for (;;) {
+            /* a claim takes a quarter of what looked left (at least one item): few claims
+             * while the part is long, single items at its end */
+            const long seen = __atomic_load_n(&claims[p].next, __ATOMIC_RELAXED);
+            const long take = (n - seen) / 4 > 1 ? (n - seen) / 4 : 1;
+            const long i = __atomic_fetch_add(&claims[p].next, take, __ATOMIC_RELAXED);
+            if (i >= n) break;
+            w->items(w->ctx, p, threads, i, i + take < n ? i + take : n);
+        }
+    }
+}

@@ -1,6 +1,7 @@
 /* The team of parallel.h: every thread runs each job once, with its own number; every
- * item of a loop is done once; a job's writes are all visible when parallel_run returns;
- * inside a team and outside one, the same numbers and shares. */
+ * item of a loop, and of parallel_parts' parts, is done once; a job's writes are all
+ * visible when parallel_run returns; inside a team and outside one, the same numbers and
+ * shares. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -147,12 +148,66 @@ static void test_nested_calls_run_alone(void **state) {
     omp_set_num_threads(saved);
 }
 
+/* parallel_parts: every item of every part is done once, whatever the thread count,
+ * whichever thread takes over what (parts of 0 to 1000 items). */
+typedef struct {
+    ParallelClaim *claims;
+    atomic_int visits[4][1000];  /* [part][item] */
+    atomic_int bad_ranges;
+} PartsRecord;
+
+static long parts_count(const void *ctx, int part, int parts) {
+    (void)ctx, (void)parts;
+    return (long)part * 333;  /* 0, 333, 666, 999 */
+}
+
+static void parts_items(const void *ctx, int part, int parts, long lo, long hi) {
+    PartsRecord *r = (PartsRecord *)ctx;
+    if (lo < 0 || hi <= lo || hi > parts_count(ctx, part, parts)) atomic_fetch_add(&r->bad_ranges, 1);
+    for (long i = lo; i < hi && i >= 0 && i < 1000; i++) atomic_fetch_add(&r->visits[part][i], 1);
+}
+
+static void parts_thread(const void *ctx, int thread, int threads) {
+    const PartsRecord *r = ctx;
+    const ParallelParts w = {parts_count, parts_items, r};
+    parallel_parts(r->claims, &w, thread, threads);
+}
+
+static void check_parts(void *arg) {
+    PartsRecord *r = arg;
+    for (int round = 0; round < 20; round++) {
+        ParallelClaim claims[parallel_threads()];
+        memset(claims, 0, sizeof claims);
+        memset(r->visits, 0, sizeof r->visits);
+        r->claims = claims;
+        parallel_run(parts_thread, r, 1);
+        assert_int_equal(atomic_load(&r->bad_ranges), 0);
+        const int parts = parallel_threads();
+        for (int p = 0; p < 4; p++)
+            for (int i = 0; i < 1000; i++)
+                assert_int_equal(atomic_load(&r->visits[p][i]), p < parts && i < parts_count(r, p, parts) ? 1 : 0);
+    }
+}
+
+static void test_parts_each_item_once(void **state) {
+    (void)state;
+    int saved = omp_get_max_threads();
+    static PartsRecord r;
+    for (int threads = 1; threads <= 4; threads++) {
+        omp_set_num_threads(threads);
+        check_parts(&r);               /* outside a team */
+        parallel_team(check_parts, &r);  /* inside one */
+    }
+    omp_set_num_threads(saved);
+}
+
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_each_thread_and_item_once),
         cmocka_unit_test(test_run_returns_after_every_thread),
         cmocka_unit_test(test_nested_calls_run_alone),
+        cmocka_unit_test(test_parts_each_item_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
