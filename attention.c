@@ -65,8 +65,8 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
 
 /* From MIN_TOKENS_THREADED queries a thread takes over the end of the other's share when
  * it finishes its own first (parallel_parts): with static shares, the thread on the
- * faster vCPU waited 28% as long as its own attention work took, in one MHA no-KV run.
- * Decode keeps static shares (16 heads of one query). */
+ * faster vCPU spent 28% of the attention phase waiting, in one MHA no-KV run. Decode
+ * keeps static shares (16 heads of one query). */
 static void queries_thread(const void *ctx, int thread, int threads) {
     const Queries *qs = ctx;
     if (qs->a->T >= MIN_TOKENS_THREADED) {
