@@ -31,7 +31,6 @@ typedef void (*QueryHalf)(const AttnPass *a, int h, int t, float *att);
 typedef struct {
     const AttnPass *a;
     QueryHalf scores, mix;
-    ParallelClaim *claims;  /* one per thread */
 } Queries;
 
 /* A part of the items is a thread's static share of the n_heads*T items, in order. */
@@ -64,24 +63,13 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
 }
 
 /* From MIN_TOKENS_THREADED queries a thread takes over the end of the other's share when
- * it finishes its own first (parallel_parts): with static shares, the thread on the
+ * it finishes its own first (parallel_run_parts): with static shares, the thread on the
  * faster vCPU spent 28% of the attention phase waiting, in one MHA no-KV run. Decode
  * keeps static shares (16 heads of one query). */
-static void queries_thread(const void *ctx, int thread, int threads) {
-    const Queries *qs = ctx;
-    if (qs->a->T >= MIN_TOKENS_THREADED) {
-        const ParallelParts parts = {queries_part_count, queries_part_items, qs};
-        parallel_parts(qs->claims, &parts, thread, threads);
-    } else {
-        queries_part_items(qs, thread, threads, 0, queries_part_count(qs, thread, threads));
-    }
-}
-
 static void run_queries(const AttnPass *a, QueryHalf scores, QueryHalf mix) {
-    ParallelClaim claims[parallel_threads()];
-    memset(claims, 0, sizeof claims);
-    const Queries qs = {a, scores, mix, claims};
-    parallel_run(queries_thread, &qs, attention_is_big(a->m, a->T, a->pos0));
+    const Queries qs = {a, scores, mix};
+    const ParallelParts parts = {queries_part_count, queries_part_items, &qs};
+    parallel_run_parts(&parts, a->T >= MIN_TOKENS_THREADED, attention_is_big(a->m, a->T, a->pos0));
 }
 
 /* ---- MHA, GQA, MQA: n_kv_heads KV heads; query head h reads KV head h / (n_heads/n_kv_heads). ---- */

@@ -363,32 +363,34 @@ typedef struct {
     const MatmulJob *jobs;
     int n_jobs, max_T;
     long tiles;
-    ParallelClaim *claims;  /* one per thread */
-} JobsByTokens;
+} Jobs;
 
-static long jobs_part_count(const void *ctx, int part, int parts) {
+/* By tokens: part p is every tile of the jobs, for p's share of the token blocks (of the
+ * longest job). */
+static long jobs_tokens_count(const void *ctx, int part, int parts) {
     (void)part, (void)parts;
-    return ((const JobsByTokens *)ctx)->tiles;
+    return ((const Jobs *)ctx)->tiles;
 }
 
-/* tiles [lo, hi) of the jobs for part p's tokens (a share of the token blocks of the longest job) */
-static void jobs_part_items(const void *ctx, int p, int parts, long lo, long hi) {
-    const JobsByTokens *c = ctx;
+static void jobs_tokens_items(const void *ctx, int p, int parts, long lo, long hi) {
+    const Jobs *c = ctx;
     long b_lo, b_hi;
     parallel_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
     jobs_tiles(c->jobs, c->n_jobs, lo, hi, (int)b_lo * TB, (int)b_hi * TB);
 }
 
-static void matmul_jobs_thread(const void *ctx, int thread, int threads) {
-    const JobsByTokens *c = ctx;
-    if (split_by_tokens(c->max_T)) {
-        const ParallelParts by_tokens = {jobs_part_count, jobs_part_items, c};
-        parallel_parts(c->claims, &by_tokens, thread, threads);
-    } else {
-        long lo, hi;
-        parallel_share(c->tiles, thread, threads, &lo, &hi);
-        jobs_tiles(c->jobs, c->n_jobs, lo, hi, 0, -1);
-    }
+/* By rows: part p is p's share of the tiles, for every token. */
+static long jobs_rows_count(const void *ctx, int p, int parts) {
+    long lo, hi;
+    parallel_share(((const Jobs *)ctx)->tiles, p, parts, &lo, &hi);
+    return hi - lo;
+}
+
+static void jobs_rows_items(const void *ctx, int p, int parts, long lo, long hi) {
+    const Jobs *c = ctx;
+    long first, last;
+    parallel_share(c->tiles, p, parts, &first, &last);
+    jobs_tiles(c->jobs, c->n_jobs, first + lo, first + hi, 0, -1);
 }
 
 void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
@@ -399,10 +401,11 @@ void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
         work += (long)jobs[j].T * jobs[j].w.rows * jobs[j].w.cols;
         max_T = jobs[j].T > max_T ? jobs[j].T : max_T;
     }
-    ParallelClaim claims[parallel_threads()];
-    memset(claims, 0, sizeof claims);
-    const JobsByTokens ctx = {jobs, n_jobs, max_T, tiles, claims};
-    parallel_run(matmul_jobs_thread, &ctx, worth_threads(work));
+    const Jobs ctx = {jobs, n_jobs, max_T, tiles};
+    const ParallelParts by_tokens = {jobs_tokens_count, jobs_tokens_items, &ctx};
+    const ParallelParts by_rows = {jobs_rows_count, jobs_rows_items, &ctx};
+    const int tokens = split_by_tokens(max_T);
+    parallel_run_parts(tokens ? &by_tokens : &by_rows, tokens, worth_threads(work));
 }
 
 void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
@@ -415,7 +418,6 @@ typedef struct {
     const float *x;
     int ldx, T;
     const Mat *w1, *w3;
-    ParallelClaim *claims;  /* one per thread */
 } SwigluRows;
 
 /* Row tiles [lo, hi) of both up projections, then SwiGLU on the rows they wrote. */
@@ -428,7 +430,8 @@ static void swiglu_tiles(const SwigluRows *c, long lo, long hi) {
         swiglu(c->h1 + (size_t)t * F + r_lo, c->h3 + (size_t)t * F + r_lo, r_hi - r_lo);
 }
 
-/* Items of 2 tiles: 16 rows, one vector of SwiGLU per token */
+/* Part p is p's share of the row tiles, in items of 2 tiles: 16 rows, one vector of
+ * SwiGLU per token */
 enum { SWIGLU_ITEM_TILES = 2 };
 
 static long swiglu_part_count(const void *ctx, int p, int parts) {
@@ -437,7 +440,6 @@ static long swiglu_part_count(const void *ctx, int p, int parts) {
     return (hi - lo + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
 }
 
-/* items [lo, hi) of part p */
 static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long hi) {
     const SwigluRows *c = ctx;
     long t_lo, t_hi;
@@ -446,23 +448,10 @@ static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long h
     swiglu_tiles(c, a, b < t_hi ? b : t_hi);
 }
 
-static void matmul_swiglu_thread(const void *ctx, int thread, int threads) {
-    const SwigluRows *c = ctx;
-    if (split_by_tokens(c->T)) {  /* by rows all the same (see split_by_tokens), with take-overs */
-        const ParallelParts by_rows = {swiglu_part_count, swiglu_part_items, c};
-        parallel_parts(c->claims, &by_rows, thread, threads);
-    } else {
-        long lo, hi;
-        parallel_share((c->w1->rows + RB - 1) / RB, thread, threads, &lo, &hi);
-        swiglu_tiles(c, lo, hi);
-    }
-}
-
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
-    ParallelClaim claims[parallel_threads()];
-    memset(claims, 0, sizeof claims);
-    const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3, claims};
-    parallel_run(matmul_swiglu_thread, &ctx, worth_threads((long)T * w1.rows * w1.cols));
+    const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3};
+    const ParallelParts by_rows = {swiglu_part_count, swiglu_part_items, &ctx};  /* for every T (split_by_tokens) */
+    parallel_run_parts(&by_rows, split_by_tokens(T), worth_threads((long)T * w1.rows * w1.cols));
 }
 
 /* ---- elementwise ---- */

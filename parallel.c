@@ -3,6 +3,7 @@
 
 #include <sched.h>
 #include <stdatomic.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -136,18 +137,42 @@ void parallel_for(long n_items, void (*item)(const void *ctx, long i), const voi
     parallel_run(for_share, &f, use_threads);
 }
 
-void parallel_parts(ParallelClaim *claims, const ParallelParts *w, int thread, int threads) {
+typedef struct {
+    _Alignas(64) long next;  /* the part's first unclaimed item */
+} Claim;
+
+typedef struct {
+    const ParallelParts *w;
+    Claim *claims;  /* one per thread */
+    int take_over;
+} PartsRun;
+
+static void parts_thread(const void *ctx, int thread, int threads) {
+    const PartsRun *r = ctx;
+    const ParallelParts *w = r->w;
+    if (!r->take_over) {
+        const long n = w->count(w->ctx, thread, threads);
+        if (n > 0) w->items(w->ctx, thread, threads, 0, n);
+        return;
+    }
     for (int k = 0; k < threads; k++) {
         const int p = (thread + k) % threads;  /* its own part first */
         const long n = w->count(w->ctx, p, threads);
         for (;;) {
             /* a claim takes a quarter of what looked left (at least one item): few claims
              * while the part is long, single items at its end */
-            const long seen = __atomic_load_n(&claims[p].next, __ATOMIC_RELAXED);
+            const long seen = __atomic_load_n(&r->claims[p].next, __ATOMIC_RELAXED);
             const long take = (n - seen) / 4 > 1 ? (n - seen) / 4 : 1;
-            const long i = __atomic_fetch_add(&claims[p].next, take, __ATOMIC_RELAXED);
+            const long i = __atomic_fetch_add(&r->claims[p].next, take, __ATOMIC_RELAXED);
             if (i >= n) break;
             w->items(w->ctx, p, threads, i, i + take < n ? i + take : n);
         }
     }
+}
+
+void parallel_run_parts(const ParallelParts *w, int take_over, int use_threads) {
+    Claim claims[parallel_threads()];
+    memset(claims, 0, sizeof claims);
+    const PartsRun r = {w, claims, take_over};
+    parallel_run(parts_thread, &r, use_threads);
 }

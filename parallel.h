@@ -27,25 +27,22 @@ void parallel_run(ParallelFn fn, const void *ctx, int use_threads);
 /* item(ctx, i) for every i < n_items, each thread a contiguous share (parallel_share). */
 void parallel_for(long n_items, void (*item)(const void *ctx, long i), const void *ctx, int use_threads);
 
-/* Work in one part per thread, its static share, with take-overs: each thread does its
- * own part's items in order, then helps with the others' remaining ones, claiming them
- * from the part's counter (one cache line each), a quarter of what is left at a time
- * (claiming single items cost 0.9% of an MHA no-KV run's samples; in quarters 0.3%).
- * Every item is done once, by one thread, so the outputs are the static split's bit for
- * bit; when one vCPU runs slower for a while (a neighbour on this VM: measured alone, 156
- * against 181 GFLOP/s at one moment), the other takes over the end of its share instead
- * of waiting. MHA no-KV step, 7 alternated runs in a noisy hour: 14.14 ms with static
- * shares, 12.85 with take-overs. Run by every thread of a parallel_run; the claims (one
- * per thread, zeroed) belong to one such run. */
+/* Work in parts, one per thread: part p of `parts` has count(p) items, and items does
+ * items [lo, hi) of a part. parallel_run_parts runs thread p's part on thread p; with
+ * take_over, a thread that has done its own part then helps with the others' remaining
+ * items, claiming them from the part's counter (one cache line each), a quarter of what
+ * is left at a time (claiming single items cost 0.9% of an MHA no-KV run's samples; in
+ * quarters 0.3%). Every item is done once, by one thread, so the outputs are the static
+ * split's bit for bit; when one vCPU runs slower for a while (a neighbour on this VM:
+ * measured alone, 156 against 181 GFLOP/s at one moment), the other takes over the end
+ * of its share instead of waiting. MHA no-KV step, 7 alternated runs in a noisy hour:
+ * 14.14 ms with static shares, 12.85 with take-overs. */
 typedef struct {
-    _Alignas(64) long next;  /* the part's first unclaimed item */
-} ParallelClaim;
-typedef struct {
-    long (*count)(const void *ctx, int part, int parts);                      /* items in a part */
-    void (*items)(const void *ctx, int part, int parts, long lo, long hi);  /* does items [lo, hi) of a part */
+    long (*count)(const void *ctx, int part, int parts);
+    void (*items)(const void *ctx, int part, int parts, long lo, long hi);
     const void *ctx;
 } ParallelParts;
-void parallel_parts(ParallelClaim *claims, const ParallelParts *w, int thread, int threads);
+void parallel_run_parts(const ParallelParts *w, int take_over, int use_threads);
 
 /* The n that parallel_run(.., 1) would pass. */
 int parallel_threads(void);

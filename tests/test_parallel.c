@@ -1,5 +1,5 @@
 /* The team of parallel.h: every thread runs each job once, with its own number; every
- * item of a loop, and of parallel_parts' parts, is done once; a job's writes are all
+ * item of a loop, and of parallel_run_parts' parts, is done once; a job's writes are all
  * visible when parallel_run returns; inside a team and outside one, the same numbers and
  * shares. */
 #include <setjmp.h>
@@ -148,12 +148,12 @@ static void test_nested_calls_run_alone(void **state) {
     omp_set_num_threads(saved);
 }
 
-/* parallel_parts: every item of every part is done once, whatever the thread count,
- * whichever thread takes over what (parts of 0 to 1000 items). */
+/* parallel_run_parts: every item of every part is done once, whatever the thread count,
+ * with take-overs or without (then each part by its own thread), parts of 0 to 999 items. */
 typedef struct {
-    ParallelClaim *claims;
     atomic_int visits[4][1000];  /* [part][item] */
     atomic_int bad_ranges;
+    atomic_int done_by[4][1000];  /* the OpenMP thread that did it */
 } PartsRecord;
 
 static long parts_count(const void *ctx, int part, int parts) {
@@ -164,28 +164,26 @@ static long parts_count(const void *ctx, int part, int parts) {
 static void parts_items(const void *ctx, int part, int parts, long lo, long hi) {
     PartsRecord *r = (PartsRecord *)ctx;
     if (lo < 0 || hi <= lo || hi > parts_count(ctx, part, parts)) atomic_fetch_add(&r->bad_ranges, 1);
-    for (long i = lo; i < hi && i >= 0 && i < 1000; i++) atomic_fetch_add(&r->visits[part][i], 1);
-}
-
-static void parts_thread(const void *ctx, int thread, int threads) {
-    const PartsRecord *r = ctx;
-    const ParallelParts w = {parts_count, parts_items, r};
-    parallel_parts(r->claims, &w, thread, threads);
+    for (long i = lo; i < hi && i >= 0 && i < 1000; i++) {
+        atomic_fetch_add(&r->visits[part][i], 1);
+        atomic_store(&r->done_by[part][i], omp_get_thread_num());
+    }
 }
 
 static void check_parts(void *arg) {
     PartsRecord *r = arg;
+    const int parts = parallel_threads();
     for (int round = 0; round < 20; round++) {
-        ParallelClaim claims[parallel_threads()];
-        memset(claims, 0, sizeof claims);
         memset(r->visits, 0, sizeof r->visits);
-        r->claims = claims;
-        parallel_run(parts_thread, r, 1);
+        const ParallelParts w = {parts_count, parts_items, r};
+        parallel_run_parts(&w, round % 2, 1);
         assert_int_equal(atomic_load(&r->bad_ranges), 0);
-        const int parts = parallel_threads();
         for (int p = 0; p < 4; p++)
-            for (int i = 0; i < 1000; i++)
-                assert_int_equal(atomic_load(&r->visits[p][i]), p < parts && i < parts_count(r, p, parts) ? 1 : 0);
+            for (int i = 0; i < 1000; i++) {
+                const int in_part = p < parts && i < parts_count(r, p, parts);
+                assert_int_equal(atomic_load(&r->visits[p][i]), in_part);
+                if (in_part && round % 2 == 0) assert_int_equal(atomic_load(&r->done_by[p][i]), p);  /* its own thread */
+            }
     }
 }
 
