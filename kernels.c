@@ -355,7 +355,7 @@ static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int 
  * runs); token chunks claimed as the threads went ran at 13.06. matmul_swiglu stays by
  * rows: by tokens each thread would stream all 2.7 MB of W1 and W3, and the step ran
  * 12.22 ms against 11.78 with it by rows. For more than two token blocks both take over
- * the other thread's remaining tiles at the end (parallel_parts); decode keeps static shares
+ * the other thread's remaining tiles at the end (parallel_run_parts); decode keeps static shares
  * (a tile is ~0.1 us of work there). */
 static int split_by_tokens(int T) { return T > 2 * TB; }
 

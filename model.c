@@ -411,33 +411,21 @@ static void residual_rmsnorm(float *x, const float *dx, float *out, Mat w, int T
     parallel_for(T, residual_rmsnorm_row, &r, T >= MIN_TOKENS_THREADED);
 }
 
-typedef struct {
-    const Model *m;
-    RunState *s;
-    KVCache *cache;
-    const int *tokens;
-    int T, pos0;
-    float *logits;
-    int all_logits;
-} Forward;
-
-/* The pass itself, on thread 0 of the team (parallel.h) */
-static void forward(void *arg) {
-    const Forward *f = arg;
-    const Model *m = f->m;
-    RunState *s = f->s;
+/* The forward pass (model.h's model_forward), on thread 0 of a team (parallel.h). */
+static void forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, int pos0, float *logits,
+                    int all_logits) {
     const Config *c = &m->cfg;
-    const int D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim, T = f->T, pos0 = f->pos0;
+    const int D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
 
-    for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, f->tokens[t]);  /* x: (T, D) */
+    for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, tokens[t]);  /* x: (T, D) */
     residual_rmsnorm(s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c);  /* xb = RMSNorm(x): (T, D) */
 
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
-        if (c->variant != VARIANT_MLA) attn_kv_heads(m, s, f->cache, l, T, pos0);
-        else if (s->mla_absorb) attn_mla_absorbed(m, s, f->cache, l, T, pos0);
-        else attn_mla_expanded(m, s, f->cache, l, T, pos0);
+        if (c->variant != VARIANT_MLA) attn_kv_heads(m, s, cache, l, T, pos0);
+        else if (s->mla_absorb) attn_mla_absorbed(m, s, cache, l, T, pos0);
+        else attn_mla_expanded(m, s, cache, l, T, pos0);
         matmul(s->xb, D, s->heads, HD, w->wo, T);                      /* (T, D) */
         residual_rmsnorm(s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
@@ -448,15 +436,30 @@ static void forward(void *arg) {
         Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
         residual_rmsnorm(s->x, s->xb, s->xb, next_norm, T, c);
     }
-    f->cache->len = pos0 + T;
+    cache->len = pos0 + T;
 
     /* the tied head, for the last token or for all */
-    int first = f->all_logits ? 0 : T - 1;
-    matmul(f->logits, c->vocab_size, s->xb + (size_t)first * D, D, m->w.tok_embeddings, T - first);
+    int first = all_logits ? 0 : T - 1;
+    matmul(logits, c->vocab_size, s->xb + (size_t)first * D, D, m->w.tok_embeddings, T - first);
+}
+
+typedef struct {
+    const Model *m;
+    RunState *s;
+    KVCache *cache;
+    const int *tokens;
+    int T, pos0;
+    float *logits;
+    int all_logits;
+} ForwardArgs;
+
+static void forward_in_team(void *arg) {
+    const ForwardArgs *f = arg;
+    forward(f->m, f->s, f->cache, f->tokens, f->T, f->pos0, f->logits, f->all_logits);
 }
 
 void model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, int pos0,
                    float *logits, int all_logits) {
-    Forward f = {m, s, cache, tokens, T, pos0, logits, all_logits};
-    parallel_team(forward, &f);
+    ForwardArgs f = {m, s, cache, tokens, T, pos0, logits, all_logits};
+    parallel_team(forward_in_team, &f);  /* inside a team already (run.c's generation): just runs it */
 }

@@ -114,7 +114,9 @@ void runstate_free(RunState *s);
 
 /* Runs tokens[0..T) at positions pos0 .. pos0+T-1. The cache must hold positions
  * [0, pos0); this pass appends [pos0, pos0+T). Writes the logits of the last token
- * into logits (vocab_size floats), or of all T tokens ((T, vocab_size)) when all_logits. */
+ * into logits (vocab_size floats), or of all T tokens ((T, vocab_size)) when all_logits.
+ * The kernels share the work among the threads of a team (parallel.h): the caller's, or
+ * one opened for this pass. */
 void model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, int pos0,
                    float *logits, int all_logits);
 
