@@ -22,6 +22,7 @@ typedef struct {
     RunState *s;
     KVCache *cache;
     int l, T, pos0;
+    float scale;  /* of the scores: 1/sqrt(width of a query) */
 } AttnPass;
 
 /* The (head, query) items of a pass, each in two halves: scores writes the scores of query
@@ -91,7 +92,7 @@ static void kv_heads_scores(const AttnPass *a, int h, int t, float *att) {
     const int H = c->n_heads, hd = c->head_dim, g = h / (H / c->n_kv_heads), n = a->pos0 + t + 1;
     float *q = a->s->q + ((size_t)t * H + h) * hd;
     rope(a->m, q, hd, a->pos0 + t);
-    dot_rows(att, q, kv_key(a->cache, a->l, g, 0), hd, n, hd, 1.0f / sqrtf((float)hd));  /* (n) */
+    dot_rows(att, q, kv_key(a->cache, a->l, g, 0), hd, n, hd, a->scale);  /* (n) */
 }
 
 static void kv_heads_mix(const AttnPass *a, int h, int t, float *att) {
@@ -113,7 +114,7 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
     };
     matmul_jobs(qkv, 3);
 
-    const AttnPass pass = {m, s, cache, l, T, pos0};
+    const AttnPass pass = {m, s, cache, l, T, pos0, 1.0f / sqrtf((float)hd)};
     parallel_for((long)T * c->n_kv_heads, kv_heads_store, &pass, T >= MIN_TOKENS_THREADED);
     run_queries(&pass, kv_heads_scores, kv_heads_mix);
 }
@@ -122,6 +123,7 @@ void attn_kv_heads(const Model *m, RunState *s, KVCache *cache, int l, int T, in
  * q = W_Q x, per head [q_C (head_dim) ; q_R (rope_dim)], q_R rotated;
  * c = RMSNorm(W_DKV x) (kv_latent); k_R = RoPE(W_KR x) (rope_dim), shared by all heads.
  * The cache keeps [c ; k_R] per position. Scores are scaled by 1/sqrt(head_dim+rope_dim). */
+static float mla_scale(const Config *c) { return 1.0f / sqrtf((float)(c->head_dim + c->rope_dim)); }
 
 /* Item t: token t's queries get q_R rotated; its [c ; k_R] goes into the cache. */
 static void mla_store(const void *ctx, long t) {
@@ -158,7 +160,7 @@ static void mla_expanded_scores(const AttnPass *a, int h, int t, float *att) {
     const Config *c = &a->m->cfg;
     const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, n = a->pos0 + t + 1;
     const float *q = a->s->q + ((size_t)t * c->n_heads + h) * qw;  /* [q_C ; q_R] */
-    dot_rows_cat(att, n, 1.0f / sqrtf((float)qw), q, a->s->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd,  /* (n) */
+    dot_rows_cat(att, n, a->scale, q, a->s->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd,  /* (n) */
                  q + hd, kv_latent(a->cache, a->l, 0) + dc, (size_t)(dc + rd), rd);
 }
 
@@ -174,7 +176,7 @@ void attn_mla_expanded(const Model *m, RunState *s, KVCache *cache, int l, int T
     const Config *c = &m->cfg;
     const LayerWeights *w = &m->w.layers[l];
     const int lw = c->kv_latent + c->rope_dim, n_keys = pos0 + T, es = mla_exp_stride(c);
-    const AttnPass pass = {m, s, cache, l, T, pos0};
+    const AttnPass pass = {m, s, cache, l, T, pos0, mla_scale(c)};
 
     mla_project(&pass);
     /* rows of the cache are [c ; k_R]: the products read the first dc floats of each */
@@ -196,7 +198,7 @@ static void mla_absorbed_scores(const AttnPass *a, int h, int t, float *att) {
     float *q_abs = a->s->q_abs + ((size_t)t * H + h) * lw;        /* [q_lat ; q_R] */
     matmul_serial(q_abs, dc, q, hd, mat_block(a->m->w.layers[a->l].wuk_t, h, dc), 1);
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
-    dot_rows(att, q_abs, kv_latent(a->cache, a->l, 0), lw, a->pos0 + t + 1, lw, 1.0f / sqrtf((float)qw));  /* (n) */
+    dot_rows(att, q_abs, kv_latent(a->cache, a->l, 0), lw, a->pos0 + t + 1, lw, a->scale);  /* (n) */
 }
 
 static void mla_absorbed_mix(const AttnPass *a, int h, int t, float *att) {
@@ -209,7 +211,7 @@ static void mla_absorbed_mix(const AttnPass *a, int h, int t, float *att) {
 }
 
 void attn_mla_absorbed(const Model *m, RunState *s, KVCache *cache, int l, int T, int pos0) {
-    const AttnPass pass = {m, s, cache, l, T, pos0};
+    const AttnPass pass = {m, s, cache, l, T, pos0, mla_scale(&m->cfg)};
     mla_project(&pass);
     run_queries(&pass, mla_absorbed_scores, mla_absorbed_mix);
 }
