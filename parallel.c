@@ -3,7 +3,6 @@
 
 #include <sched.h>
 #include <stdatomic.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -138,7 +137,7 @@ void parallel_for(long n_items, void (*item)(const void *ctx, long i), const voi
 }
 
 typedef struct {
-    _Alignas(64) long next;  /* the part's first unclaimed item */
+    _Alignas(64) atomic_long next;  /* the part's first unclaimed item */
 } Claim;
 
 typedef struct {
@@ -161,9 +160,9 @@ static void parts_thread(const void *ctx, int thread, int threads) {
         for (;;) {
             /* a claim takes a quarter of what looked left (at least one item): few claims
              * while the part is long, single items at its end */
-            const long seen = __atomic_load_n(&r->claims[p].next, __ATOMIC_RELAXED);
+            const long seen = atomic_load_explicit(&r->claims[p].next, memory_order_relaxed);
             const long take = (n - seen) / 4 > 1 ? (n - seen) / 4 : 1;
-            const long i = __atomic_fetch_add(&r->claims[p].next, take, __ATOMIC_RELAXED);
+            const long i = atomic_fetch_add_explicit(&r->claims[p].next, take, memory_order_relaxed);
             if (i >= n) break;
             w->items(w->ctx, p, threads, i, i + take < n ? i + take : n);
         }
@@ -171,8 +170,9 @@ static void parts_thread(const void *ctx, int thread, int threads) {
 }
 
 void parallel_run_parts(const ParallelParts *w, int take_over, int use_threads) {
-    Claim claims[parallel_threads()];
-    memset(claims, 0, sizeof claims);
+    const int n = parallel_threads();
+    Claim claims[n];
+    for (int i = 0; i < n; i++) atomic_init(&claims[i].next, 0);
     const PartsRun r = {w, claims, take_over};
     parallel_run(parts_thread, &r, use_threads);
 }
