@@ -25,13 +25,13 @@ typedef struct {
     float scale;  /* of the scores: 1/sqrt(width of a query) */
 } AttnPass;
 
-/* The (head, query) items of a pass, each in two halves: scores writes the scores of query
- * t of head h against positions 0 .. pos0+t into att; mix turns them into probabilities
- * and the head's output. */
-typedef void (*QueryHalf)(const AttnPass *a, int h, int t, float *att);
+/* The (head, query) items of a pass: scores writes the scores of query t of head h against
+ * positions 0 .. pos0+t into att, softmax turns them into probabilities (the same for
+ * every variant), and mix turns those into the head's output. */
+typedef void (*QueryStage)(const AttnPass *a, int h, int t, float *att);
 typedef struct {
     const AttnPass *a;
-    QueryHalf scores, mix;
+    QueryStage scores, mix;
 } Queries;
 
 /* A part of the items is a thread's static share of the n_heads*T items, in order. */
@@ -46,8 +46,9 @@ static long queries_part_count(const void *ctx, int part, int parts) {
 }
 
 /* Items [lo, hi) of a part, software-pipelined: item i+1's scores are computed before
- * item i's mix. In order, softmax's first load waited on the scores just stored (40% of
- * softmax's perf samples, the pipeline stalled behind the last keys' dot products). */
+ * item i's softmax and mix. In order, softmax's first load waited on the scores just
+ * stored (40% of softmax's perf samples, the pipeline stalled behind the last keys' dot
+ * products). */
 static void queries_part_items(const void *ctx, int part, int parts, long lo, long hi) {
     const Queries *qs = ctx;
     const int T = qs->a->T;
@@ -59,7 +60,9 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
     if (lo < hi) qs->scores(qs->a, (int)(lo / T), (int)(lo % T), att[0]);
     for (long i = lo; i < hi; i++) {
         if (i + 1 < hi) qs->scores(qs->a, (int)((i + 1) / T), (int)((i + 1) % T), att[(i + 1 - lo) % 2]);
-        qs->mix(qs->a, (int)(i / T), (int)(i % T), att[(i - lo) % 2]);
+        const int h = (int)(i / T), t = (int)(i % T);
+        softmax(att[(i - lo) % 2], qs->a->pos0 + t + 1);
+        qs->mix(qs->a, h, t, att[(i - lo) % 2]);
     }
 }
 
@@ -67,7 +70,7 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
  * it finishes its own first (parallel_run_parts): with static shares, the thread on the
  * faster vCPU spent 28% of the attention phase waiting, in one MHA no-KV run. Decode
  * keeps static shares (16 heads of one query). */
-static void run_queries(const AttnPass *a, QueryHalf scores, QueryHalf mix) {
+static void run_queries(const AttnPass *a, QueryStage scores, QueryStage mix) {
     const Queries qs = {a, scores, mix};
     const ParallelParts parts = {queries_part_count, queries_part_items, &qs};
     parallel_run_parts(&parts, a->T >= MIN_TOKENS_THREADED, attention_is_big(a->m, a->T, a->pos0));
@@ -98,7 +101,6 @@ static void kv_heads_scores(const AttnPass *a, int h, int t, float *att) {
 static void kv_heads_mix(const AttnPass *a, int h, int t, float *att) {
     const Config *c = &a->m->cfg;
     const int H = c->n_heads, hd = c->head_dim, g = h / (H / c->n_kv_heads), n = a->pos0 + t + 1;
-    softmax(att, n);
     weighted_sum_rows(a->s->heads + ((size_t)t * H + h) * hd, att, kv_value(a->cache, a->l, g, 0), hd, n, hd);
 }
 
@@ -167,7 +169,6 @@ static void mla_expanded_scores(const AttnPass *a, int h, int t, float *att) {
 static void mla_expanded_mix(const AttnPass *a, int h, int t, float *att) {
     const Config *c = &a->m->cfg;
     const int hd = c->head_dim, n = a->pos0 + t + 1;
-    softmax(att, n);
     weighted_sum_rows(a->s->heads + ((size_t)t * c->n_heads + h) * hd, att, a->s->v_exp + (size_t)h * hd,
                       (size_t)mla_exp_stride(c), n, hd);
 }
@@ -204,7 +205,6 @@ static void mla_absorbed_scores(const AttnPass *a, int h, int t, float *att) {
 static void mla_absorbed_mix(const AttnPass *a, int h, int t, float *att) {
     const Config *c = &a->m->cfg;
     const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = a->pos0 + t + 1;
-    softmax(att, n);
     float *ctx_lat = a->s->ctx_lat + ((size_t)t * H + h) * dc;    /* sum_j p_j c_j: (dc) */
     weighted_sum_rows(ctx_lat, att, kv_latent(a->cache, a->l, 0), dc + c->rope_dim, n, dc);
     matmul_serial(a->s->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(a->m->w.layers[a->l].wuv_heads, h, hd), 1);

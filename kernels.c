@@ -310,9 +310,9 @@ static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w,
  * streams from L2. The other order (a block of x in L1, the thread's tiles of w streamed
  * from L2 for every block) ran 512x512 at 305 GFLOP/s on 2 threads against 348 for this
  * one (build/matmul_bench, T = 128, measured at 8c6b134 when products were split by
- * rows). For one or two blocks (decode, the prompt), where w
- * comes from memory: token blocks outside, so w is read as one unbroken stream; tiles
- * outside made the 5-token prefill 4-10% slower. */
+ * rows). For one or two blocks (decode, the prompt), where w comes from memory: token
+ * blocks outside, so w is read as one unbroken stream; tiles outside made the 5-token
+ * prefill 4-10% slower (and again no faster at f7d5c8b). */
 static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat *w, int T, int tile_lo, int tile_hi) {
     if (T > 2 * TB) {
         for (int tl = tile_lo; tl < tile_hi; tl++)
@@ -331,13 +331,13 @@ void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
 static int worth_threads(long work) { return work >= 32768; }
 
 /* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges;
- * tokens [t_lo, t_hi) of each job, or all of them when t_hi < 0. */
-static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int t_lo, int t_hi) {
+ * tokens [t0, t_hi) of each job (up to its own T). */
+static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int t0, int t_hi) {
     long base = 0;
     for (int j = 0; j < n_jobs; j++) {
         const MatmulJob *jb = &jobs[j];
         long n = (jb->w.rows + RB - 1) / RB, a = lo > base ? lo : base, b = hi < base + n ? hi : base + n;
-        const int t0 = t_hi < 0 ? 0 : t_lo, t1 = t_hi < 0 ? jb->T : t_hi < jb->T ? t_hi : jb->T;
+        const int t1 = t_hi < jb->T ? t_hi : jb->T;
         if (a < b && t0 < t1)
             matmul_rows(jb->out + (size_t)t0 * jb->ldo, jb->ldo, jb->x + (size_t)t0 * jb->ldx, jb->ldx, &jb->w, t1 - t0,
                         (int)(a - base), (int)(b - base));
@@ -355,8 +355,8 @@ static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int 
  * runs); token chunks claimed as the threads went ran at 13.06. matmul_swiglu stays by
  * rows: by tokens each thread would stream all 2.7 MB of W1 and W3, and the step ran
  * 12.22 ms against 11.78 with it by rows. For more than two token blocks both take over
- * the other thread's remaining tiles at the end (parallel_run_parts); decode keeps static shares
- * (a tile is ~0.1 us of work there). */
+ * the other thread's remaining tiles at the end (parallel_run_parts); decode keeps static
+ * shares (a tile is ~0.1 us of work there). */
 static int split_by_tokens(int T) { return T > 2 * TB; }
 
 typedef struct {
@@ -390,7 +390,7 @@ static void jobs_rows_items(const void *ctx, int p, int parts, long lo, long hi)
     const Jobs *c = ctx;
     long first, last;
     parallel_share(c->tiles, p, parts, &first, &last);
-    jobs_tiles(c->jobs, c->n_jobs, first + lo, first + hi, 0, -1);
+    jobs_tiles(c->jobs, c->n_jobs, first + lo, first + hi, 0, c->max_T);
 }
 
 void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
