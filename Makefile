@@ -57,7 +57,7 @@ $(TINY_TOKENIZER): tests/fixtures/tiny.txt | $(B)
 test-unit: $(UNIT_BINS) $(TINY_TOKENIZER)
 	@set -e; for t in $(UNIT_TESTS); do echo "== $$t"; $(B)/tests/$$t $(TINY_TOKENIZER); done
 
-test-py: run
+test-py: run build/roofline
 	$(PYTHON) -m pytest -q tests
 
 # Every kernel build must follow the same canonical order: the AVX-512, AVX2 and portable

@@ -15,6 +15,7 @@ this process. Results go to DIR/<machine>.md, DIR/<machine>.csv, DIR/<machine>-s
 and two plots, where <machine> is e.g. amd-epyc-2c-2t-avx512 (CPU model, physical cores,
 threads used, the engine's kernels).
 
+The engine is ./run, or $RUN_BINARY when set (tests/test_bench.py under make test-asan).
 Nothing is ever estimated in place of a measurement: with no checkpoint the script says so
 and exits 1; a failing run stops the bench with the engine's message.
 """
@@ -33,7 +34,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = os.path.join(ROOT, "run")
+RUN = os.environ.get("RUN_BINARY") or os.path.join(ROOT, "run")   # make test-asan: the ASan build
 ROOFLINE = os.path.join(ROOT, "build", "roofline")
 PROMPT = "Once upon a time"
 ORDER = ["mha", "gqa", "mqa", "mla64", "mla128"]
@@ -123,11 +124,23 @@ def cpu_detail():
     return ", ".join(parts)
 
 
+def getconf_bytes(name):
+    """A cache size as glibc reads it from CPUID (getconf), or None."""
+    try:
+        n = int(sh(["getconf", name]).strip())
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
 def cache_line(level):
+    """The cache of that level, as lscpu tells it, or else as CPUID tells it (a VM may show no
+    cache in lscpu and sysfs, and its CPUID may describe the host's)."""
     for line in sh(["lscpu"]).splitlines():
         if line.startswith(f"{level} cache:"):
             return line.split(":", 1)[1].strip()
-    return "?"
+    n = getconf_bytes(f"LEVEL{level[1:]}_CACHE_SIZE")
+    return f"{n / 2**20:g} MiB (CPUID)" if n else "?"
 
 
 def llc_bytes():
@@ -138,7 +151,7 @@ def llc_bytes():
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1], 1)
         return int(txt.rstrip("KMG")) * mult
     except (OSError, ValueError, IndexError):
-        return None
+        return getconf_bytes("LEVEL3_CACHE_SIZE") or getconf_bytes("LEVEL2_CACHE_SIZE")
 
 
 def mem_total():
@@ -837,8 +850,8 @@ def write_report(ctx):
     bw = float(roof["bandwidth_best_GBps"]) * 1e9
     peak = float(roof["peak_best_GFLOPs"]) * 1e9
     bal = peak / bw
-    ws = ctx.get("roofline_ws")
-    ws_bw = float(ws["bandwidth_best_GBps"]) * 1e9 if ws else None
+    ws = ctx["roofline_ws"]
+    ws_bw = float(ws["bandwidth_best_GBps"]) * 1e9
     md += ["## Roofline", "",
            f"This machine, {args.threads} thread{'s' if args.threads > 1 else ''} (`build/roofline`): "
            "streaming-read bandwidth "
@@ -847,11 +860,12 @@ def write_report(ctx):
            f"**{peak / 1e9:.1f} GFLOP/s** ({roof['roofline_simd']} FMA, {roof['peak_fma_chains']} independent chains "
            f"per thread, best of {roof['bandwidth_reps']}; median {float(roof['peak_median_GFLOPs']):.1f}); "
            f"machine balance **{bal:.1f} FLOP/byte**."
-           + (f" The same streaming read over {int(ws['bandwidth_bytes']) / 2**20:.0f} MiB, the size of the "
-              f"largest decode step's working set, gives {float(ws['bandwidth_best_GBps']):.1f} GB/s "
-              f"(last-level cache {mach['llc'] / 2**20:.0f} MiB). A step whose bytes fit in the last-level cache "
-              "need not stream them from DRAM between steps, so the last column gives the memory floor at that "
-              "bandwidth too." if ws else ""), "",
+           + f" The same streaming read over {int(ws['bandwidth_bytes']) / 2**20:.0f} MiB, the size of the "
+           f"largest decode step's working set (weights and a full KV cache), gives "
+           f"**{float(ws['bandwidth_best_GBps']):.1f} GB/s**"
+           + (f" (last-level cache {mach['llc'] / 2**20:g} MiB)" if mach["llc"] else "")
+           + ". A step whose bytes stay in cache between steps need not stream them from DRAM; the last "
+           "column gives its memory floor at that bandwidth, and that floor as a share of the measured time.", "",
            "Per decode step (the average one of the median runs): bytes = every weight once in the file's dtype "
            "(bf16: parameters x 2; the tied head reads the whole embedding table) plus, with the cache, the "
            "fp32 cache rows of the (position + 1) keys attended to; FLOPs = 2 per weight multiply-accumulate "
@@ -885,10 +899,9 @@ def write_report(ctx):
             rows.append([label(c), "KV" if mode == "kv" else "no KV", where, f"{nbytes / 1e6:.2f}",
                          f"{flops / 1e6:.1f}", f"{ai:.2f}", "memory" if ai < bal else "compute",
                          fmt(t * 1e3), f"{nbytes / t / 1e9:.1f}", f"{flops / t / 1e9:.1f}",
-                         fmt(mem_floor * 1e3), fmt(cpu_floor * 1e3), f"{bound / t * 100:.0f}%"]
-                        + ([fmt(nbytes / ws_bw * 1e3)] if ws else []))
-            if ws:
-                add("roofline", v, mode, "cache_resident_memory_floor_ms", f"{nbytes / ws_bw * 1e3:.6g}", "ms")
+                         fmt(mem_floor * 1e3), fmt(cpu_floor * 1e3), f"{bound / t * 100:.0f}%",
+                         f"{fmt(nbytes / ws_bw * 1e3)} ({nbytes / ws_bw / t * 100:.0f}%)"])
+            add("roofline", v, mode, "cache_resident_memory_floor_ms", f"{nbytes / ws_bw * 1e3:.6g}", "ms")
             for q, val, unit in (("step_bytes", nbytes, "bytes"), ("step_flops", flops, "FLOP"),
                                  ("arithmetic_intensity", ai, "FLOP/byte"), ("achieved_GBps", nbytes / t / 1e9, "GB/s"),
                                  ("achieved_GFLOPs", flops / t / 1e9, "GFLOP/s"), ("memory_floor_ms", mem_floor * 1e3, "ms"),
@@ -896,8 +909,8 @@ def write_report(ctx):
                 add("roofline", v, mode, q, f"{val:.6g}", unit)
     md += [md_table(["Attention Mechanism", "mode", "average step", "MB read", "MFLOP", "FLOP/byte", "bound by",
                      "measured ms", "achieved GB/s", "achieved GFLOP/s", "memory floor ms", "compute floor ms",
-                     "bound / measured"] + (["memory floor at working-set bandwidth, ms"] if ws else []),
-                    rows, ["---", "---", "---"] + ["---:"] * (11 if ws else 10)), "",
+                     "bound / measured", "memory floor at working-set bandwidth, ms (/ measured)"],
+                    rows, ["---", "---", "---"] + ["---:"] * 11), "",
            f"Machine balance: {bal:.1f} FLOP/byte. A step whose arithmetic intensity is below it is bound by "
            "memory bandwidth, above it by the FMA rate. 'bound / measured' is how close the step comes to the "
            "roofline (100% = at the roofline; above 100% the step ran faster than the DRAM floor allows, so its "
@@ -905,9 +918,8 @@ def write_report(ctx):
     add("machine", "", "", "bandwidth_GBps", f"{bw / 1e9:.3f}", "GB/s")
     add("machine", "", "", "peak_GFLOPs", f"{peak / 1e9:.3f}", "GFLOP/s")
     add("machine", "", "", "balance", f"{bal:.3f}", "FLOP/byte")
-    if ws:
-        add("machine", "", "", "bandwidth_working_set_GBps", ws["bandwidth_best_GBps"], "GB/s")
-        add("machine", "", "", "bandwidth_working_set_bytes", ws["bandwidth_bytes"], "bytes")
+    add("machine", "", "", "bandwidth_working_set_GBps", ws["bandwidth_best_GBps"], "GB/s")
+    add("machine", "", "", "bandwidth_working_set_bytes", ws["bandwidth_bytes"], "bytes")
 
     # ---- determinism
     rows = []
@@ -1094,13 +1106,10 @@ def bench(args, ckpts):
     roof = roofline(args, mib=args.roofline_mib, reps=args.roofline_reps)
     log(f"  bandwidth {float(roof['bandwidth_best_GBps']):.1f} GB/s, peak {float(roof['peak_best_GFLOPs']):.1f} "
         f"GFLOP/s ({roof['roofline_simd']})")
-    ws = None
-    llc = mach["llc"]
     biggest = max(i["weight_bytes"] + i["context"] * i["kv_bytes_per_token"] for i in infos)
-    if llc and biggest < 2 * llc:
-        ws = roofline(args, mib=max(1, math.ceil(biggest / 2**20)), no_peak=True, reps=50)
-        log(f"  bandwidth over {ws['bandwidth_bytes']} bytes (a decode step's working set): "
-            f"{float(ws['bandwidth_best_GBps']):.1f} GB/s")
+    ws = roofline(args, mib=max(1, math.ceil(biggest / 2**20)), no_peak=True, reps=50)
+    log(f"  bandwidth over {ws['bandwidth_bytes']} bytes (a decode step's working set): "
+        f"{float(ws['bandwidth_best_GBps']):.1f} GB/s")
 
     def steps_of(info):
         return min(args.steps, info["context"]) if args.steps else info["context"]

@@ -59,7 +59,7 @@ $(ASAN_B)/fuzz/%.o: fuzz/%.c $(HEADERS)
 $(ASAN_B)/fuzz/replay_%: $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/fuzz_%.o $(ASAN_OBJS)
 	$(CXX) -fopenmp $(ASAN_SAN) $^ -o $@ $(LDLIBS)
 
-test-asan: $(ASAN_B)/run $(ASAN_UNIT_BINS) $(ASAN_REPLAYS) $(TINY_TOKENIZER) fuzz-seeds
+test-asan: $(ASAN_B)/run build/roofline $(ASAN_UNIT_BINS) $(ASAN_REPLAYS) $(TINY_TOKENIZER) fuzz-seeds
 	@set -e; for t in $(UNIT_TESTS); do echo "== asan $$t"; $(ASAN_ENV) $(ASAN_B)/tests/$$t $(TINY_TOKENIZER); done
 	@set -e; for h in $(FUZZ_HARNESSES); do echo "== asan replay $$h"; \
 	  $(ASAN_ENV) $(ASAN_B)/fuzz/replay_$$h $(FUZZ_B)/seeds-$$h $$(ls -d fuzz/regressions/$$h 2>/dev/null); done
