@@ -124,34 +124,14 @@ def cpu_detail():
     return ", ".join(parts)
 
 
-def getconf_bytes(name):
-    """A cache size as glibc reads it from CPUID (getconf), or None."""
-    try:
-        n = int(sh(["getconf", name]).strip())
-    except ValueError:
-        return None
-    return n if n > 0 else None
-
-
 def cache_line(level):
     """The cache of that level, as lscpu tells it, or else as CPUID tells it (a VM may show no
-    cache in lscpu and sysfs, and its CPUID may describe the host's)."""
+    cache in lscpu, and its CPUID may describe the host's)."""
     for line in sh(["lscpu"]).splitlines():
         if line.startswith(f"{level} cache:"):
             return line.split(":", 1)[1].strip()
-    n = getconf_bytes(f"LEVEL{level[1:]}_CACHE_SIZE")
-    return f"{n / 2**20:g} MiB (CPUID)" if n else "?"
-
-
-def llc_bytes():
-    try:
-        idx = sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/level"),
-                     key=lambda p: int(open(p).read()))[-1]
-        txt = open(os.path.join(os.path.dirname(idx), "size")).read().strip()
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1], 1)
-        return int(txt.rstrip("KMG")) * mult
-    except (OSError, ValueError, IndexError):
-        return getconf_bytes("LEVEL3_CACHE_SIZE") or getconf_bytes("LEVEL2_CACHE_SIZE")
+    n = sh(["getconf", f"LEVEL{level[1:]}_CACHE_SIZE"]).strip()  # glibc reads it from CPUID
+    return f"{int(n) / 2**20:g} MiB (CPUID)" if n.isdigit() and int(n) > 0 else "?"
 
 
 def mem_total():
@@ -862,9 +842,7 @@ def write_report(ctx):
            f"machine balance **{bal:.1f} FLOP/byte**."
            + f" The same streaming read over {int(ws['bandwidth_bytes']) / 2**20:.0f} MiB, the size of the "
            f"largest decode step's working set (weights and a full KV cache), gives "
-           f"**{float(ws['bandwidth_best_GBps']):.1f} GB/s**"
-           + (f" (last-level cache {mach['llc'] / 2**20:g} MiB)" if mach["llc"] else "")
-           + ". A step whose bytes stay in cache between steps need not stream them from DRAM; the last "
+           f"**{float(ws['bandwidth_best_GBps']):.1f} GB/s** (the machine table gives the cache sizes). A step whose bytes stay in cache between steps need not stream them from DRAM; the last "
            "column gives its memory floor at that bandwidth, and that floor as a share of the measured time.", "",
            "Per decode step (the average one of the median runs): bytes = every weight once in the file's dtype "
            "(bf16: parameters x 2; the tied head reads the whole embedding table) plus, with the cache, the "
@@ -1074,7 +1052,7 @@ def bench(args, ckpts):
     cores = physical_cores()
     mach = {"cpu": cpu, "cpu_detail": cpu_detail(), "cores": cores, "logical": logical_cpus(),
             "mem": mem_total(),
-            "l2": cache_line("L2"), "l3": cache_line("L3"), "llc": llc_bytes(),
+            "l2": cache_line("L2"), "l3": cache_line("L3"),
             "compiler": (sh([args.cc, "--version"]).splitlines() or ["?"])[0], "git": git_describe(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "load_start": load_start}
