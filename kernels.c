@@ -256,7 +256,8 @@ tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0, const float *x, int 
     if (chunks_paired(dt, w->rows))
         for (; k + 32 <= n; k += 32) {  /* a full bf16 chunk: nr rows x 16 pairs (c, c + 16) */
             const bf16 *chunk = (const bf16 *)group + (size_t)k * (size_t)nr;
-            for (int r = 0; r < nr; r++) __builtin_prefetch((const char *)(chunk + 32 * r) + PREFETCH_BYTES, 0, 3);
+            if (p0 == 0)  /* once per tile: AVX2 passes over the group once per part */
+                for (int r = 0; r < nr; r++) __builtin_prefetch((const char *)(chunk + 32 * r) + PREFETCH_BYTES, 0, 3);
             for (int half = 0; half < 2; half++)  /* columns c = k + 16*half + p*VP_LANES + l */
                 for (int p = p0; p < p0 + np; p++) {
                     vp xv[TB];  /* these columns of the tile's tokens, for all nr rows */

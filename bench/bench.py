@@ -842,8 +842,8 @@ def write_report(ctx):
            f"machine balance **{bal:.1f} FLOP/byte**."
            + f" The same streaming read over {int(ws['bandwidth_bytes']) / 2**20:.0f} MiB, the size of the "
            f"largest decode step's working set (weights and a full KV cache), gives "
-           f"**{float(ws['bandwidth_best_GBps']):.1f} GB/s** (the machine table gives the cache sizes). A step whose bytes stay in cache between steps need not stream them from DRAM; the last "
-           "column gives its memory floor at that bandwidth, and that floor as a share of the measured time.", "",
+           f"**{float(ws['bandwidth_best_GBps']):.1f} GB/s** (the machine table gives the cache sizes). A step "
+           "whose bytes stay in cache between steps need not stream them from DRAM; the last column gives its memory floor at that bandwidth, and that floor as a share of the measured time.", "",
            "Per decode step (the average one of the median runs): bytes = every weight once in the file's dtype "
            "(bf16: parameters x 2; the tied head reads the whole embedding table) plus, with the cache, the "
            "fp32 cache rows of the (position + 1) keys attended to; FLOPs = 2 per weight multiply-accumulate "

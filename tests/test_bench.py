@@ -6,6 +6,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 
 from conftest import ROOT, RUN, run
 
@@ -25,7 +26,7 @@ def shape(ckpt):
 
 def report(tmp_path, *ckpts):
     out = tmp_path / "results"
-    p = subprocess.run(["/usr/bin/python3", BENCH, "--steps", str(STEPS), "--reps", "1", "--pt-reps", "1",
+    p = subprocess.run([sys.executable, BENCH, "--steps", str(STEPS), "--reps", "1", "--pt-reps", "1",
                         "--roofline-mib", "16", "--roofline-reps", "1", "--out", str(out)] + list(ckpts),
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600,
                        env=dict(os.environ, RUN_BINARY=RUN))
