@@ -1,20 +1,25 @@
-"""Trains one attention variant on the CPU within a wall-clock budget.
+"""Trains one attention variant on the CPU for a budget of steps.
 
-    python3 train/train.py --variant mha --minutes 95 --out out/mha
+    python3 train/train.py --variant mha                 # the protocol: 4,656 steps of 16 x 256 tokens
+    python3 train/train.py --variant mha --resume        # continue it after a stop
 
-AdamW; linear warmup, then a cosine schedule over the wall-clock budget, so a run
-ends on time with a decayed learning rate. bf16 autocast where the CPU has bf16
-instructions, fp32 otherwise (--precision); both cores. The
-validation loss (nats/token, each story scored within the context, as the C
-engine's --ppl does) is measured periodically; the best-validation weights are
-kept in OUT/best.pt. OUT/last.pt lets a run resume (--resume). A CSV loss log
-(OUT/log.csv) and its plot (OUT/loss.png) are written at every evaluation.
+AdamW; linear warmup over the first 2% of the steps, then a cosine to --min-lr at the
+last step, so the schedule depends on the budget, never on the machine's speed. bf16
+autocast where the CPU has bf16 instructions, fp32 otherwise (--precision; a resumed run
+keeps the precision it started with); both cores. The validation loss (nats/token, each
+story scored within the context, as the C engine's --ppl does) is measured every
+--eval-tokens and at the end; the best-validation weights are kept in OUT/best.pt.
+OUT/last.pt is saved every --save-minutes, at each validation and on Ctrl-C or SIGTERM,
+with the data sampler's state, so a run continues across sittings (--resume) on the same
+data order. A CSV loss log (OUT/log.csv) and its plot (OUT/loss.png) are written at every
+validation.
 """
 import argparse
 import csv
 import ctypes
 import math
 import os
+import signal
 import sys
 import time
 
@@ -27,6 +32,8 @@ from model import VARIANTS, Config, Transformer, story_windows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOS_ID = 1
+# The equal-training protocol: 4,656 steps of 16 x 256 tokens = 19,070,976 tokens.
+PROTOCOL_STEPS = 4656
 
 
 def keep_freed_memory():
@@ -93,12 +100,24 @@ def cpu_has_bf16():
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def lr_at(step, progress, args):
-    """Linear warmup over args.warmup steps, then cosine from lr to min_lr over wall-clock progress."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = min(max(progress, 0.0), 1.0)
+def lr_at(step, args):
+    """Linear warmup over the first args.warmup of the steps, then cosine from lr to min_lr at the last step."""
+    warmup = max(1, round(args.warmup * args.steps))
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = min((step - warmup) / max(1, args.steps - warmup), 1.0)
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def plot_log(log_path, png_path, title):
@@ -128,30 +147,49 @@ def plot_log(log_path, png_path, title):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
-    ap.add_argument("--minutes", type=float, required=True, help="wall-clock training budget")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help=f"training steps (default {PROTOCOL_STEPS})")
+    budget.add_argument("--tokens", type=int, help="training tokens, rounded up to whole steps")
     ap.add_argument("--out", help="output folder (default out/VARIANT)")
     ap.add_argument("--data", default=os.path.join(ROOT, "data"), help="folder with train.bin, valid.bin")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr", type=float, default=1e-4)
-    ap.add_argument("--warmup", type=int, default=100, help="warmup steps")
+    ap.add_argument("--warmup", type=float, default=0.02, help="warmup, as a fraction of the steps")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--eval-minutes", type=float, default=8.0, help="minutes between validations")
+    ap.add_argument("--eval-tokens", type=int, default=2_000_000, help="tokens between validations")
+    ap.add_argument("--save-minutes", type=float, default=5.0, help="minutes between saves of OUT/last.pt")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                    help="bf16 autocast or plain fp32; auto: bf16 where the CPU has bf16 instructions")
+                    help="bf16 autocast or plain fp32; auto: bf16 where the CPU has bf16 instructions "
+                         "(a resumed run keeps the precision it started with)")
     ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    ap.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last.pt")
+    ap.add_argument("--force", action="store_true", help="start afresh in an OUT that holds an earlier run")
     ap.add_argument("--small", action="store_true", help="tiny model for smoke tests")
     args = ap.parse_args()
     out = args.out or os.path.join(ROOT, "out", args.variant)
+    B, T = args.batch_size, args.ctx
+    if args.tokens is not None:
+        args.steps = -(-args.tokens // (B * T))
+    elif args.steps is None:
+        args.steps = PROTOCOL_STEPS
+    if args.steps < 1:
+        sys.exit("train.py: the budget must be at least one step")
+    last_path = os.path.join(out, "last.pt")
+    for name in ("train.bin", "valid.bin"):
+        if not os.path.isfile(os.path.join(args.data, name)):
+            sys.exit(f"train.py: {os.path.join(args.data, name)} is missing; run train/prepare.py first")
+    if args.resume and not os.path.isfile(last_path):
+        sys.exit(f"train.py: --resume: {last_path} is missing; start the run without --resume")
+    if not args.resume and not args.force and os.path.exists(os.path.join(out, "log.csv")):
+        sys.exit(f"train.py: {out} holds an earlier run; continue it with --resume or overwrite it with --force")
     os.makedirs(out, exist_ok=True)
 
     torch.set_num_threads(args.threads)
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16())
     keep_freed_memory()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -172,28 +210,45 @@ def main():
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
 
-    step, tokens_seen, elapsed, best_val = 0, 0, 0.0, float("inf")
+    step, tokens_seen, elapsed, best_val, sittings = 0, 0, 0.0, float("inf"), []
+    precision = "bf16" if args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16()) else "fp32"
     log_path = os.path.join(out, "log.csv")
     if args.resume:
-        ck = torch.load(os.path.join(out, "last.pt"))
+        ck = torch.load(last_path)
         model.load_state_dict(ck["model"])
         optim.load_state_dict(ck["optim"])
         step, tokens_seen, elapsed, best_val = ck["step"], ck["tokens"], ck["elapsed"], ck["best_val"]
         rng.bit_generator.state = ck["rng"]
+        sittings = ck.get("sittings", [])
+        if ck.get("budget_steps", args.steps) != args.steps:
+            sys.exit(f"train.py: --resume: the run's budget is {ck['budget_steps']} steps, not {args.steps}")
+        started = ck.get("precision_name")
+        if started and args.precision == "auto":
+            precision = started
+            if precision == "bf16" and not cpu_has_bf16():
+                sys.exit("train.py: --resume: this run trains in bf16 and this CPU has no bf16 instructions "
+                         "(emulated bf16 runs ~100x slower); pass --precision fp32 to continue in fp32")
+        with open(log_path) as f:  # drop what was logged after the last save: those steps run again
+            kept = [line for line in f if line.startswith("step") or int(line.split(",")[0]) <= step]
+        with open(log_path, "w") as f:
+            f.writelines(kept)
     else:
         with open(log_path, "w") as f:
             f.write("step,minutes,tokens,lr,train_loss,val_loss\n")
+    bf16 = precision == "bf16"
+    sitting = {"cpu": cpu_name(), "precision": precision, "first_step": step, "last_step": step, "seconds": 0.0}
+    sittings.append(sitting)
 
-    budget = args.minutes * 60.0
-    B, T = args.batch_size, args.ctx
     print(f"{args.variant}: {n_params:,} parameters, {len(train_tokens):,} training tokens, "
-          f"{len(valid_tokens):,} validation tokens, budget {args.minutes} min, batch {B}x{T}, "
-          f"{'bf16 autocast' if bf16 else 'fp32'}")
+          f"{len(valid_tokens):,} validation tokens, budget {args.steps:,} steps of {B}x{T} "
+          f"({args.steps * B * T:,} tokens), {'bf16 autocast' if bf16 else 'fp32'}, "
+          f"{'resumed at step ' + format(step, ',') if args.resume else 'from scratch'}")
 
     def save(path, kind):
         torch.save({"model": model.state_dict(), "config": cfg.__dict__, "step": step, "tokens": tokens_seen,
-                    "elapsed": elapsed, "best_val": best_val, "kind": kind,
-                    "precision": "bf16 autocast" if bf16 else "fp32",
+                    "elapsed": elapsed, "best_val": best_val, "kind": kind, "budget_steps": args.steps,
+                    "precision": "bf16 autocast" if bf16 else "fp32", "precision_name": precision,
+                    "sittings": sittings,
                     **({"optim": optim.state_dict(), "rng": rng.bit_generator.state} if kind == "last" else {})},
                    path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -211,46 +266,62 @@ def main():
             best_val = val
             save(os.path.join(out, "best.pt"), "best")
         log(None, val)
-        save(os.path.join(out, "last.pt"), "last")
+        save(last_path, "last")
         plot_log(log_path, os.path.join(out, "loss.png"), f"{args.variant}: loss")
         return val
 
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     model.train()
-    bar = tqdm(total=int(budget), initial=int(min(elapsed, budget)), unit="s", dynamic_ncols=True, mininterval=5,
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s [{elapsed}<{remaining}] {postfix}")
+    bar = tqdm(total=args.steps, initial=step, unit="step", dynamic_ncols=True, mininterval=5)
     smooth, lr, val = None, args.lr, float("nan")
-    last_eval, last_log = elapsed, elapsed
-    t_start = time.time() - elapsed
-    while elapsed < budget:
-        lr = lr_at(step, elapsed / budget, args)
-        for g in optim.param_groups:
-            g["lr"] = lr
-        ix = rng.integers(0, len(train_tokens) - T - 1, B)
-        batch = torch.from_numpy(np.stack([train_tokens[i:i + T + 1] for i in ix]).astype(np.int64))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            _, loss = model(batch[:, :-1], batch[:, 1:])
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optim.step()
-        step += 1
-        tokens_seen += B * T
-        now = time.time() - t_start
-        bar.update(int(min(now, budget)) - int(min(elapsed, budget)))
-        elapsed = now
-        smooth = float(loss) if smooth is None else 0.98 * smooth + 0.02 * float(loss)
-        bar.set_postfix_str(f"step {step} loss {smooth:.3f} val {val:.3f} (best {best_val:.3f}) "
-                            f"{tokens_seen / max(elapsed, 1e-9):.0f} tok/s lr {lr:.1e}")
-        if elapsed - last_log >= 30:
-            log(smooth, None)
-            last_log = elapsed
-        if elapsed - last_eval >= args.eval_minutes * 60:
-            val = validate()
-            last_eval = elapsed
+    t_sitting = time.time()
+    last_log = last_save = elapsed
+    try:
+        while step < args.steps:
+            lr = lr_at(step, args)
+            for g in optim.param_groups:
+                g["lr"] = lr
+            ix = rng.integers(0, len(train_tokens) - T - 1, B)
+            batch = torch.from_numpy(np.stack([train_tokens[i:i + T + 1] for i in ix]).astype(np.int64))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(batch[:, :-1], batch[:, 1:])
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optim.step()
+            step += 1
+            tokens_seen += B * T
+            now = time.time()
+            elapsed += now - t_sitting - sitting["seconds"]
+            sitting["seconds"], sitting["last_step"] = now - t_sitting, step
+            bar.update(1)
+            smooth = float(loss) if smooth is None else 0.98 * smooth + 0.02 * float(loss)
+            bar.set_postfix_str(f"loss {smooth:.3f} val {val:.3f} (best {best_val:.3f}) "
+                                f"{(step - sitting['first_step']) * B * T / sitting['seconds']:.0f} tok/s "
+                                f"lr {lr:.1e}")
+            if elapsed - last_log >= 30:
+                log(smooth, None)
+                last_log = elapsed
+            if tokens_seen // args.eval_tokens > (tokens_seen - B * T) // args.eval_tokens and step < args.steps:
+                val = validate()
+                last_save = elapsed
+            elif elapsed - last_save >= args.save_minutes * 60:
+                save(last_path, "last")
+                last_save = elapsed
+    except KeyboardInterrupt:
+        bar.close()
+        save(last_path, "last")
+        sys.exit(f"train.py: stopped at step {step:,} of {args.steps:,}; {last_path} saved, continue with --resume")
     bar.close()
+    print("final validation ...", flush=True)
     val = validate()
+    rate = (step - sitting["first_step"]) * B * T / max(sitting["seconds"], 1e-9)
     print(f"done: {step} steps, {tokens_seen:,} tokens ({tokens_seen / len(train_tokens):.2f} epochs), "
-          f"{elapsed / 60:.1f} min, {tokens_seen / elapsed:.0f} tok/s; final val {val:.4f}, best val {best_val:.4f}")
+          f"{elapsed / 60:.1f} min in {len(sittings)} sitting(s), {rate:.0f} tok/s in this one; "
+          f"final val {val:.4f}, best val {best_val:.4f}")
 
 
 if __name__ == "__main__":
