@@ -1,8 +1,10 @@
-"""Trains the SentencePiece tokenizer and turns TinyStories text into token files.
+"""Turns TinyStories text into token files with the committed tokenizer, or with a new one.
 
 Input: text in the TinyStoriesV2 layout, stories separated by lines `<|endoftext|>`.
-Output: tokenizer/tokenizer.model (+ .vocab) and data/{train,valid}.bin, uint16 ids,
-each story as BOS ... EOS.
+Output: data/{train,valid}.bin, uint16 ids, each story as BOS ... EOS. By default the
+text is encoded with the committed tokenizer/tokenizer.model, the one every shipped
+checkpoint embeds; --new-tokenizer trains a new SentencePiece model into --tokenizer
+first (and overwrites it), so checkpoints trained on its data need that tokenizer.
 
     python3 train/prepare.py --train ../shared/tinystories/train.txt --valid ../shared/tinystories/valid.txt
 """
@@ -68,26 +70,59 @@ def encode_stories(sp, stories):
     return arr
 
 
-def main():
+def last_line(error):
+    """SentencePiece's errors span lines (a source location, then the reason): the reason."""
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True, help="training text (TinyStoriesV2 layout)")
     ap.add_argument("--valid", required=True, help="validation text (TinyStoriesV2 layout)")
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, "tokenizer", "tokenizer"),
-                    help="model prefix of the tokenizer (default tokenizer/tokenizer)")
+                    help="model prefix of the tokenizer: PREFIX.model encodes the text (default tokenizer/tokenizer, "
+                         "the committed one)")
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     ap.add_argument("--out", default=os.path.join(ROOT, "data"), help="where the .bin token files go")
-    ap.add_argument("--reuse-tokenizer", action="store_true", help="encode with the existing tokenizer")
-    args = ap.parse_args()
+    ap.add_argument("--new-tokenizer", action="store_true",
+                    help="train a new tokenizer into --tokenizer (overwriting it) instead of using the existing one")
+    # The default since the committed tokenizer stopped being overwritten; kept so older commands still run.
+    ap.add_argument("--reuse-tokenizer", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.new_tokenizer and args.reuse_tokenizer:
+        ap.error("--new-tokenizer and --reuse-tokenizer contradict each other")
 
-    train = read_stories(args.train)
-    valid = read_stories(args.valid)
+    texts = {}
+    for name in ("train", "valid"):
+        path = getattr(args, name)
+        try:
+            texts[name] = read_stories(path)
+        except FileNotFoundError:
+            sys.exit(f"prepare.py: --{name} {path} does not exist; give a TinyStoriesV2-layout text file "
+                     "(README.md, 'Training your own checkpoints', says where to get one)")
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"prepare.py: --{name} {path} cannot be read as UTF-8 text: {getattr(e, 'strerror', None) or e}")
+    train, valid = texts["train"], texts["valid"]
     print(f"{len(train)} training stories, {len(valid)} validation stories")
     if not train or not valid:
-        sys.exit("prepare: no stories found (expected stories separated by <|endoftext|> lines)")
-    if not args.reuse_tokenizer:
-        train_tokenizer(train, args.tokenizer, args.vocab_size)
-    sp = spm.SentencePieceProcessor(model_file=args.tokenizer + ".model")
-    assert (sp.bos_id(), sp.eos_id()) == (BOS_ID, EOS_ID)
+        sys.exit("prepare.py: no stories found (expected stories separated by <|endoftext|> lines)")
+    model_file = args.tokenizer + ".model"
+    if args.new_tokenizer:
+        try:
+            train_tokenizer(train, args.tokenizer, args.vocab_size)
+        except (OSError, RuntimeError) as e:
+            sys.exit(f"prepare.py: training the tokenizer failed: {last_line(e)}")
+    elif not os.path.isfile(model_file):
+        sys.exit(f"prepare.py: {model_file} is missing; pass --tokenizer PREFIX of an existing PREFIX.model "
+                 "(the committed one: git checkout tokenizer/), or train one with --new-tokenizer")
+    try:
+        sp = spm.SentencePieceProcessor(model_file=model_file)
+    except (OSError, RuntimeError) as e:
+        sys.exit(f"prepare.py: {model_file} is not a SentencePiece model ({last_line(e)})")
+    if (sp.bos_id(), sp.eos_id()) != (BOS_ID, EOS_ID):
+        sys.exit(f"prepare.py: {model_file} has BOS {sp.bos_id()} and EOS {sp.eos_id()}; "
+                 f"the engine expects {BOS_ID} and {EOS_ID}")
     os.makedirs(args.out, exist_ok=True)
     for name, stories in (("train", train), ("valid", valid)):
         arr = encode_stories(sp, stories)
