@@ -9,16 +9,17 @@ autocast where the CPU has bf16 instructions, fp32 otherwise (--precision; a res
 keeps the precision it started with); both cores. The validation loss (nats/token, each
 story scored within the context, as the C engine's --ppl does) is measured every
 --eval-tokens and at the end; the best-validation weights are kept in OUT/best.pt.
-OUT/last.pt is saved every --save-minutes, at each validation and on Ctrl-C or SIGTERM,
-with the data sampler's state, so a run continues across sittings (--resume) on the same
-data order. A CSV loss log (OUT/log.csv) and its plot (OUT/loss.png) are written at every
-validation.
+OUT/last.pt is saved every --save-minutes, at each validation and on Ctrl-C or SIGTERM
+(once the step or validation batch under way ends), with the data sampler's state, so a
+run continues across sittings (--resume) on the same data order. A CSV loss log
+(OUT/log.csv) and its plot (OUT/loss.png) are written at every validation.
 """
 import argparse
 import csv
 import ctypes
 import math
 import os
+import pickle
 import signal
 import sys
 import time
@@ -72,12 +73,40 @@ def validation_batches(tokens, ctx, batch_size):
         yield torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))
 
 
+class Stop:
+    """Ctrl-C and SIGTERM. Until arm() they end the process at once with one line (nothing
+    to save yet); after it they are only noted, and check() raises KeyboardInterrupt at the
+    run's next safe point (between steps, between validation batches), so a stop never
+    lands half-way through a library call and last.pt is always a whole step's state."""
+
+    def __init__(self):
+        self.armed, self.signum = False, None
+        signal.signal(signal.SIGTERM, self.handle)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job ignores Ctrl-C: keep that
+            signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, signum, frame):
+        if not self.armed:
+            sys.exit("train.py: stopped before the run started; nothing saved")
+        self.signum = signum
+
+    def arm(self):
+        self.armed = True
+
+    def check(self):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+
+
 @torch.no_grad()
-def evaluate(model, val_batches, bf16):
-    """Mean NLL per predicted token (nats) over the validation set."""
+def evaluate(model, val_batches, bf16, leave=False, check=lambda: None):
+    """Mean NLL per predicted token (nats) over the validation set, with a progress bar on
+    stderr (left on screen if leave); check() is called before every batch."""
     model.eval()
     total, count = 0.0, 0
-    for x, y in val_batches:
+    for x, y in tqdm(val_batches, desc="validation", unit="batch", leave=leave, dynamic_ncols=True,
+                     mininterval=1):
+        check()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(x)
         nll = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1),
@@ -107,6 +136,28 @@ def lr_at(step, args):
         return args.lr * (step + 1) / warmup
     progress = min((step - warmup) / max(1, args.steps - warmup), 1.0)
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def refuse_other_run(ck, cfg, args, last_path):
+    """Exits with one line if last.pt (ck) was saved by a run other than the one args describe:
+    another variant or model shape, batch or budget. Its weights would not load, or the
+    schedule and data order would silently differ from the run's."""
+    if not isinstance(ck, dict) or not {"config", "model", "optim", "rng", "step", "tokens"} <= set(ck):
+        sys.exit(f"train.py: --resume: {last_path} is not a last.pt saved by train.py; start afresh with --force")
+    saved = ck["config"]
+    if saved.get("variant") != cfg.variant:
+        sys.exit(f"train.py: --resume: {last_path} is a {saved.get('variant')} run, not {cfg.variant}; "
+                 f"resume it with --variant {saved.get('variant')}")
+    diff = [f"{k} {saved.get(k)} (last.pt) vs {v}" for k, v in cfg.__dict__.items() if saved.get(k) != v]
+    if diff:
+        sys.exit(f"train.py: --resume: {last_path} holds another model config ({', '.join(diff)}); "
+                 "resume with the options it started with (--small, --ctx, --dropout)")
+    per_step = args.batch_size * args.ctx
+    if ck["step"] > 0 and ck["tokens"] != ck["step"] * per_step:
+        sys.exit(f"train.py: --resume: the run's steps are {ck['tokens'] // ck['step']} tokens, not "
+                 f"{args.batch_size} x {args.ctx}; resume with the --batch-size it started with")
+    if ck.get("budget_steps", args.steps) != args.steps:
+        sys.exit(f"train.py: --resume: the run's budget is {ck['budget_steps']} steps, not {args.steps}")
 
 
 def cpu_name():
@@ -171,6 +222,7 @@ def main():
     ap.add_argument("--force", action="store_true", help="start afresh in an OUT that holds an earlier run")
     ap.add_argument("--small", action="store_true", help="tiny model for smoke tests")
     args = ap.parse_args()
+    stop = Stop()
     out = args.out or os.path.join(ROOT, "out", args.variant)
     B, T = args.batch_size, args.ctx
     if args.tokens is not None:
@@ -179,6 +231,8 @@ def main():
         args.steps = PROTOCOL_STEPS
     if args.steps < 1:
         sys.exit("train.py: the budget must be at least one step")
+    if not 0 <= args.warmup < 1:
+        sys.exit(f"train.py: --warmup is a fraction of the steps, from 0 to below 1 (default 0.02), not {args.warmup}")
     last_path = os.path.join(out, "last.pt")
     for name in ("train.bin", "valid.bin"):
         if not os.path.isfile(os.path.join(args.data, name)):
@@ -187,7 +241,6 @@ def main():
         sys.exit(f"train.py: --resume: {last_path} is missing; start the run without --resume")
     if not args.resume and not args.force and os.path.exists(os.path.join(out, "log.csv")):
         sys.exit(f"train.py: {out} holds an earlier run; continue it with --resume or overwrite it with --force")
-    os.makedirs(out, exist_ok=True)
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()
@@ -196,6 +249,9 @@ def main():
 
     train_tokens = np.fromfile(os.path.join(args.data, "train.bin"), dtype=np.uint16)
     valid_tokens = np.fromfile(os.path.join(args.data, "valid.bin"), dtype=np.uint16)
+    if len(train_tokens) < T + 2:  # a batch draws windows of T + 1 tokens from [0, len - T - 1)
+        sys.exit(f"train.py: {os.path.join(args.data, 'train.bin')} holds {len(train_tokens)} tokens, too few "
+                 f"for windows of --ctx {T}; run train/prepare.py on more text")
     overrides = dict(dropout=args.dropout, max_seq_len=args.ctx)
     if args.small:
         overrides.update(dim=64, n_layers=2, hidden_dim=96)
@@ -203,6 +259,9 @@ def main():
     model = Transformer(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     val_batches = list(validation_batches(valid_tokens, args.ctx, 32))
+    if not val_batches:
+        sys.exit(f"train.py: {os.path.join(args.data, 'valid.bin')} holds no story (BOS ... EOS) to validate on; "
+                 "run train/prepare.py")
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -212,16 +271,20 @@ def main():
 
     step, tokens_seen, elapsed, best_val, sittings = 0, 0, 0.0, float("inf"), []
     precision = "bf16" if args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16()) else "fp32"
+    stop.arm()  # from here on a stop waits for a safe point and saves last.pt
+    os.makedirs(out, exist_ok=True)  # only now, so that a refused run leaves no folder behind
     log_path = os.path.join(out, "log.csv")
     if args.resume:
-        ck = torch.load(last_path)
+        try:
+            ck = torch.load(last_path)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            sys.exit(f"train.py: --resume: {last_path} cannot be read ({e}); start afresh with --force")
+        refuse_other_run(ck, cfg, args, last_path)
         model.load_state_dict(ck["model"])
         optim.load_state_dict(ck["optim"])
         step, tokens_seen, elapsed, best_val = ck["step"], ck["tokens"], ck["elapsed"], ck["best_val"]
         rng.bit_generator.state = ck["rng"]
         sittings = ck.get("sittings", [])
-        if ck.get("budget_steps", args.steps) != args.steps:
-            sys.exit(f"train.py: --resume: the run's budget is {ck['budget_steps']} steps, not {args.steps}")
         started = ck.get("precision_name")
         if started and args.precision == "auto":
             precision = started
@@ -239,11 +302,6 @@ def main():
     sitting = {"cpu": cpu_name(), "precision": precision, "first_step": step, "last_step": step, "seconds": 0.0}
     sittings.append(sitting)
 
-    print(f"{args.variant}: {n_params:,} parameters, {len(train_tokens):,} training tokens, "
-          f"{len(valid_tokens):,} validation tokens, budget {args.steps:,} steps of {B}x{T} "
-          f"({args.steps * B * T:,} tokens), {'bf16 autocast' if bf16 else 'fp32'}, "
-          f"{'resumed at step ' + format(step, ',') if args.resume else 'from scratch'}")
-
     def save(path, kind):
         torch.save({"model": model.state_dict(), "config": cfg.__dict__, "step": step, "tokens": tokens_seen,
                     "elapsed": elapsed, "best_val": best_val, "kind": kind, "budget_steps": args.steps,
@@ -259,9 +317,9 @@ def main():
                     f"{'' if train_loss is None else f'{train_loss:.4f}'},"
                     f"{'' if val_loss is None else f'{val_loss:.4f}'}\n")
 
-    def validate():
+    def validate(final=False):
         nonlocal best_val
-        val = evaluate(model, val_batches, bf16)
+        val = evaluate(model, val_batches, bf16, leave=final, check=stop.check)
         if val < best_val:
             best_val = val
             save(os.path.join(out, "best.pt"), "best")
@@ -270,17 +328,19 @@ def main():
         plot_log(log_path, os.path.join(out, "loss.png"), f"{args.variant}: loss")
         return val
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    model.train()
-    bar = tqdm(total=args.steps, initial=step, unit="step", dynamic_ncols=True, mininterval=5)
-    smooth, lr, val = None, args.lr, float("nan")
-    t_sitting = time.time()
-    last_log = last_save = elapsed
+    bar = None
     try:
+        print(f"{args.variant}: {n_params:,} parameters, {len(train_tokens):,} training tokens, "
+              f"{len(valid_tokens):,} validation tokens, budget {args.steps:,} steps of {B}x{T} "
+              f"({args.steps * B * T:,} tokens), {'bf16 autocast' if bf16 else 'fp32'}, "
+              f"{'resumed at step ' + format(step, ',') if args.resume else 'from scratch'}", flush=True)
+        model.train()
+        bar = tqdm(total=args.steps, initial=step, unit="step", dynamic_ncols=True, mininterval=5)
+        smooth, lr, val = None, args.lr, float("nan")
+        t_sitting = time.time()
+        last_log = last_save = elapsed
         while step < args.steps:
+            stop.check()
             lr = lr_at(step, args)
             for g in optim.param_groups:
                 g["lr"] = lr
@@ -311,13 +371,15 @@ def main():
             elif elapsed - last_save >= args.save_minutes * 60:
                 save(last_path, "last")
                 last_save = elapsed
-    except KeyboardInterrupt:
         bar.close()
+        print("final validation ...", flush=True)
+        val = validate(final=True)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
         save(last_path, "last")
-        sys.exit(f"train.py: stopped at step {step:,} of {args.steps:,}; {last_path} saved, continue with --resume")
-    bar.close()
-    print("final validation ...", flush=True)
-    val = validate()
+        where = "during the final validation" if step == args.steps else f"at step {step:,} of {args.steps:,}"
+        sys.exit(f"train.py: stopped {where}; {last_path} saved, continue with --resume")
     rate = (step - sitting["first_step"]) * B * T / max(sitting["seconds"], 1e-9)
     print(f"done: {step} steps, {tokens_seen:,} tokens ({tokens_seen / len(train_tokens):.2f} epochs), "
           f"{elapsed / 60:.1f} min in {len(sittings)} sitting(s), {rate:.0f} tok/s in this one; "
