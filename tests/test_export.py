@@ -184,9 +184,7 @@ def test_random_model_configs():
 def test_load_checkpoint_roundtrip(tmp_path):
     """A .pt in train.py's layout comes back as the same model."""
     model = export.random_model("mla128", small=True, seed=11)
-    path = str(tmp_path / "best.pt")
-    torch.save({"model": model.state_dict(), "config": model.cfg.__dict__, "step": 3, "tokens": 100,
-                "elapsed": 1.0, "best_val": 2.5, "kind": "best"}, path)
+    path = str(save_training_checkpoint(model, tmp_path / "best.pt"))
     back = export.load_checkpoint(path)
     assert isinstance(back, Transformer)
     assert back.cfg == model.cfg
@@ -329,9 +327,7 @@ def test_tensor_offsets_follow_format_md(exported):
 
 def test_cli_exports_a_training_checkpoint(tmp_path):
     model = export.random_model("mqa", small=True, seed=9)
-    ck = str(tmp_path / "best.pt")
-    torch.save({"model": model.state_dict(), "config": model.cfg.__dict__, "step": 1, "tokens": 1,
-                "elapsed": 0.0, "best_val": 9.9, "kind": "best"}, ck)
+    ck = str(save_training_checkpoint(model, tmp_path / "best.pt"))
     out = str(tmp_path / "mqa.bin")
     r = run_cli(ck, out, "--dtype", "fp32", "--tokenizer", TOKENIZER)
     assert r.returncode == 0, r.stderr
@@ -339,3 +335,207 @@ def test_cli_exports_a_training_checkpoint(tmp_path):
     assert (h["variant"], h["n_kv_heads"], h["dtype"]) == (2, 1, 0)
     back = export.read_tensors(out)
     assert all(torch.equal(torch.from_numpy(back[k]), v) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- engine checkpoints as input
+
+def save_training_checkpoint(model, path):
+    """A .pt laid out as train.py's best.pt."""
+    torch.save({"model": model.state_dict(), "config": model.cfg.__dict__, "step": 1, "tokens": 1,
+                "elapsed": 0.0, "best_val": 9.9, "kind": "best"}, path)
+    return path
+
+
+def cli(capsys, *args):
+    """export.main in this process: (exit status, stderr)."""
+    try:
+        status = export.main([str(a) for a in args])
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+def read_llama2c(path):
+    """A llama2.c legacy file read as llama2.c's run.c maps it (header; each kind of tensor for
+    all layers in turn; the final norm; the RoPE tables it skips; no classifier when vocab_size
+    is positive): (header, {state-dict name: array}); fails unless that ends the file."""
+    data = open(path, "rb").read()
+    hdr = struct.unpack_from("<7i", data)
+    dim, hidden, L, H, Hkv, V, T = hdr
+    hs = dim // H
+    floats = np.frombuffer(data, dtype="<f4", offset=28)
+    out, off = {}, 0
+
+    def take(shape):
+        nonlocal off
+        n = int(np.prod(shape))
+        a = floats[off:off + n].reshape(shape)
+        off += n
+        return a
+
+    out["tok_embeddings.weight"] = take((V, dim))
+    for kind, shape in (("attn_norm", (dim,)), ("attn.wq", (H * hs, dim)), ("attn.wk", (Hkv * hs, dim)),
+                        ("attn.wv", (Hkv * hs, dim)), ("attn.wo", (dim, H * hs)), ("ffn_norm", (dim,)),
+                        ("ffn.w1", (hidden, dim)), ("ffn.w2", (dim, hidden)), ("ffn.w3", (hidden, dim))):
+        for i in range(L):
+            out[f"layers.{i}.{kind}.weight"] = take(shape)
+    out["norm.weight"] = take((dim,))
+    take((2, T, hs // 2))  # freq_cis_real, freq_cis_imag
+    assert V > 0 and off == len(floats)
+    return hdr, out
+
+
+def test_engine_checkpoint_reads_back(tmp_path, capsys):
+    """A .pt exported to .bin and read back (export.load_input) gives the same tensors, bf16-rounded;
+    re-exported as fp32 it keeps them, its tokenizer and every header field but dtype and size."""
+    model = export.random_model("gqa", small=True, seed=21)
+    pt, b16, b32 = tmp_path / "best.pt", tmp_path / "gqa.bin", tmp_path / "gqa32.bin"
+    save_training_checkpoint(model, pt)
+    assert cli(capsys, pt, b16) == (0, "")
+    back, tok, dtype = export.load_input(str(b16))
+    assert dtype == "bf16" and tok == open(TOKENIZER, "rb").read()
+    sd = back.state_dict()
+    assert set(sd) == set(model.state_dict())
+    for name, t in model.state_dict().items():
+        assert torch.equal(sd[name], bf16_reference(t)), name
+    assert cli(capsys, b16, b32, "--dtype", "fp32") == (0, "")
+    h16, h32 = export.read_header(str(b16)), export.read_header(str(b32))
+    assert h32["dtype"] == 0 and h32["weights_size"] == 2 * h16["weights_size"]
+    assert {k: v for k, v in h16.items() if k not in ("dtype", "weights_size")} == \
+        {k: v for k, v in h32.items() if k not in ("dtype", "weights_size")}
+    b32_tensors = export.read_tensors(str(b32))
+    for name, t in model.state_dict().items():
+        assert torch.equal(torch.from_numpy(b32_tensors[name]), bf16_reference(t)), name
+    assert export.read_embedded_tokenizer(str(b32)) == tok
+
+
+def test_input_kind_comes_from_magic_not_name(tmp_path, capsys):
+    """A training checkpoint named .bin and an engine checkpoint named .pt are each read as what they are."""
+    model = export.random_model("mqa", small=True, seed=22)
+    pt_named_bin = save_training_checkpoint(model, tmp_path / "really_a_pt.bin")
+    assert cli(capsys, pt_named_bin, tmp_path / "a.bin") == (0, "")
+    os.replace(tmp_path / "a.bin", tmp_path / "really_a_bin.pt")
+    assert cli(capsys, tmp_path / "really_a_bin.pt", tmp_path / "b.bin") == (0, "")
+    assert (tmp_path / "b.bin").read_bytes() == (tmp_path / "really_a_bin.pt").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    """A 300-piece tokenizer made here: a model with its vocabulary cannot go out with the committed one."""
+    import prepare
+    rng = np.random.default_rng(0)
+    words = "once upon a time there was little cat who liked to play in the sun with her friend".split()
+    prefix = str(tmp_path_factory.mktemp("tok") / "tok")
+    prepare.train_tokenizer([" ".join(rng.choice(words, 20)) for _ in range(50)], prefix, vocab_size=300)
+    return prefix + ".model"
+
+
+def test_engine_input_keeps_its_tokenizer_and_dtype(tmp_path, capsys, small_tokenizer):
+    """An engine checkpoint's own tokenizer and dtype are the defaults: an fp32 one goes to llama2.c
+    unrounded, with a tokenizer.bin made from its embedded tokenizer."""
+    model = export.random_model("mha", small=True, seed=23, vocab_size=300)
+    src = str(tmp_path / "mha32.bin")
+    export.export(model, src, small_tokenizer, dtype="fp32")
+    assert cli(capsys, src, tmp_path / "again.bin") == (0, "")
+    assert export.read_header(str(tmp_path / "again.bin"))["dtype"] == 0
+    assert export.read_embedded_tokenizer(str(tmp_path / "again.bin")) == open(small_tokenizer, "rb").read()
+    assert cli(capsys, src, "--llama2c", tmp_path / "l2c") == (0, "")
+    assert sorted(os.listdir(tmp_path)) == ["again.bin", "l2c", "mha32.bin"]  # no OUT.bin was asked for
+    _, got = read_llama2c(tmp_path / "l2c" / "mha_llama2c.bin")
+    for name, t in model.state_dict().items():
+        assert np.array_equal(got[name], t.numpy()), name
+    assert (tmp_path / "l2c" / "tokenizer.bin").read_bytes() == export.llama2c_tokenizer_bytes(small_tokenizer)
+
+
+def test_shipped_checkpoint_to_llama2c(tmp_path, capsys):
+    """weights/gqa.bin through --llama2c: every tensor is the .bin's bf16 widened to fp32."""
+    gqa = os.path.join(ROOT, "weights", "gqa.bin")
+    assert cli(capsys, gqa, "--llama2c", tmp_path) == (0, "")
+    hdr, got = read_llama2c(tmp_path / "gqa_llama2c.bin")
+    assert hdr == (512, 1344, 4, 16, 4, 4096, 256)
+    h = export.read_header(gqa)
+    assert h["dtype"] == 1
+    widened = (np.fromfile(gqa, dtype="<u2", offset=h["weights_offset"]).astype(np.uint32) << 16).view(np.float32)
+    off = 0
+    for name, shape in export.tensor_layout(export.header_config(h)):
+        n = int(np.prod(shape))
+        assert np.array_equal(got[name], widened[off:off + n].reshape(shape)), name
+        off += n
+    assert off == len(widened) and len(got) == len(export.tensor_layout(export.header_config(h)))
+    assert (tmp_path / "tokenizer.bin").read_bytes() == export.llama2c_tokenizer_bytes(TOKENIZER)
+
+
+def test_cli_refusals_are_one_line(tmp_path, capsys):
+    """Inputs export.py cannot use: one line on stderr, exit status 1, nothing written."""
+    out, l2c = tmp_path / "out.bin", tmp_path / "l2c"
+    truncated = tmp_path / "truncated.bin"
+    truncated.write_bytes(open(os.path.join(ROOT, "weights", "mqa.bin"), "rb").read(100_000))
+    not_a_run = tmp_path / "tensor.pt"
+    torch.save(torch.zeros(3), not_a_run)
+    wide_heads = save_training_checkpoint(  # train.py --small: 16 heads of 32 on a width of 64
+        Transformer(Config.for_variant("mha", dim=64, n_layers=2, hidden_dim=96)), tmp_path / "small.pt")
+    cases = [
+        ((os.path.join(ROOT, "weights", "mla64.bin"), "--llama2c", l2c), ["mla64", "no llama2.c equivalent"]),
+        ((wide_heads, "--llama2c", l2c), ["dim / n_heads"]),
+        ((os.path.join(ROOT, "README.md"), out), ["neither an engine checkpoint", "nor a PyTorch checkpoint"]),
+        ((truncated, out), ["truncated.bin", "100,000 bytes"]),
+        ((tmp_path / "missing.pt", out), ["missing.pt", "No such file"]),
+        ((not_a_run, out), ["not a checkpoint saved by train.py"]),
+        ((wide_heads, out, "--tokenizer", tmp_path / "none.model"), ["none.model", "No such file"]),
+    ]
+    for args, words in cases:
+        status, err = cli(capsys, *args)
+        assert status == 1, (args, err)
+        assert err.startswith("export.py: ") and err.count("\n") == 1, err
+        assert all(w in err for w in words), err
+    assert not out.exists() and not l2c.exists()
+
+
+def llama2c_logits(path, tokens):
+    """The logits llama2.c's run.c computes for tokens, position by position, from a legacy file:
+    its arithmetic in numpy (heads dim / n_heads wide, query head h reading KV head h / (n_heads /
+    n_kv_heads), RoPE on pairs (i, i+1) at 10000^(-(i mod head) / head), RMSNorm eps 1e-5)."""
+    (dim, _, L, H, Hkv, _, _), w = read_llama2c(path)
+    hs, kv_mul = dim // H, H // Hkv
+    norm = lambda x, g: g * x / np.sqrt(np.mean(x * x) + 1e-5)  # noqa: E731
+    keys, values, out = [[] for _ in range(L)], [[] for _ in range(L)], []
+    for pos, tok in enumerate(tokens):
+        x = w["tok_embeddings.weight"][tok].astype(np.float64)
+        ang = pos * 10000.0 ** -((np.arange(0, dim, 2) % hs) / hs)
+        cos, sin = np.cos(ang), np.sin(ang)
+
+        def rope(v):
+            a, b = v[0::2].copy(), v[1::2].copy()
+            v[0::2], v[1::2] = a * cos[:len(a)] - b * sin[:len(a)], a * sin[:len(a)] + b * cos[:len(a)]
+            return v
+
+        for i in range(L):
+            p = f"layers.{i}."
+            xb = norm(x, w[p + "attn_norm.weight"])
+            q = rope(w[p + "attn.wq.weight"] @ xb)
+            keys[i].append(rope(w[p + "attn.wk.weight"] @ xb))
+            values[i].append(w[p + "attn.wv.weight"] @ xb)
+            heads = []
+            for h in range(H):
+                kv = slice((h // kv_mul) * hs, (h // kv_mul + 1) * hs)
+                s = np.array([q[h * hs:(h + 1) * hs] @ k[kv] for k in keys[i]]) / np.sqrt(hs)
+                a = np.exp(s - s.max())
+                heads.append(sum(ai * v[kv] for ai, v in zip(a / a.sum(), values[i])))
+            x = x + w[p + "attn.wo.weight"] @ np.concatenate(heads)
+            xb = norm(x, w[p + "ffn_norm.weight"])
+            g = w[p + "ffn.w1.weight"] @ xb
+            x = x + w[p + "ffn.w2.weight"] @ (g / (1 + np.exp(-g)) * (w[p + "ffn.w3.weight"] @ xb))
+        out.append(w["tok_embeddings.weight"] @ norm(x, w["norm.weight"]))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa"])
+def test_llama2c_computes_our_model(tmp_path, variant):
+    """llama2.c's arithmetic on the exported file gives model.py's logits: the tensors' order,
+    the KV-head sharing and the RoPE pairing all agree."""
+    model = export.round_to_bf16_(export.random_model(variant, small=True, seed=31))
+    path, _ = export.export_llama2c(model, str(tmp_path), TOKENIZER)
+    tokens = [1, 300, 259, 17, 4000, 42, 7]
+    with torch.no_grad():
+        want = model(torch.tensor([tokens]))[0].double().numpy()
+    assert np.allclose(llama2c_logits(path, tokens), want, atol=1e-4, rtol=1e-4)

@@ -1,23 +1,28 @@
 """Writes a model into the engine's checkpoint format (docs/FORMAT.md), and optionally
 into llama2.c's legacy fp32 format.
 
-    python3 train/export.py out/mha/best.pt weights/mha.bin [--dtype bf16|fp32]
-                            [--tokenizer tokenizer/tokenizer.model] [--llama2c DIR]
+    python3 train/export.py INPUT OUT.bin [--dtype bf16|fp32] [--tokenizer T.model] [--llama2c DIR]
+    python3 train/export.py INPUT --llama2c DIR
     python3 train/export.py --random VARIANT OUT.bin [--small] [--seed N] [--dtype ...] [--tokenizer ...]
 
-The first form exports a checkpoint saved by train/train.py (a dict with "model", the
-state dict, and "config", Config.__dict__). The second exports randomly initialised
-weights (for tests); its vocabulary is the tokenizer's piece count.
+INPUT is either a checkpoint saved by train/train.py (out/VARIANT/best.pt: a dict with
+"model", the state dict, and "config", Config.__dict__) or a checkpoint in the engine's
+format (weights/VARIANT.bin); the file's first bytes tell which, not its name. A training
+checkpoint is exported with --tokenizer (default tokenizer/tokenizer.model) and as bf16;
+an engine checkpoint keeps its embedded tokenizer and its dtype unless --tokenizer or
+--dtype say otherwise. The third form exports randomly initialised weights (for tests);
+its vocabulary is the tokenizer's piece count.
 
 --llama2c DIR (mha, gqa, mqa only) also writes DIR/VARIANT_llama2c.bin (llama2.c's
 legacy "version 0" fp32 format) and DIR/tokenizer.bin (llama2.c's tokenizer format).
 Its tensors hold the same numbers as the main file (bf16-rounded when --dtype bf16).
 
-Functions used by the tests: export, round_to_bf16_, load_checkpoint, random_model,
+Functions used by the tests: export, round_to_bf16_, load_checkpoint, load_input, random_model,
 read_header, read_tensors, export_llama2c, tensor_layout.
 """
 import argparse
 import os
+import pickle
 import struct
 import sys
 
@@ -35,7 +40,8 @@ VERSION = 1
 HEADER_SIZE = 128
 ALIGN = 64
 DTYPES = {"fp32": 0, "bf16": 1}
-VARIANT_CODES = {"mha": 0, "gqa": 1, "mqa": 2, "mla64": 3, "mla128": 3}
+# "mla": an MLA model read from a .bin whose latent width is neither 64 nor 128 (header_config).
+VARIANT_CODES = {"mha": 0, "gqa": 1, "mqa": 2, "mla64": 3, "mla128": 3, "mla": 3}
 VARIANT_NAMES = {0: "mha", 1: "gqa", 2: "mqa", 3: "mla"}
 
 # magic, version, variant, dtype, dim, n_layers, n_heads, head_dim, n_kv_heads, kv_latent, rope_dim,
@@ -160,20 +166,36 @@ def _numpy_tensors(model):
     return out
 
 
-def tokenizer_info(tokenizer_path):
-    """(piece count, bos id, eos id, SentencePieceProcessor) of a SentencePiece model."""
+def tokenizer_bytes(tokenizer):
+    """A serialized SentencePiece model: tokenizer itself if bytes, else the file it names."""
+    if isinstance(tokenizer, (bytes, bytearray)):
+        return bytes(tokenizer)
+    with open(tokenizer, "rb") as f:
+        return f.read()
+
+
+def _tokenizer_name(tokenizer):
+    return "the embedded tokenizer" if isinstance(tokenizer, (bytes, bytearray)) else tokenizer
+
+
+def tokenizer_info(tokenizer):
+    """(piece count, bos id, eos id, SentencePieceProcessor) of a SentencePiece model (a path or its bytes)."""
     import sentencepiece as spm
-    sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
+    try:
+        sp = spm.SentencePieceProcessor(model_proto=tokenizer_bytes(tokenizer))
+    except RuntimeError as e:  # SentencePiece's message ends with the failed check, on its last line
+        raise ValueError(f"{_tokenizer_name(tokenizer)} is not a SentencePiece model "
+                         f"({str(e).strip().splitlines()[-1]})") from None
     return sp.get_piece_size(), sp.bos_id(), sp.eos_id(), sp
 
 
-def _check_tokenizer(cfg, tokenizer_path):
-    n, bos, eos, sp = tokenizer_info(tokenizer_path)
+def _check_tokenizer(cfg, tokenizer):
+    n, bos, eos, sp = tokenizer_info(tokenizer)
     if n != cfg.vocab_size:
         raise ValueError(f"the model's vocabulary ({cfg.vocab_size}) differs from the tokenizer's piece count "
-                         f"({n}, {tokenizer_path})")
+                         f"({n}, {_tokenizer_name(tokenizer)})")
     if not (0 <= bos < n and 0 <= eos < n):
-        raise ValueError(f"the tokenizer {tokenizer_path} has no BOS or no EOS (bos {bos}, eos {eos})")
+        raise ValueError(f"{_tokenizer_name(tokenizer)} has no BOS or no EOS (bos {bos}, eos {eos})")
     return bos, eos, sp
 
 
@@ -198,16 +220,15 @@ def _write_atomic(path, write):
 
 # ---------------------------------------------------------------- export
 
-def export(model, path, tokenizer_path=DEFAULT_TOKENIZER, dtype="bf16"):
-    """Writes model (a Transformer) and the tokenizer into path (docs/FORMAT.md).
-    Returns the header as a dict (read_header's format)."""
+def export(model, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
+    """Writes model (a Transformer) and the tokenizer (a path or the model's bytes) into path
+    (docs/FORMAT.md). Returns the header as a dict (read_header's format)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     cfg = model.cfg
     code = variant_code(cfg)
-    bos, eos, _ = _check_tokenizer(cfg, tokenizer_path)
-    with open(tokenizer_path, "rb") as f:
-        tok_bytes = f.read()
+    tok_bytes = tokenizer_bytes(tokenizer)
+    bos, eos, _ = _check_tokenizer(cfg, tok_bytes)
     tensors = _numpy_tensors(model)
     if dtype == "bf16":
         blobs = [bf16_bits(a).astype("<u2") for _, a in tensors]
@@ -268,9 +289,36 @@ def header_config(hdr):
                   max_seq_len=hdr["max_seq_len"], rope_theta=hdr["rope_theta"], norm_eps=hdr["norm_eps"])
 
 
+def check_header(hdr, path):
+    """Raises ValueError unless hdr (read_header's) describes the file at path: its magic,
+    version and codes, and a tokenizer and tensors that lie where the file has them."""
+    if hdr["magic"] != MAGIC.decode() or hdr["version"] != VERSION:
+        raise ValueError(f"{path}: not a version-{VERSION} engine checkpoint "
+                         f"(magic {hdr['magic']!r}, version {hdr['version']})")
+    if hdr["variant"] not in VARIANT_NAMES or hdr["dtype"] not in (0, 1):
+        raise ValueError(f"{path}: unknown variant code {hdr['variant']} or dtype code {hdr['dtype']}")
+    n_params = sum(int(np.prod(shape)) for _, shape in tensor_layout(header_config(hdr)))
+    expected = n_params * (2 if hdr["dtype"] == 1 else 4)
+    size = os.path.getsize(path)
+    if (hdr["tokenizer_offset"] + hdr["tokenizer_size"] > hdr["weights_offset"]
+            or hdr["weights_size"] != expected or hdr["weights_offset"] + expected != size):
+        raise ValueError(f"{path}: {size:,} bytes, but its header puts {expected:,} bytes of tensors at "
+                         f"{hdr['weights_offset']:,} (truncated or not written by export.py)")
+
+
+def read_embedded_tokenizer(path):
+    """The SentencePiece model embedded in an engine checkpoint, as bytes."""
+    hdr = read_header(path)
+    check_header(hdr, path)
+    with open(path, "rb") as f:
+        f.seek(hdr["tokenizer_offset"])
+        return f.read(hdr["tokenizer_size"])
+
+
 def read_tensors(path):
     """Reads every tensor of a checkpoint back: {state_dict name: fp32 numpy array} (bf16 widened)."""
     hdr = read_header(path)
+    check_header(hdr, path)
     cfg = header_config(hdr)
     np_dtype = {0: "<f4", 1: "<u2"}[hdr["dtype"]]
     raw = np.memmap(path, dtype=np.uint8, mode="r")
@@ -295,10 +343,10 @@ def load_engine_checkpoint(path):
 
 # ---------------------------------------------------------------- llama2.c
 
-def llama2c_tokenizer_bytes(tokenizer_path):
+def llama2c_tokenizer_bytes(tokenizer):
     """llama2.c's tokenizer.bin (karpathy/llama2.c tokenizer.py export): u32 max_token_length, then per id
     f32 score, u32 length, the UTF-8 bytes; '\u2581' becomes ' ', BOS is '\\n<s>\\n', EOS '\\n</s>\\n'."""
-    _, bos, eos, sp = tokenizer_info(tokenizer_path)
+    _, bos, eos, sp = tokenizer_info(tokenizer)
     tokens, scores = [], []
     for i in range(sp.get_piece_size()):
         t = sp.id_to_piece(i)
@@ -315,18 +363,30 @@ def llama2c_tokenizer_bytes(tokenizer_path):
     return b"".join(parts)
 
 
-def export_llama2c(model, out_dir, tokenizer_path=DEFAULT_TOKENIZER, dtype="bf16"):
+def check_llama2c(cfg):
+    """Raises ValueError unless llama2.c can run a model of this config: no MLA, and what
+    llama2.c's run.c assumes instead of reading it (heads dim / n_heads wide, RoPE theta
+    10000, RMSNorm eps 1e-5)."""
+    if variant_code(cfg) == 3:
+        raise ValueError(f"--llama2c: {cfg.variant} has no llama2.c equivalent (llama2.c has no latent "
+                         "attention); use it with mha, gqa or mqa")
+    if cfg.n_heads * cfg.head_dim != cfg.dim:
+        raise ValueError(f"--llama2c: llama2.c takes heads dim / n_heads = {cfg.dim // cfg.n_heads} wide, "
+                         f"this model's are {cfg.head_dim} (n_heads x head_dim must equal dim)")
+    if cfg.rope_theta != 10000 or np.float32(cfg.norm_eps) != np.float32(1e-5):
+        raise ValueError(f"--llama2c: llama2.c fixes RoPE theta 10000 and RMSNorm eps 1e-5; this model has "
+                         f"{cfg.rope_theta:g} and {cfg.norm_eps:g}")
+
+
+def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
     """Writes out_dir/VARIANT_llama2c.bin (llama2.c legacy fp32, version 0) and out_dir/tokenizer.bin.
-    The tensors hold the values of the main export: bf16-rounded if dtype is bf16. Refuses MLA.
-    Returns the two paths."""
+    The tensors hold the values of the main export: bf16-rounded if dtype is bf16. Refuses what
+    llama2.c cannot run (check_llama2c). Returns the two paths."""
     cfg = model.cfg
-    code = variant_code(cfg)
-    if code == 3:
-        raise ValueError(f"{cfg.variant}: llama2.c has no multi-head latent attention; "
-                         "--llama2c works for mha, gqa and mqa only")
+    check_llama2c(cfg)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-    _check_tokenizer(cfg, tokenizer_path)
+    _check_tokenizer(cfg, tokenizer)
     t = dict(_numpy_tensors(model))
     if dtype == "bf16":
         t = {k: round_to_bf16(v) for k, v in t.items()}
@@ -349,7 +409,7 @@ def export_llama2c(model, out_dir, tokenizer_path=DEFAULT_TOKENIZER, dtype="bf16
 
     model_path = os.path.join(out_dir, f"{cfg.variant}_llama2c.bin")
     tok_path = os.path.join(out_dir, "tokenizer.bin")
-    tok_blob = llama2c_tokenizer_bytes(tokenizer_path)
+    tok_blob = llama2c_tokenizer_bytes(tokenizer)
     _write_atomic(model_path, write_model)
     _write_atomic(tok_path, lambda f: f.write(tok_blob))
     return model_path, tok_path
@@ -359,13 +419,33 @@ def export_llama2c(model, out_dir, tokenizer_path=DEFAULT_TOKENIZER, dtype="bf16
 
 def load_checkpoint(path):
     """A Transformer from a .pt saved by train/train.py ({"model": state_dict, "config": Config.__dict__})."""
-    ck = torch.load(path, map_location="cpu")
+    try:
+        ck = torch.load(path, map_location="cpu")
+    except (pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"{path}: not a PyTorch checkpoint ({e})") from None
+    if not isinstance(ck, dict) or not {"model", "config"} <= set(ck):
+        raise ValueError(f"{path}: a PyTorch file, but not a checkpoint saved by train.py (no model and config)")
     cfg = Config(**ck["config"])
     model = Transformer(cfg)
     sd = {k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}
     model.load_state_dict(sd)
     model.eval()
     return model
+
+
+def load_input(path):
+    """(model, embedded tokenizer bytes or None, dtype name or None) of a checkpoint of either
+    kind, told apart by its first bytes: the engine's AKVC header, or torch.save's zip
+    archive (or its older plain pickle) for a checkpoint saved by train.py."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == MAGIC:
+        dtype = {0: "fp32", 1: "bf16"}.get(read_header(path)["dtype"])
+        return load_engine_checkpoint(path), read_embedded_tokenizer(path), dtype
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"\x80"):
+        return load_checkpoint(path), None, None
+    raise ValueError(f"{path} is neither an engine checkpoint (magic AKVC) nor a PyTorch checkpoint saved by "
+                     "train.py")
 
 
 def small_config(variant, **overrides):
@@ -408,48 +488,54 @@ def random_model(variant, small=False, seed=0, vocab_size=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", metavar="PATH",
-                    help="CHECKPOINT.pt OUT.bin, or OUT.bin with --random")
+                    help="INPUT OUT.bin; INPUT alone with --llama2c; OUT.bin alone with --random")
     ap.add_argument("--random", metavar="VARIANT", choices=sorted(VARIANTS),
                     help="export random weights of this variant instead of a checkpoint")
     ap.add_argument("--small", action="store_true", help="with --random: the tiny test configuration")
     ap.add_argument("--seed", type=int, default=0, help="with --random: the seed (default 0)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor type (default bf16)")
-    ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="SentencePiece model (default %(default)s)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES),
+                    help="tensor type (default: an engine INPUT's own, else bf16)")
+    ap.add_argument("--tokenizer", help="SentencePiece model (default: the one an engine INPUT embeds, "
+                                        "else tokenizer/tokenizer.model)")
     ap.add_argument("--llama2c", metavar="DIR", help="also write DIR/VARIANT_llama2c.bin and DIR/tokenizer.bin")
     args = ap.parse_args(argv)
 
     if args.random:
         if len(args.paths) != 1:
             ap.error("--random VARIANT takes one path: OUT.bin")
-        out = args.paths[0]
+        src, out = None, args.paths[0]
     else:
-        if len(args.paths) != 2:
-            ap.error("expected CHECKPOINT.pt OUT.bin")
         if args.small:
             ap.error("--small only goes with --random")
-        ckpt, out = args.paths
-    variant = args.random
-    if variant and args.llama2c and VARIANTS[variant][1]:
-        ap.exit(2, f"export.py: --llama2c: {variant} has no llama2.c equivalent "
-                   "(llama2.c has no latent attention); use it with mha, gqa or mqa\n")
+        if len(args.paths) == 1 and args.llama2c:
+            src, out = args.paths[0], None
+        elif len(args.paths) == 2:
+            src, out = args.paths
+        else:
+            ap.error("expected INPUT OUT.bin, or INPUT --llama2c DIR")
     try:
+        embedded, in_dtype = None, None
         if args.random:
-            n_pieces = tokenizer_info(args.tokenizer)[0]
+            n_pieces = tokenizer_info(args.tokenizer or DEFAULT_TOKENIZER)[0]
             model = random_model(args.random, small=args.small, seed=args.seed, vocab_size=n_pieces)
         else:
-            model = load_checkpoint(ckpt)
-        if args.llama2c and model.cfg.is_mla:
-            raise ValueError(f"--llama2c: {model.cfg.variant} has no llama2.c equivalent "
-                             "(llama2.c has no latent attention); use it with mha, gqa or mqa")
-        hdr = export(model, out, args.tokenizer, args.dtype)
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"{out}: {model.cfg.variant}, {n_params:,} parameters, {args.dtype}, "
-              f"{hdr['weights_offset'] + hdr['weights_size']:,} bytes")
+            model, embedded, in_dtype = load_input(src)
+        tokenizer = args.tokenizer or embedded or DEFAULT_TOKENIZER
+        dtype = args.dtype or in_dtype or "bf16"
         if args.llama2c:
-            for p in export_llama2c(model, args.llama2c, args.tokenizer, args.dtype):
+            check_llama2c(model.cfg)  # before anything is written
+        if out:
+            hdr = export(model, out, tokenizer, dtype)
+            n_params = sum(p.numel() for p in model.parameters())
+            print(f"{out}: {model.cfg.variant}, {n_params:,} parameters, {dtype}, "
+                  f"{hdr['weights_offset'] + hdr['weights_size']:,} bytes")
+        if args.llama2c:
+            for p in export_llama2c(model, args.llama2c, tokenizer, dtype):
                 print(f"{p}: {os.path.getsize(p):,} bytes")
-    except (ValueError, OSError, RuntimeError) as e:
-        ap.exit(1, f"export.py: {e}\n")
+    except OSError as e:
+        ap.exit(1, f"export.py: {e.filename or ''}: {e.strerror or e}\n")
+    except (ValueError, RuntimeError) as e:  # load_state_dict's errors span lines
+        ap.exit(1, f"export.py: {' '.join(str(e).split())}\n")
     return 0
 
 
