@@ -3,10 +3,11 @@
 
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "errmsg.h"
 
 void cli_usage(FILE *f) {
     fputs("Usage: run CHECKPOINT [options]\n"
@@ -32,24 +33,15 @@ void cli_usage(FILE *f) {
           f);
 }
 
-/* Writes the message and returns 2 (a usage error). */
-static int usage_error(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen > 0) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return 2;
-}
+const char *mla_form_name(MlaForm form) { return form == MLA_ABSORBED ? "absorb" : "expand"; }
 
 /* 0 with *out set, or 2 with the message in err. */
 static int parse_long(const char *flag, const char *s, long lo, long hi, long *out, char *err, size_t errlen) {
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (errno || end == s || *end) return usage_error(err, errlen, "%s needs an integer, got '%s'", flag, s);
-    if (v < lo || v > hi) return usage_error(err, errlen, "%s %ld is out of range (%ld..%ld)", flag, v, lo, hi);
+    if (errno || end == s || *end) return errmsg(err, errlen, 2, "%s needs an integer, got '%s'", flag, s);
+    if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %ld is out of range (%ld..%ld)", flag, v, lo, hi);
     *out = v;
     return 0;
 }
@@ -58,8 +50,8 @@ static int parse_float(const char *flag, const char *s, float lo, float hi, floa
     char *end;
     errno = 0;
     float v = strtof(s, &end);
-    if (errno || end == s || *end || !isfinite(v)) return usage_error(err, errlen, "%s needs a number, got '%s'", flag, s);
-    if (v < lo || v > hi) return usage_error(err, errlen, "%s %g is out of range (%g..%g)", flag, v, lo, hi);
+    if (errno || end == s || *end || !isfinite(v)) return errmsg(err, errlen, 2, "%s needs a number, got '%s'", flag, s);
+    if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %g is out of range (%g..%g)", flag, v, lo, hi);
     *out = v;
     return 0;
 }
@@ -71,14 +63,14 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->top_k = 40;
     o->temperature = 1.0f;
     o->seed = (uint64_t)time(NULL);
-    o->mla_form = -1;
+    int mla_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) return 1;
         int takes_value = !strcmp(a, "-p") || !strcmp(a, "-n") || !strcmp(a, "-k") || !strcmp(a, "-t") ||
                           !strcmp(a, "-s") || !strcmp(a, "--threads") || !strcmp(a, "--log") ||
                           !strcmp(a, "--mla") || !strcmp(a, "--ppl") || !strcmp(a, "--dump-logits");
-        if (takes_value && i + 1 >= argc) return usage_error(err, errlen, "%s needs a value (see -h)", a);
+        if (takes_value && i + 1 >= argc) return errmsg(err, errlen, 2, "%s needs a value (see -h)", a);
         const char *v = takes_value ? argv[++i] : NULL;
         long n = 0;
         int rc = 0;
@@ -90,9 +82,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         else if (!strcmp(a, "--threads")) { if (!(rc = parse_long(a, v, 1, CLI_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; }
         else if (!strcmp(a, "--log")) o->log_path = v;
         else if (!strcmp(a, "--mla")) {
-            if (!strcmp(v, "absorb")) o->mla_form = 1;
-            else if (!strcmp(v, "expand")) o->mla_form = 0;
-            else rc = usage_error(err, errlen, "--mla takes absorb or expand, got '%s'", v);
+            mla_given = 1;
+            if (!strcmp(v, "absorb")) o->mla_form = MLA_ABSORBED;
+            else if (!strcmp(v, "expand")) o->mla_form = MLA_EXPANDED;
+            else rc = errmsg(err, errlen, 2, "--mla takes absorb or expand, got '%s'", v);
         } else if (!strcmp(a, "--ppl")) o->ppl_path = v;
         else if (!strcmp(a, "--dump-logits")) o->dump_path = v;
         else if (!strcmp(a, "--kv")) o->kv = 1;
@@ -100,14 +93,17 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
         else if (!strcmp(a, "--check-kv")) o->check_kv = 1;
         else if (!strcmp(a, "--info")) o->info = 1;
-        else if (a[0] == '-' && a[1] != '\0') rc = usage_error(err, errlen, "unknown flag %s (see -h)", a);
+        else if (a[0] == '-' && a[1] != '\0') rc = errmsg(err, errlen, 2, "unknown flag %s (see -h)", a);
         else if (!o->checkpoint) o->checkpoint = a;
-        else rc = usage_error(err, errlen, "unexpected argument '%s' (one checkpoint only; see -h)", a);
+        else rc = errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", a);
         if (rc) return rc;
     }
+    /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
+     * expanded one recomputes without it */
+    if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;
     if (!o->checkpoint) {
         o->usage_on_error = 1;
-        return usage_error(err, errlen, "no checkpoint given");
+        return errmsg(err, errlen, 2, "no checkpoint given");
     }
     return 0;
 }

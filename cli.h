@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "config.h"
+
 #define CLI_MAX_THREADS 256
 
 typedef struct {
@@ -23,7 +25,7 @@ typedef struct {
     const char *log_path;
     int quiet;
     int ignore_eos;
-    int mla_form;         /* -1 = default (absorb with --kv, expand without), 0 = expand, 1 = absorb */
+    MlaForm mla_form;     /* --mla; by default absorbed with --kv, expanded without it (and for --ppl) */
     int check_kv;
     const char *ppl_path;
     int info;
@@ -41,5 +43,8 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen);
 
 /* The help text. */
 void cli_usage(FILE *f);
+
+/* "absorb" or "expand", as --mla spells them */
+const char *mla_form_name(MlaForm form);
 
 #endif /* CLI_H */

@@ -98,11 +98,10 @@ rows_accumulate(v16 acc[16], const float *q, const float *block, size_t stride, 
     }
 }
 
-/* dot_rows_cat for widths known at compile time (the callers below pass constants): q1
+/* dot_rows_cat for widths known at compile time (the dispatch below passes constants): q1
  * and q2 stay in registers, and each part's rows are walked by one pointer that steps by
  * its stride (the asm hides the pointer's value, or GCC keeps 16 row addresses and spills
- * them). On one core, 32-wide keys: 0.51 ns per key against 0.73 for the loop over a
- * runtime width below. Same order in every row: part 1, then part 2 from lane 0 again. */
+ * them). Same order in every row: part 1, then part 2 from lane 0 again. */
 static inline __attribute__((always_inline)) void
 dot_rows_fixed(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, const int width1,
                const float *q2, const float *rows2, size_t stride2, const int width2) {
@@ -131,17 +130,9 @@ dot_rows_fixed(float *out, int n, float scale, const float *q1, const float *row
         out[j] = dot_cat(q1, rows1 + (size_t)j * stride1, width1, q2, rows2 + (size_t)j * stride2, width2) * scale;
 }
 
-void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, int width1,
-                  const float *q2, const float *rows2, size_t stride2, int width2) {
-    /* the shipped checkpoints' widths: 32 (MHA, GQA, MQA keys), 32 + 16 (MLA expanded
-     * [k_C ; k_R]), 80 and 144 (MLA absorbed [c ; k_R]) */
-#define FIXED(w1, w2) \
-    if (width1 == (w1) && width2 == (w2)) return dot_rows_fixed(out, n, scale, q1, rows1, stride1, w1, q2, rows2, stride2, w2)
-    FIXED(32, 0);
-    FIXED(32, 16);
-    FIXED(80, 0);
-    FIXED(144, 0);
-#undef FIXED
+/* The general case: any widths. */
+static void dot_rows_any(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, int width1,
+                         const float *q2, const float *rows2, size_t stride2, int width2) {
     int j = 0;
     for (; j + 16 <= n; j += 16) {
         v16 acc[16];  /* one per row, in registers: the row loops are unrolled */
@@ -153,6 +144,21 @@ void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *
     }
     for (; j < n; j++)
         out[j] = dot_cat(q1, rows1 + (size_t)j * stride1, width1, q2, rows2 + (size_t)j * stride2, width2) * scale;
+}
+
+/* The key widths of the shipped checkpoints get a copy of the loop with their widths as
+ * constants: 32 (MHA, GQA, MQA), 32 + 16 (MLA expanded [k_C ; k_R]), 80 and 144 (MLA
+ * absorbed [c ; k_R]). */
+void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, int width1,
+                  const float *q2, const float *rows2, size_t stride2, int width2) {
+    const int widths = width1 * 1000 + width2;
+    switch (widths) {
+    case 32000: dot_rows_fixed(out, n, scale, q1, rows1, stride1, 32, q2, rows2, stride2, 0); break;
+    case 32016: dot_rows_fixed(out, n, scale, q1, rows1, stride1, 32, q2, rows2, stride2, 16); break;
+    case 80000: dot_rows_fixed(out, n, scale, q1, rows1, stride1, 80, q2, rows2, stride2, 0); break;
+    case 144000: dot_rows_fixed(out, n, scale, q1, rows1, stride1, 144, q2, rows2, stride2, 0); break;
+    default: dot_rows_any(out, n, scale, q1, rows1, stride1, width1, q2, rows2, stride2, width2); break;
+    }
 }
 
 void dot_rows(float *out, const float *q, const float *rows, size_t stride, int n, int width, float scale) {
@@ -206,11 +212,8 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
  * and serve all RB rows, so every FMA is register to register. An accumulator is
  * SIMD_PARTS registers (simd.h). With 32 registers (AVX-512) an 8x3 tile holds 24
  * accumulators, 3 token registers and one weight register, and one pass computes
- * everything, and a token's 8 outputs are reduced side by side (v16_reduce8_store; one
- * at a time, the reductions took 23% of the kernel's samples): on one Zen 5 core, 191-193
- * GFLOP/s for 512x512 at 128 tokens (87% of the FMA peak; build/matmul_bench --threads 1)
- * against 156 for the 4x6 tile it replaced, whose FMAs each loaded their token from
- * memory, and 172-184 with one reduction per output. With 16 (AVX2: two parts per
+ * everything, and a token's 8 outputs are reduced side by side (v16_reduce8_store), since
+ * reducing them one at a time costs a large share of the kernel. With 16 (AVX2: two parts per
  * accumulator) a tile's accumulators would not fit; there, a 4x3 tile computes one part
  * of its accumulators per pass over the group, which stays in L1 between the passes,
  * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains. */
@@ -220,17 +223,9 @@ _Static_assert(TB == 3, "tile_any has one case per token count, 1 to TB");
 _Static_assert(MAT_CHUNK_BYTES == 64, "a full bf16 chunk is 16 pairs, a full fp32 chunk 16 columns");
 
 /* How far ahead of the chunk in use tile_pass prefetches the weights (the stream is one
- * matrix's packed groups, in order; a prefetch past its end never faults). Where a matmul
- * streams its weights (a cached decode step, ~30 MB from L3 or DRAM, and the prompt), the
- * hardware prefetchers alone kept each thread far below the streaming-read probe: the
- * engine's products alone ran at 100-108 GB/s (median step) against 125-153 for the probe
- * over the same 32 MB. Alternated runs, ms per cached step (11 runs, median):
- *   MHA      0.439 without, 0.389 at 2 KB, 0.362 at 4 KB, 0.356 at 8 KB
- *   MLA128   0.411 without, 0.362 at 2 KB, 0.332 at 4 KB, 0.336 at 8 KB
- *   MQA      0.332 without, 0.284 at 2 KB, 0.245 at 4 KB, 0.251 at 8 KB
- * and the prompt's prefill was fastest at 8-12 KB (GQA 0.646 ms at 4 KB, 0.600 at 8 KB,
- * 0.576 at 12 KB). The step without the cache, whose tiles stay in L1 for every token,
- * did not change (MHA 11.88 ms without, 11.70 with, 7 runs: within the noise). */
+ * matrix's packed groups, in order; a prefetch past its end never faults): where a matmul
+ * streams its weights from L3 or DRAM (a cached decode step, the prompt), the hardware
+ * prefetchers alone fall well short of a streaming read (docs/PERFORMANCE.md). */
 enum { PREFETCH_BYTES = 8192 };
 
 /* acc[t][slot] += w * x[t0 + t][col .. col + n) for the tile's tokens: one weight register
@@ -323,12 +318,8 @@ static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w,
 
 /* Tiles [tile_lo, tile_hi) of RB rows. For more than two token blocks (a no-KV step):
  * tiles outside, so a tile's RB weight rows stay in L1 while every token passes, and x
- * streams from L2. The other order (a block of x in L1, the thread's tiles of w streamed
- * from L2 for every block) ran 512x512 at 305 GFLOP/s on 2 threads against 348 for this
- * one (build/matmul_bench, T = 128, measured at 8c6b134 when products were split by
- * rows). For one or two blocks (decode, the prompt), where w comes from memory: token
- * blocks outside, so w is read as one unbroken stream; tiles outside made the 5-token
- * prefill 4-10% slower (and again no faster at f7d5c8b). */
+ * streams from L2. For one or two blocks (decode, the prompt), where w comes from
+ * memory: token blocks outside, so w is read as one unbroken stream. */
 static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat *w, int T, int tile_lo, int tile_hi) {
     if (T > 2 * TB) {
         for (int tl = tile_lo; tl < tile_hi; tl++)
@@ -342,9 +333,6 @@ static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat 
 void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
     matmul_rows(out, ldo, x, ldx, &w, T, 0, (w.rows + RB - 1) / RB);
 }
-
-/* Small products are not worth waking the other threads. */
-static int worth_threads(long work) { return work >= 32768; }
 
 /* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges;
  * tokens [t0, t_hi) of each job (up to its own T). */
@@ -365,14 +353,10 @@ static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int 
  * One or two token blocks (decode, the prompt): by rows, a contiguous share of the tiles
  * per thread, so each thread streams its part of w from memory once.
  * More (a no-KV step): by tokens, every row for a contiguous share of the token blocks,
- * so a thread's part of x is half of x (W2's input at 256 tokens: 0.7 of 1.4 MB, for a
- * 1 MB L2) and mostly written on the same thread (residual_rmsnorm splits rows alike).
- * MHA no-KV step 12.30 -> 12.02 ms against rows claimed 4 tiles at a time (7 alternated
- * runs); token chunks claimed as the threads went ran at 13.06. matmul_swiglu stays by
- * rows: by tokens each thread would stream all 2.7 MB of W1 and W3, and the step ran
- * 12.22 ms against 11.78 with it by rows. For more than two token blocks both take over
- * the other thread's remaining tiles at the end (parallel_run_parts); decode keeps static
- * shares (a tile is ~0.1 us of work there). */
+ * so a thread's part of x is half of x and stays in its L2, and is mostly written on the
+ * same thread (residual_rmsnorm splits rows alike). matmul_swiglu stays by rows: by
+ * tokens each thread would stream all of W1 and W3. Whether threads take over each
+ * other's remaining tiles is parallel_mode's call. */
 static int split_by_tokens(int T) { return T > 2 * TB; }
 
 typedef struct {
@@ -421,7 +405,7 @@ void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
     const ParallelParts by_tokens = {jobs_tokens_count, jobs_tokens_items, &ctx};
     const ParallelParts by_rows = {jobs_rows_count, jobs_rows_items, &ctx};
     const int tokens = split_by_tokens(max_T);
-    parallel_run_parts(tokens ? &by_tokens : &by_rows, tokens, worth_threads(work));
+    parallel_run_parts(tokens ? &by_tokens : &by_rows, parallel_mode(work, max_T));
 }
 
 void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
@@ -467,7 +451,7 @@ static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long h
 void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
     const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3};
     const ParallelParts by_rows = {swiglu_part_count, swiglu_part_items, &ctx};  /* for every T (split_by_tokens) */
-    parallel_run_parts(&by_rows, split_by_tokens(T), worth_threads((long)T * w1.rows * w1.cols));
+    parallel_run_parts(&by_rows, parallel_mode((long)T * w1.rows * w1.cols, T));
 }
 
 /* ---- elementwise ---- */
@@ -499,7 +483,7 @@ void softmax(float *x, int n) {
     }
     v16 e_tail = zero;  /* the tail stays in a register until its final store: a masked load
                          * cannot take its data from a masked store and waits until the store
-                         * reaches L1 (reloaded, 32-37% of softmax's perf samples sat there) */
+                         * reaches L1 */
     if (tail) {  /* lanes past the end: e^min(0, -max) (min keeps a NaN), zeroed before the sum */
         e_tail = v16_first(v16_exp_nonpositive(v16_min(zero, v16_add(v16_load_f32(x + full, tail), shift))), tail);
         sum = v16_add(sum, e_tail);

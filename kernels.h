@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef uint16_t bf16;
+#include "isa.h"
 
 typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 } DType;
 
@@ -29,9 +29,9 @@ typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 } DType;
  * c0+16..c0+31 as the high halves, each widened to fp32 by one shift or mask, in the lane
  * order of simd.h (no cross-lane widening instruction). A narrower last chunk, an fp32
  * chunk and a vector (rows = 1, plain row-major) hold no pairs.
- * The file is row-major (docs/FORMAT.md); the loader packs with mat_pack. Before, a
- * matmul read MAT_GROUP_ROWS rows side by side, which the hardware prefetchers follow
- * badly: 9-10 GB/s per core from DRAM, against ~30 GB/s for this one ascending stream. */
+ * The file is row-major (docs/FORMAT.md); the loader packs with mat_pack: the hardware
+ * prefetchers follow one ascending stream far better than MAT_GROUP_ROWS rows read side
+ * by side. */
 typedef struct {
     const void *data;
     int rows, cols;
@@ -40,7 +40,7 @@ typedef struct {
 
 /* Rows per group: the row block of matmul's tile (kernels.c), 8 where simd.h uses AVX-512's
  * 32 registers, 4 otherwise. The file's layout does not depend on it (the loader packs). */
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#if ISA_AVX512
 enum { MAT_GROUP_ROWS = 8 };
 #else
 enum { MAT_GROUP_ROWS = 4 };
@@ -71,8 +71,7 @@ float mat_get(Mat w, int r, int c);
 void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T);
 /* The same, on the calling thread only (inside one thread's share of other work). */
 void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T);
-/* Independent products in one parallel_run (one hand-off and join instead of n; a decode
- * step makes ~37 of them otherwise). For one or two token blocks (decode, the prompt) the
+/* Independent products in one parallel_run (one hand-off and join instead of n). For one or two token blocks (decode, the prompt) the
  * threads split the row tiles of all of them; for more, each thread computes every row
  * for its share of the tokens. Each output is computed exactly as matmul computes it, by
  * one thread. */
@@ -119,7 +118,7 @@ void mat_row_f32(float *out, Mat w, int r);
 
 /* n zeroed floats, 64-byte aligned, every page already written. Aligned: malloc puts a
  * large block 16 bytes past a page start, so every 16-float load of an activation row
- * would straddle two cache lines (a T=128 matmul ran at 80 GFLOP/s instead of 136).
+ * would straddle two cache lines.
  * Written: a fresh allocation is only mapped on first write, and ~3,000 such page faults
  * (~12 MB of scratch and cache) would otherwise land in the first timed step. NULL when
  * out of memory. */

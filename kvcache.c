@@ -1,8 +1,6 @@
 /* kvcache.c: allocation and accounting of the KV cache (layout in kvcache.h). */
 #include "kvcache.h"
 
-#include "kernels.h"
-
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,38 +8,39 @@ static size_t floats_per_layer_token(const KVCache *c) {
     return c->latent_width > 0 ? (size_t)c->latent_width : (size_t)c->n_kv_heads * c->head_dim;
 }
 
-int kv_init(KVCache *c, int n_layers, int max_seq_len, int n_kv_heads, int head_dim, int latent_width) {
-    memset(c, 0, sizeof *c);
-    c->n_layers = n_layers;
-    c->max_seq_len = max_seq_len;
-    c->n_kv_heads = latent_width > 0 ? 0 : n_kv_heads;
-    c->head_dim = head_dim;
-    c->latent_width = latent_width;
-    size_t n = (size_t)n_layers * max_seq_len * floats_per_layer_token(c);
-    c->k = alloc_floats_touched(n);
-    c->v = latent_width > 0 ? NULL : alloc_floats_touched(n);
-    if (!c->k || (latent_width == 0 && !c->v)) {
-        kv_free(c);
+int kv_init(KVCache *cache, const Config *c, int capacity) {
+    memset(cache, 0, sizeof *cache);
+    const int is_mla = c->variant == VARIANT_MLA;
+    cache->n_layers = c->n_layers;
+    cache->capacity = capacity;
+    cache->n_kv_heads = is_mla ? 0 : c->n_kv_heads;
+    cache->head_dim = c->head_dim;
+    cache->latent_width = is_mla ? c->kv_latent + c->rope_dim : 0;
+    size_t n = (size_t)c->n_layers * (size_t)capacity * floats_per_layer_token(cache);
+    cache->k = alloc_floats_touched(n);
+    cache->v = is_mla ? NULL : alloc_floats_touched(n);
+    if (!cache->k || (!is_mla && !cache->v)) {
+        kv_free(cache);
         return -1;
     }
     return 0;
 }
 
-void kv_free(KVCache *c) {
-    free(c->k);
-    free(c->v);
-    c->k = c->v = NULL;
-    c->len = 0;
+void kv_free(KVCache *cache) {
+    free(cache->k);
+    free(cache->v);
+    cache->k = cache->v = NULL;
+    cache->len = 0;
 }
 
-void kv_reset(KVCache *c) { c->len = 0; }
+void kv_reset(KVCache *cache) { cache->len = 0; }
 
-size_t kv_bytes_per_token(const KVCache *c) {
-    size_t per_layer = floats_per_layer_token(c) * sizeof(float) * (c->latent_width > 0 ? 1 : 2);
-    return per_layer * (size_t)c->n_layers;
+size_t kv_bytes_per_token(const KVCache *cache) {
+    size_t per_layer = floats_per_layer_token(cache) * sizeof(float) * (cache->latent_width > 0 ? 1 : 2);
+    return per_layer * (size_t)cache->n_layers;
 }
 
-size_t kv_bytes_allocated(const KVCache *c) {
-    if (!c->k) return 0;
-    return kv_bytes_per_token(c) * (size_t)c->max_seq_len;
+size_t kv_bytes_allocated(const KVCache *cache) {
+    if (!cache->k) return 0;
+    return kv_bytes_per_token(cache) * (size_t)cache->capacity;
 }

@@ -1,394 +1,41 @@
-/* model.c: loading a checkpoint (docs/FORMAT.md) and the forward pass. */
-#define _DEFAULT_SOURCE  /* madvise, MADV_HUGEPAGE */
+/* model.c: the forward pass (model.h). */
 #include "model.h"
-#include "parallel.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <math.h>
-#include <stdarg.h>
-#include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#define HEADER_SIZE 128
-#define FORMAT_VERSION 1
-#define MAX_DIM 65536
-/* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
-#define MAX_ROPE_ENTRIES (1L << 22)
+#include "parallel.h"
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
-
-static uint32_t rd_u32(const unsigned char *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t rd_u64(const unsigned char *p) { return (uint64_t)rd_u32(p) | (uint64_t)rd_u32(p + 4) << 32; }
-static float rd_f32(const unsigned char *p) {
-    uint32_t u = rd_u32(p);
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-const char *variant_name(const Config *c) {
-    static const char *names[] = {"mha", "gqa", "mqa"};
-    static _Thread_local char mla[32];
-    if (c->variant != VARIANT_MLA) return names[c->variant];
-    snprintf(mla, sizeof mla, "mla%d", c->kv_latent);  /* mla64, mla128 */
-    return mla;
-}
-
-void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *ctx) {
-    const int H = c->n_heads, hd = c->head_dim, D = c->dim;
-    visit(ctx, &w->tok_embeddings, c->vocab_size, D);
-    for (int l = 0; l < c->n_layers; l++) {
-        LayerWeights *L = &w->layers[l];
-        visit(ctx, &L->attn_norm, 1, D);
-        if (c->variant == VARIANT_MLA) {
-            visit(ctx, &L->wq, H * (hd + c->rope_dim), D);
-            visit(ctx, &L->wdkv, c->kv_latent, D);
-            visit(ctx, &L->kv_norm, 1, c->kv_latent);
-            visit(ctx, &L->wkr, c->rope_dim, D);
-            visit(ctx, &L->wuk, H * hd, c->kv_latent);
-            visit(ctx, &L->wuv, H * hd, c->kv_latent);
-        } else {
-            visit(ctx, &L->wq, H * hd, D);
-            visit(ctx, &L->wk, c->n_kv_heads * hd, D);
-            visit(ctx, &L->wv, c->n_kv_heads * hd, D);
-        }
-        visit(ctx, &L->wo, D, H * hd);
-        visit(ctx, &L->ffn_norm, 1, D);
-        visit(ctx, &L->w1, c->hidden_dim, D);
-        visit(ctx, &L->w2, D, c->hidden_dim);
-        visit(ctx, &L->w3, c->hidden_dim, D);
-    }
-    visit(ctx, &w->final_norm, 1, D);
-}
-
-static void count_elements(void *ctx, Mat *mat, int rows, int cols) {
-    (void)mat;
-    *(uint64_t *)ctx += (uint64_t)rows * (uint64_t)cols;
-}
-
-size_t model_param_count(const Config *c) {
-    uint64_t n = 0;
-    Weights w;
-    LayerWeights *layers = calloc((size_t)c->n_layers, sizeof *layers);
-    if (!layers) return 0;
-    w.layers = layers;
-    model_walk_tensors(c, &w, count_elements, &n);
-    free(layers);
-    return (size_t)n;
-}
-
-/* Checks the header's numbers; everything later relies on them. */
-static int check_config(const Config *c, char *err, size_t errlen) {
-    const struct { const char *name; int v; } dims[] = {
-        {"dim", c->dim}, {"n_layers", c->n_layers}, {"n_heads", c->n_heads}, {"head_dim", c->head_dim},
-        {"hidden_dim", c->hidden_dim}, {"vocab_size", c->vocab_size}, {"max_seq_len", c->max_seq_len},
-    };
-    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
-        if (dims[i].v <= 0 || dims[i].v > MAX_DIM)
-            return fail(err, errlen, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v, MAX_DIM);
-    if (c->n_layers > 256) return fail(err, errlen, "checkpoint: n_layers = %d is absurd", c->n_layers);
-    if (c->max_seq_len > MAX_SEQ_LEN) return fail(err, errlen, "checkpoint: max_seq_len = %d is over %d", c->max_seq_len, MAX_SEQ_LEN);
-    if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
-        return fail(err, errlen, "checkpoint: n_heads * head_dim = %ld is absurd", (long)c->n_heads * c->head_dim);
-    if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
-        c->n_kv_heads > MAX_DIM)
-        return fail(err, errlen, "checkpoint: n_kv_heads, kv_latent or rope_dim is out of range");
-    switch (c->variant) {
-    case VARIANT_MHA:
-        if (c->n_kv_heads != c->n_heads) return fail(err, errlen, "checkpoint: an MHA model needs n_kv_heads == n_heads (%d != %d)", c->n_kv_heads, c->n_heads);
-        break;
-    case VARIANT_GQA:
-        if (c->n_kv_heads <= 1 || c->n_kv_heads >= c->n_heads || c->n_heads % c->n_kv_heads != 0)
-            return fail(err, errlen, "checkpoint: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)", c->n_kv_heads, c->n_heads);
-        break;
-    case VARIANT_MQA:
-        if (c->n_kv_heads != 1) return fail(err, errlen, "checkpoint: an MQA model needs n_kv_heads == 1 (got %d)", c->n_kv_heads);
-        break;
-    case VARIANT_MLA:
-        if (c->n_kv_heads != 0 || c->kv_latent <= 0 || c->rope_dim <= 0 || c->rope_dim % 2 != 0)
-            return fail(err, errlen, "checkpoint: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0");
-        break;
-    default:
-        return fail(err, errlen, "checkpoint: unknown variant %d", (int)c->variant);
-    }
-    if (c->variant != VARIANT_MLA && (c->kv_latent != 0 || c->rope_dim != 0))
-        return fail(err, errlen, "checkpoint: kv_latent and rope_dim must be 0 for %s", variant_name(c));
-    if (c->head_dim % 2 != 0) return fail(err, errlen, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
-    if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f)) return fail(err, errlen, "checkpoint: rope_theta is not a sane number");
-    if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f)) return fail(err, errlen, "checkpoint: norm_eps is not in (0, 1)");
-    long rope_entries = (long)c->max_seq_len * ((c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim) / 2);
-    if (rope_entries > MAX_ROPE_ENTRIES)
-        return fail(err, errlen, "checkpoint: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)",
-                    rope_entries, MAX_ROPE_ENTRIES);
-    if (c->bos_id < 0 || c->bos_id >= c->vocab_size || c->eos_id < 0 || c->eos_id >= c->vocab_size)
-        return fail(err, errlen, "checkpoint: bos_id or eos_id is outside the vocabulary");
-    return 0;
-}
-
-static int parse_header(Config *c, const unsigned char *h, char *err, size_t errlen) {
-    if (memcmp(h, "AKVC", 4) != 0) return fail(err, errlen, "checkpoint: bad magic (not an AKVC checkpoint)");
-    uint32_t version = rd_u32(h + 4);
-    if (version != FORMAT_VERSION) return fail(err, errlen, "checkpoint: unsupported version %u (this program reads %d)", version, FORMAT_VERSION);
-    uint32_t variant = rd_u32(h + 8), dtype = rd_u32(h + 12);
-    if (variant > VARIANT_MLA) return fail(err, errlen, "checkpoint: unknown variant %u", variant);
-    if (dtype > DTYPE_BF16) return fail(err, errlen, "checkpoint: unknown dtype %u", dtype);
-    c->variant = (Variant)variant;
-    c->dtype = (DType)dtype;
-    int *fields[] = {&c->dim, &c->n_layers, &c->n_heads, &c->head_dim, &c->n_kv_heads, &c->kv_latent,
-                     &c->rope_dim, &c->hidden_dim, &c->vocab_size, &c->max_seq_len};
-    for (int i = 0; i < 10; i++) {
-        uint32_t v = rd_u32(h + 16 + 4 * i);
-        *fields[i] = v > (uint32_t)MAX_DIM ? -1 : (int)v;  /* out of range either way */
-    }
-    c->rope_theta = rd_f32(h + 56);
-    c->norm_eps = rd_f32(h + 60);
-    uint32_t bos = rd_u32(h + 64), eos = rd_u32(h + 68);
-    c->bos_id = bos > (uint32_t)MAX_DIM ? -1 : (int)bos;
-    c->eos_id = eos > (uint32_t)MAX_DIM ? -1 : (int)eos;
-    return check_config(c, err, errlen);
-}
-
-static void init_rope(Model *m) {
-    const Config *c = &m->cfg;
-    int width = c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim, half = width / 2;
-    for (int pos = 0; pos < c->max_seq_len; pos++)
-        for (int i = 0; i < half; i++) {
-            double freq = pow((double)c->rope_theta, -2.0 * i / width);
-            m->rope_cos[(size_t)pos * half + i] = (float)cos(pos * freq);
-            m->rope_sin[(size_t)pos * half + i] = (float)sin(pos * freq);
-        }
-}
-
-void rope(const Model *m, float *v, int width, int pos) {
-    int half = width / 2;
-    const float *cs = m->rope_cos + (size_t)pos * half, *sn = m->rope_sin + (size_t)pos * half;
-    for (int i = 0; i < half; i++) {
-        float v0 = v[2 * i], v1 = v[2 * i + 1];
-        v[2 * i] = v0 * cs[i] - v1 * sn[i];
-        v[2 * i + 1] = v0 * sn[i] + v1 * cs[i];
-    }
-}
-
-/* Copies element (r, c) of a packed matrix to dst, in its dtype. */
-static void copy_element(char *dst, Mat w, int r, int c) {
-    size_t es = dtype_size(w.dtype);
-    memcpy(dst, (const char *)w.data + mat_packed_offset(w.rows, w.cols, w.dtype, r, c) * es, es);
-}
-
-/* The per-head matrices of the absorbed form, each head packed on its own so that
- * mat_block can hand out one head whatever head_dim and kv_latent are:
- *   wuk_t     [H][dc][hd]: W_UK,h transposed
- *   wuv_heads [H][hd][dc]: W_UV,h (wuv's rows, regrouped by head) */
-static int derive_absorbed(Model *m) {
-    const Config *c = &m->cfg;
-    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
-    const size_t es = dtype_size(c->dtype), per_matrix = (size_t)H * dc * hd * es;
-    void *aligned = NULL;
-    char *rowmajor = malloc(per_matrix);
-    if (posix_memalign(&aligned, 64, 2 * per_matrix * (size_t)c->n_layers) != 0) aligned = NULL;
-    char *store = aligned;
-    if (!store || !rowmajor) {
-        free(store);
-        free(rowmajor);
-        return -1;
-    }
-    m->derived = store;
-    for (int l = 0; l < c->n_layers; l++) {
-        LayerWeights *L = &m->w.layers[l];
-        char *wuk_t = store + 2 * per_matrix * (size_t)l, *wuv_heads = wuk_t + per_matrix;
-        for (int h = 0; h < H; h++)
-            for (int k = 0; k < dc; k++)
-                for (int d = 0; d < hd; d++)
-                    copy_element(rowmajor + (((size_t)h * dc + k) * hd + d) * es, L->wuk, h * hd + d, k);
-        mat_pack_blocks(wuk_t, rowmajor, H, dc, hd, c->dtype);
-        L->wuk_t = (Mat){wuk_t, H * dc, hd, c->dtype};
-        for (int r = 0; r < H * hd; r++)
-            for (int k = 0; k < dc; k++) copy_element(rowmajor + ((size_t)r * dc + k) * es, L->wuv, r, k);
-        mat_pack_blocks(wuv_heads, rowmajor, H, hd, dc, c->dtype);
-        L->wuv_heads = (Mat){wuv_heads, H * hd, dc, c->dtype};
-    }
-    free(rowmajor);
-    return 0;
-}
-
-/* The weights leave the file mapping for a heap copy in the packed layout of kernels.h,
- * 2 MB-aligned and advised as transparent huge pages: a decode step streams all ~30 MB
- * of them, through ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of
- * a file are never huge). The copy is exactly w_size long, so a read past the last
- * tensor is a heap overflow that ASan reports. */
-#define HUGE_PAGE ((size_t)2 << 20)
-static void *alloc_weights(size_t w_size) {
-    void *p = NULL;
-    if (posix_memalign(&p, w_size >= HUGE_PAGE ? HUGE_PAGE : 64, w_size) != 0) return NULL;
-#ifdef MADV_HUGEPAGE
-    if (w_size >= HUGE_PAGE) madvise(p, w_size / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE);  /* a hint; 4 KB pages still work */
-#endif
-    return p;
-}
-
-typedef struct { const char *src; char *dst; DType dt; } PackCursor;
-
-/* Visitor: the next tensor of the file (row-major) goes packed into the heap copy. */
-static void pack_tensor(void *ctx, Mat *mat, int rows, int cols) {
-    PackCursor *cur = ctx;
-    size_t bytes = (size_t)rows * (size_t)cols * dtype_size(cur->dt);
-    mat_pack(cur->dst, cur->src, rows, cols, cur->dt);
-    *mat = (Mat){cur->dst, rows, cols, cur->dt};
-    cur->src += bytes;
-    cur->dst += bytes;
-}
-
-int model_load(Model *m, const char *path, char *err, size_t errlen) {
-    memset(m, 0, sizeof *m);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return fail(err, errlen, "cannot open checkpoint %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return fail(err, errlen, "checkpoint %s is not a regular file", path);
-    }
-    size_t size = (size_t)st.st_size;
-    if (size < HEADER_SIZE) {
-        close(fd);
-        return fail(err, errlen, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", path, size, HEADER_SIZE);
-    }
-    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (map == MAP_FAILED) return fail(err, errlen, "cannot mmap checkpoint %s: %s", path, strerror(errno));
-    m->map = map;
-    m->map_size = size;
-    const unsigned char *h = map;
-    Config *c = &m->cfg;
-    if (parse_header(c, h, err, errlen) != 0) goto bad;
-
-    uint64_t tok_off = rd_u64(h + 72), tok_size = rd_u64(h + 80), w_off = rd_u64(h + 88), w_size = rd_u64(h + 96);
-    if (tok_off < HEADER_SIZE || tok_off > size || tok_size == 0 || tok_size > size - tok_off) {
-        fail(err, errlen, "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
-             (unsigned long long)tok_off, (unsigned long long)tok_size, size);
-        goto bad;
-    }
-    if (w_off % 64 != 0 || w_off < tok_off + tok_size || w_off > size || w_size != size - w_off) {
-        fail(err, errlen, "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should (truncated?)",
-             (unsigned long long)w_off, (unsigned long long)w_size, size);
-        goto bad;
-    }
-    uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
-    if (w_size != expect) {
-        fail(err, errlen, "checkpoint: weights hold %llu bytes but the dimensions imply %llu", (unsigned long long)w_size,
-             (unsigned long long)expect);
-        goto bad;
-    }
-
-    char why[256];
-    m->tokenizer = spm_load_bytes((const char *)map + tok_off, (size_t)tok_size, why, sizeof why);
-    if (!m->tokenizer) {
-        fail(err, errlen, "checkpoint: the embedded tokenizer is corrupt: %s", why);
-        goto bad;
-    }
-    if (spm_vocab_size(m->tokenizer) != c->vocab_size || spm_bos_id(m->tokenizer) != c->bos_id ||
-        spm_eos_id(m->tokenizer) != c->eos_id) {
-        fail(err, errlen, "checkpoint: the embedded tokenizer (%d pieces, bos %d, eos %d) does not match the model (%d, bos %d, eos %d)",
-             spm_vocab_size(m->tokenizer), spm_bos_id(m->tokenizer), spm_eos_id(m->tokenizer), c->vocab_size, c->bos_id, c->eos_id);
-        goto bad;
-    }
-
-    m->weights = alloc_weights((size_t)w_size);
-    m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
-    int rot = c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim;
-    m->rope_cos = malloc((size_t)c->max_seq_len * (size_t)(rot / 2) * sizeof(float));
-    m->rope_sin = malloc((size_t)c->max_seq_len * (size_t)(rot / 2) * sizeof(float));
-    if (!m->weights || !m->w.layers || !m->rope_cos || !m->rope_sin) {
-        fail(err, errlen, "out of memory loading %s", path);
-        goto bad;
-    }
-    PackCursor cur = {(const char *)map + w_off, m->weights, c->dtype};
-    model_walk_tensors(c, &m->w, pack_tensor, &cur);
-    munmap(map, size);
-    m->map = NULL;
-    init_rope(m);
-    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) {
-        fail(err, errlen, "out of memory loading %s", path);
-        goto bad;
-    }
-    return 0;
-bad:
-    model_free(m);
-    return -1;
-}
-
-void model_free(Model *m) {
-    spm_free(m->tokenizer);
-    free(m->w.layers);
-    free(m->rope_cos);
-    free(m->rope_sin);
-    free(m->derived);
-    free(m->weights);
-    if (m->map) munmap(m->map, m->map_size);
-    memset(m, 0, sizeof *m);
-}
-
-/* ---- scratch ---- */
-
-int runstate_init(RunState *s, const Config *c) {
+int runstate_init(RunState *s, const Config *c, int max_tokens) {
     memset(s, 0, sizeof *s);
-    size_t T = (size_t)c->max_seq_len, H = (size_t)c->n_heads, hd = (size_t)c->head_dim;
-    size_t q_width = hd + (size_t)c->rope_dim, kv = (size_t)c->n_kv_heads * hd;
-    size_t dc = (size_t)c->kv_latent, rd = (size_t)c->rope_dim;
+    s->max_tokens = max_tokens;
+    const size_t T = (size_t)max_tokens;
     struct { float **p; size_t n; } bufs[] = {
-        {&s->x, T * c->dim}, {&s->xb, T * c->dim}, {&s->heads, T * H * hd}, {&s->q, T * H * q_width},
-        {&s->k, T * kv}, {&s->v, T * kv}, {&s->latent, T * dc}, {&s->k_rope, T * rd},
-        {&s->k_exp, dc ? T * (size_t)mla_exp_stride(c) : 0}, {&s->v_exp, dc ? T * (size_t)mla_exp_stride(c) : 0},
-        {&s->q_abs, T * H * (dc + rd)}, {&s->ctx_lat, T * H * dc},
-        {&s->hb, T * c->hidden_dim}, {&s->hb2, T * c->hidden_dim}, {&s->logits, T * c->vocab_size},
+        {&s->x, T * c->dim}, {&s->xb, T * c->dim}, {&s->heads, T * c->n_heads * c->head_dim},
+        {&s->hb, T * c->hidden_dim}, {&s->hb2, T * c->hidden_dim},
     };
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
-        if (bufs[i].n == 0) continue;
-        *bufs[i].p = alloc_floats_touched(bufs[i].n);
-        if (!*bufs[i].p) {
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (!(*bufs[i].p = alloc_floats_touched(bufs[i].n))) {
             runstate_free(s);
             return -1;
         }
-    }
-    s->tokens = calloc(T + 1, sizeof(int));
-    if (!s->tokens) {
+    if (attn_scratch_init(&s->attn, c, max_tokens, c->max_seq_len) != 0) {
         runstate_free(s);
         return -1;
     }
-    s->mla_absorb = 1;
-    /* start OpenMP's thread pool now (~0.1 ms), not inside the first timed step */
-#pragma omp parallel
-    {
-    }
+    parallel_warm_up();
     return 0;
 }
 
 void runstate_free(RunState *s) {
-    float *bufs[] = {s->x, s->xb, s->heads, s->q, s->k, s->v, s->latent, s->k_rope, s->k_exp,
-                     s->v_exp, s->q_abs, s->ctx_lat, s->hb, s->hb2, s->logits};
+    float *bufs[] = {s->x, s->xb, s->heads, s->hb, s->hb2};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
-    free(s->tokens);
+    attn_scratch_free(&s->attn);
     memset(s, 0, sizeof *s);
 }
 
-/* ---- the forward pass ---- */
-
 /* Rows t < T of the residual stream (T, dim): x += dx (unless dx is NULL), then
- * out = RMSNorm(x) w. out may be dx. Threaded from MIN_TOKENS_THREADED rows (on one
- * thread it took 0.21 ms of a no-KV step at 256 tokens, with the other thread idle). */
+ * out = RMSNorm(x) w. out may be dx. */
 typedef struct {
     float *x;
     const float *dx;
@@ -408,12 +55,12 @@ static void residual_rmsnorm_row(const void *ctx, long t) {
 
 static void residual_rmsnorm(float *x, const float *dx, float *out, Mat w, int T, const Config *c) {
     const ResidualNorm r = {x, dx, out, w, c};
-    parallel_for(T, residual_rmsnorm_row, &r, T >= MIN_TOKENS_THREADED);
+    parallel_for(T, residual_rmsnorm_row, &r, parallel_mode((long)T * c->dim, T));
 }
 
 /* The forward pass (model.h's model_forward), on thread 0 of a team (parallel.h). */
-static void forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, int pos0, float *logits,
-                    int all_logits) {
+static void forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form,
+                    float *logits, int all_logits) {
     const Config *c = &m->cfg;
     const int D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
 
@@ -423,9 +70,7 @@ static void forward(const Model *m, RunState *s, KVCache *cache, const int *toke
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
-        if (c->variant != VARIANT_MLA) attn_kv_heads(m, s, cache, l, T, pos0);
-        else if (s->mla_absorb) attn_mla_absorbed(m, s, cache, l, T, pos0);
-        else attn_mla_expanded(m, s, cache, l, T, pos0);
+        attention(m, &s->attn, cache, l, s->xb, s->heads, T, form);  /* heads: (T, HD) */
         matmul(s->xb, D, s->heads, HD, w->wo, T);                      /* (T, D) */
         residual_rmsnorm(s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
@@ -436,7 +81,7 @@ static void forward(const Model *m, RunState *s, KVCache *cache, const int *toke
         Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
         residual_rmsnorm(s->x, s->xb, s->xb, next_norm, T, c);
     }
-    cache->len = pos0 + T;
+    cache->len += T;
 
     /* the tied head, for the last token or for all */
     int first = all_logits ? 0 : T - 1;
@@ -448,18 +93,21 @@ typedef struct {
     RunState *s;
     KVCache *cache;
     const int *tokens;
-    int T, pos0;
+    int T;
+    MlaForm form;
     float *logits;
     int all_logits;
 } ForwardArgs;
 
 static void forward_in_team(void *arg) {
     const ForwardArgs *f = arg;
-    forward(f->m, f->s, f->cache, f->tokens, f->T, f->pos0, f->logits, f->all_logits);
+    forward(f->m, f->s, f->cache, f->tokens, f->T, f->form, f->logits, f->all_logits);
 }
 
-void model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, int pos0,
-                   float *logits, int all_logits) {
-    ForwardArgs f = {m, s, cache, tokens, T, pos0, logits, all_logits};
+int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form, float *logits,
+                  int all_logits) {
+    if (T < 1 || T > s->max_tokens || T > cache->capacity - cache->len) return -1;
+    ForwardArgs f = {m, s, cache, tokens, T, form, logits, all_logits};
     parallel_team(forward_in_team, &f);  /* inside a team already (run.c's generation): just runs it */
+    return 0;
 }

@@ -25,10 +25,9 @@ typedef struct {
 /* the team whose thread 0 is this thread, if any */
 static _Thread_local Team *my_team;
 
-/* One turn of a wait: a pause, and after a while (at once when the team has more threads
- * than there are cores: --threads 3 on 2 cores, where the thread waited for may not be
- * running) it gives the core away at every turn. Spinning 2^14 turns first there made a
- * cached step take 11.9 ms instead of 1.1 ms with libgomp's own waits. */
+/* One turn of a wait: a pause, and after a while it gives the core away at every turn; at
+ * once when the team has more threads than there are cores (--threads 3 on 2 cores),
+ * where the thread waited for may not be running and spinning only delays it. */
 enum { SPINS_BEFORE_YIELDING = 1 << 14 };
 static inline void wait_turn(const Team *t, unsigned *spins) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -82,10 +81,15 @@ void parallel_team(void (*body)(void *arg), void *arg) {
 #endif
 }
 
-void parallel_run(ParallelFn fn, const void *ctx, int use_threads) {
+ParallelMode parallel_mode(long work, int tokens) {
+    if (work < PARALLEL_MIN_WORK) return PARALLEL_ALONE;
+    return tokens >= PARALLEL_MIN_TOKENS_TAKE_OVER ? PARALLEL_TAKE_OVER : PARALLEL_STATIC;
+}
+
+void parallel_run(ParallelFn fn, const void *ctx, ParallelMode mode) {
     Team *t = my_team;
     /* alone: when asked, in a team of one, or from inside a job (the team is busy with it) */
-    if (!use_threads || (t && (t->threads == 1 || t->in_job))) {
+    if (mode == PARALLEL_ALONE || (t && (t->threads == 1 || t->in_job))) {
         fn(ctx, 0, 1);
         return;
     }
@@ -131,9 +135,9 @@ static void for_share(const void *ctx, int thread, int threads) {
     for (long i = lo; i < hi; i++) f->item(f->ctx, i);
 }
 
-void parallel_for(long n_items, void (*item)(const void *ctx, long i), const void *ctx, int use_threads) {
+void parallel_for(long n_items, void (*item)(const void *ctx, long i), const void *ctx, ParallelMode mode) {
     const ForLoop f = {n_items, item, ctx};
-    parallel_run(for_share, &f, use_threads);
+    parallel_run(for_share, &f, mode);
 }
 
 typedef struct {
@@ -169,10 +173,24 @@ static void parts_thread(const void *ctx, int thread, int threads) {
     }
 }
 
-void parallel_run_parts(const ParallelParts *w, int take_over, int use_threads) {
+void parallel_run_parts(const ParallelParts *w, ParallelMode mode) {
     const int n = parallel_threads();
     Claim claims[n];
     for (int i = 0; i < n; i++) atomic_init(&claims[i].next, 0);
-    const PartsRun r = {w, claims, take_over};
-    parallel_run(parts_thread, &r, use_threads);
+    const PartsRun r = {w, claims, mode == PARALLEL_TAKE_OVER};
+    parallel_run(parts_thread, &r, mode);
+}
+
+void parallel_set_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+void parallel_warm_up(void) {
+#pragma omp parallel
+    {
+    }
 }

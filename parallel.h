@@ -3,46 +3,64 @@
  * A forward pass runs inside one OpenMP parallel region, its team (parallel_team; run.c
  * opens one team for a whole generation, and the passes inside it use that one):
  * thread 0 runs the pass top to bottom, and the other threads wait, spinning on one
- * cache line, for the work it hands them (parallel_run). On this VM an OpenMP region
- * costs ~3.3 us to open and close (libgomp wakes its threads with futex calls) and a
- * decode step needs ~21 of them; a hand-off through a cache line and back costs ~0.5 us.
- * Outside a team (a unit test or bench/matmul.c calling a kernel), parallel_run opens an
- * OpenMP region of its own. Either way fn gets the same thread numbers and counts, so a
- * kernel splits its work the same way and every output comes out the same. */
+ * cache line, for the work it hands them (parallel_run). Opening an OpenMP region costs
+ * several times more than such a hand-off (docs/PERFORMANCE.md). Outside a team (a unit
+ * test or bench/matmul.c calling a kernel), parallel_run opens an OpenMP region of its
+ * own. Either way fn gets the same thread numbers and counts, so a kernel splits its
+ * work the same way and every output comes out the same.
+ *
+ * This file is the only one that talks to OpenMP, and parallel_mode is the one policy
+ * that decides when work is worth the other threads. */
 #ifndef PARALLEL_H
 #define PARALLEL_H
 
 /* Work for each thread: this is thread `thread` of `threads`. */
 typedef void (*ParallelFn)(const void *ctx, int thread, int threads);
 
+/* How a piece of work is shared among a team's threads. */
+typedef enum {
+    PARALLEL_ALONE,     /* on the calling thread only */
+    PARALLEL_STATIC,    /* thread p does part p */
+    PARALLEL_TAKE_OVER, /* thread p does part p, then helps with the others' remaining items */
+} ParallelMode;
+
+/* The policy. work: multiply-adds (or comparable element operations) of the whole job;
+ * tokens: how many tokens the pass carries. Below PARALLEL_MIN_WORK the hand-off costs
+ * more than it saves, so the work runs alone; from PARALLEL_MIN_TOKENS_TAKE_OVER tokens
+ * the items are many and long enough for take-overs to pay for their claims. */
+enum { PARALLEL_MIN_WORK = 8192, PARALLEL_MIN_TOKENS_TAKE_OVER = 16 };
+ParallelMode parallel_mode(long work, int tokens);
+
 /* Runs body(arg) on the calling thread while the other OpenMP threads serve its
  * parallel_run calls. Inside a team already, just runs body(arg). */
 void parallel_team(void (*body)(void *arg), void *arg);
 
 /* fn(ctx, i, n) for every thread i < n, and returns when all have returned: on the
- * calling thread alone (n = 1) unless use_threads or when called from inside an fn, on the
- * team's threads inside a team, otherwise in a new OpenMP region. */
-void parallel_run(ParallelFn fn, const void *ctx, int use_threads);
+ * calling thread alone (n = 1) when mode is PARALLEL_ALONE or when called from inside an
+ * fn, on the team's threads inside a team, otherwise in a new OpenMP region. */
+void parallel_run(ParallelFn fn, const void *ctx, ParallelMode mode);
 
 /* item(ctx, i) for every i < n_items, each thread a contiguous share (parallel_share). */
-void parallel_for(long n_items, void (*item)(const void *ctx, long i), const void *ctx, int use_threads);
+void parallel_for(long n_items, void (*item)(const void *ctx, long i), const void *ctx, ParallelMode mode);
 
 /* Work in parts, one per thread: part p of `parts` has count(p) items, and items does
- * items [lo, hi) of a part. parallel_run_parts runs thread p's part on thread p; with
- * take_over, a thread that has done its own part then helps with the others' remaining
- * items, claiming them from the part's counter (one cache line each), a quarter of what
- * is left at a time (claiming single items cost 0.9% of an MHA no-KV run's samples; in
- * quarters 0.3%). Every item is done once, by one thread, so the outputs are the static
- * split's bit for bit; when one vCPU runs slower for a while (a neighbour on this VM:
- * measured alone, 156 against 181 GFLOP/s at one moment), the other takes over the end
- * of its share instead of waiting. MHA no-KV step, 7 alternated runs in a noisy hour:
- * 14.14 ms with static shares, 12.85 with take-overs. */
+ * items [lo, hi) of a part. Thread p does part p; with PARALLEL_TAKE_OVER, a thread that
+ * has done its own part then helps with the others' remaining items, claiming them from
+ * the part's counter (one cache line each), a quarter of what is left at a time, so
+ * claims are few while a part is long. Every item is done once, by one thread, so the
+ * outputs are the static split's bit for bit; when one vCPU runs slower for a while, the
+ * other takes over the end of its share instead of waiting. */
 typedef struct {
     long (*count)(const void *ctx, int part, int parts);
     void (*items)(const void *ctx, int part, int parts, long lo, long hi);
     const void *ctx;
 } ParallelParts;
-void parallel_run_parts(const ParallelParts *w, int take_over, int use_threads);
+void parallel_run_parts(const ParallelParts *w, ParallelMode mode);
+
+/* The thread count for the runs to come (n >= 1), and starting the thread pool now
+ * rather than inside the first timed step. */
+void parallel_set_threads(int n);
+void parallel_warm_up(void);
 
 /* The n that parallel_run(.., 1) would pass. */
 int parallel_threads(void);

@@ -11,14 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "cli.h"
+#include "loader.h"
 #include "model.h"
 #include "parallel.h"
 #include "sampler.h"
+#include "spm_c.h"
 #include "textfile.h"
 
 #define EXIT_USAGE 2
@@ -46,16 +45,16 @@ typedef struct {
     RunState *state;
     KVCache *cache;
     int kv;               /* keep the cache between steps */
+    MlaForm form;
 } Engine;
 
-/* Appends token tokens[n-1] (or the whole prompt when n_new == n) and computes the next logits. */
-static void engine_step(Engine *e, const int *tokens, int n, int n_new, float *logits) {
-    if (e->kv) {
-        model_forward(e->model, e->state, e->cache, tokens + n - n_new, n_new, n - n_new, logits, 0);
-    } else {
-        kv_reset(e->cache);
-        model_forward(e->model, e->state, e->cache, tokens, n, 0, logits, 0);
-    }
+/* The logits after tokens[0..n): with the cache, the forward pass runs the tokens the
+ * cache does not hold yet; without it, the whole sequence on an emptied cache. */
+static void engine_step(Engine *e, const int *tokens, int n, float *logits) {
+    if (!e->kv) kv_reset(e->cache);
+    const int from = e->cache->len;
+    if (model_forward(e->model, e->state, e->cache, tokens + from, n - from, e->form, logits, 0) != 0)
+        die(1, "internal error: a forward pass of %d tokens at position %d does not fit", n - from, from);
 }
 
 static int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens) {
@@ -97,12 +96,12 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
      * cost of loading, so the timed prefill below runs warm, like every decode step. The
      * arithmetic is batch-invariant, so the prefill's logits are the same bits either way. */
     double warm0 = now_ms();
-    engine_step(e, tokens, n, n, logits);
+    engine_step(e, tokens, n, logits);
     kv_reset(e->cache);
     if (!o->quiet) fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - warm0);
 
     double t0 = now_ms();
-    engine_step(e, tokens, n, n, logits);
+    engine_step(e, tokens, n, logits);
     int next = sampler_sample(sampler, logits);
     st.prefill_ms = now_ms() - t0;
     if (dump) fwrite(logits, sizeof(float), (size_t)V, dump);
@@ -118,7 +117,7 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
         if (n >= max_seq) { st.context_full = 1; break; }
         tokens[n++] = next;
         t0 = now_ms();
-        engine_step(e, tokens, n, 1, logits);
+        engine_step(e, tokens, n, logits);
         next = sampler_sample(sampler, logits);
         double ms = now_ms() - t0;
         st.steps++;
@@ -175,34 +174,34 @@ static GreedyRun greedy_run(Engine *e, const int *prompt, int n_prompt, int step
     if (!r.tokens || !r.logits) die(1, "out of memory");
     memcpy(r.tokens, prompt, (size_t)n_prompt * sizeof(int));
     int n = n_prompt;
-    engine_step(e, r.tokens, n, n, r.logits);
+    kv_reset(e->cache);
+    engine_step(e, r.tokens, n, r.logits);
     for (;;) {
         int next = sampler_argmax(r.logits + (size_t)r.steps * V, V);
         r.steps++;
         if ((next == m->cfg.eos_id && !ignore_eos) || r.steps >= steps || n >= max_seq) break;
         r.tokens[n++] = next;
-        engine_step(e, r.tokens, n, 1, r.logits + (size_t)r.steps * V);
+        engine_step(e, r.tokens, n, r.logits + (size_t)r.steps * V);
     }
     return r;
 }
 
 /* Greedy with the cache (form_cached) against greedy without it (form_uncached); prints one
  * line for people and returns the machine-readable one in line. Returns 1 when they differ. */
-static int check_kv_pair(Engine *e, const Options *o, const int *prompt, int n_prompt, int steps, int form_cached,
-                         int form_uncached, char *line, size_t linelen) {
+static int check_kv_pair(Engine *e, const Options *o, const int *prompt, int n_prompt, int steps, MlaForm form_cached,
+                         MlaForm form_uncached, char *line, size_t linelen) {
     const Model *m = e->model;
     const int V = m->cfg.vocab_size;
     const int is_mla = m->cfg.variant == VARIANT_MLA;
-    static const char *forms[] = {"expand", "absorb"};
     char name_a[32], name_b[32];
-    snprintf(name_a, sizeof name_a, is_mla ? "kv-%s" : "kv", forms[form_cached]);
-    snprintf(name_b, sizeof name_b, is_mla ? "no-kv-%s" : "no-kv", forms[form_uncached]);
+    snprintf(name_a, sizeof name_a, is_mla ? "kv-%s" : "kv", mla_form_name(form_cached));
+    snprintf(name_b, sizeof name_b, is_mla ? "no-kv-%s" : "no-kv", mla_form_name(form_uncached));
 
     e->kv = 1;
-    e->state->mla_absorb = form_cached;
+    e->form = form_cached;
     GreedyRun a = greedy_run(e, prompt, n_prompt, steps, o->ignore_eos);
     e->kv = 0;
-    e->state->mla_absorb = form_uncached;
+    e->form = form_uncached;
     GreedyRun b = greedy_run(e, prompt, n_prompt, steps, o->ignore_eos);
 
     /* compare step by step while both runs have seen the same tokens */
@@ -242,15 +241,18 @@ static int check_kv_pair(Engine *e, const Options *o, const int *prompt, int n_p
  * KV-cache post's setup), and against absorbed without it (the same arithmetic). */
 static void check_kv(Engine *e, const Options *o) {
     const Model *m = e->model;
-    int *prompt = e->state->tokens;
+    int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));
+    if (!prompt) die(1, "out of memory");
     int n = encode_prompt(m, o->prompt, prompt, m->cfg.max_seq_len + 1);
     int steps = o->steps ? o->steps : m->cfg.max_seq_len;
     int is_mla = m->cfg.variant == VARIANT_MLA;
-    const int uncached_forms[2] = {is_mla ? 0 : 1, 1};
+    const MlaForm uncached_forms[2] = {MLA_EXPANDED, MLA_ABSORBED};
     char lines[2][512];
     int n_pairs = is_mla ? 2 : 1;
-    for (int i = 0; i < n_pairs; i++) check_kv_pair(e, o, prompt, n, steps, 1, uncached_forms[i], lines[i], sizeof lines[i]);
+    for (int i = 0; i < n_pairs; i++)
+        check_kv_pair(e, o, prompt, n, steps, MLA_ABSORBED, uncached_forms[i], lines[i], sizeof lines[i]);
     for (int i = 0; i < n_pairs; i++) puts(lines[i]);
+    free(prompt);
 }
 
 /* ---- --ppl ---- */
@@ -282,7 +284,7 @@ static void perplexity(Engine *e, const char *path) {
         for (int start = 0; start < n - 1; start += ctx) {
             int len = n - start < ctx + 1 ? n - start : ctx + 1;  /* inputs len-1, targets len-1 */
             kv_reset(e->cache);
-            model_forward(m, e->state, e->cache, ids + start, len - 1, 0, logits, 1);
+            model_forward(m, e->state, e->cache, ids + start, len - 1, e->form, logits, 1);
             for (int t = 0; t < len - 1; t++) {
                 const float *l = logits + (size_t)t * V;
                 float max = l[0];
@@ -312,7 +314,7 @@ static void info(const Model *m, const KVCache *cache) {
     printf("dtype          %s\n", c->dtype == DTYPE_BF16 ? "bf16" : "fp32");
     printf("dim %d, layers %d, heads %d x %d, kv heads %d, latent %d, rope dim %d, hidden %d, vocab %d, context %d\n",
            c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads, c->kv_latent,
-           c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim, c->hidden_dim, c->vocab_size, c->max_seq_len);
+           config_rope_width(c), c->hidden_dim, c->vocab_size, c->max_seq_len);
     printf("parameters     %zu (%.2f M), %zu bytes of weights\n", model_param_count(c), model_param_count(c) / 1e6,
            model_param_count(c) * dtype_size(c->dtype));
     if (c->variant == VARIANT_MLA)
@@ -341,11 +343,7 @@ int main(int argc, char **argv) {
         die(EXIT_USAGE, "%s", usage_err);
     }
     free(usage_err);
-    if (o.threads > 0) {
-#ifdef _OPENMP
-        omp_set_num_threads(o.threads);
-#endif
-    }
+    if (o.threads > 0) parallel_set_threads(o.threads);
 
     Model m;
     char err[512];
@@ -356,22 +354,19 @@ int main(int argc, char **argv) {
 
     RunState state;
     KVCache cache;
-    if (runstate_init(&state, &m.cfg) != 0 ||
-        kv_init(&cache, m.cfg.n_layers, m.cfg.max_seq_len, m.cfg.n_kv_heads, m.cfg.head_dim,
-                m.cfg.variant == VARIANT_MLA ? m.cfg.kv_latent + m.cfg.rope_dim : 0) != 0)
+    int *tokens = malloc((size_t)(m.cfg.max_seq_len + 1) * sizeof(int));  /* the sequence generated */
+    if (!tokens || runstate_init(&state, &m.cfg, m.cfg.max_seq_len) != 0 || kv_init(&cache, &m.cfg, m.cfg.max_seq_len) != 0)
         die(1, "out of memory");
-    state.mla_absorb = o.mla_form >= 0 ? o.mla_form : o.kv;
-    Engine e = {&m, &state, &cache, o.kv};
+    Engine e = {&m, &state, &cache, o.kv, o.mla_form};
 
     if (o.info) {
         info(&m, &cache);
     } else if (o.check_kv) {
         check_kv(&e, &o);
     } else if (o.ppl_path) {
-        state.mla_absorb = o.mla_form >= 0 ? o.mla_form : 0;
         perplexity(&e, o.ppl_path);
     } else {
-        int n_prompt = encode_prompt(&m, o.prompt, state.tokens, m.cfg.max_seq_len + 1);
+        int n_prompt = encode_prompt(&m, o.prompt, tokens, m.cfg.max_seq_len + 1);
         Sampler sampler;
         if (sampler_init(&sampler, m.cfg.vocab_size, o.top_k, o.temperature, o.seed) != 0) die(1, "out of memory");
         FILE *log_csv = NULL, *dump = NULL;
@@ -383,14 +378,9 @@ int main(int argc, char **argv) {
         if (o.dump_path && !(dump = fopen(o.dump_path, "wb"))) die(1, "cannot write %s: %s", o.dump_path, strerror(errno));
         fprintf(stderr, "seed %llu | %s | %s | mla form %s | threads %d | top-k %d | temperature %g\n",
                 (unsigned long long)o.seed, variant_name(&m.cfg), o.kv ? "kv" : "no-kv",
-                m.cfg.variant == VARIANT_MLA ? (state.mla_absorb ? "absorb" : "expand") : "n/a",
-#ifdef _OPENMP
-                omp_get_max_threads(),
-#else
-                1,
-#endif
-                o.top_k, o.temperature);
-        Generation g = {&e, &o, &sampler, log_csv, dump, state.tokens, n_prompt};
+                m.cfg.variant == VARIANT_MLA ? mla_form_name(o.mla_form) : "n/a", parallel_threads(), o.top_k,
+                o.temperature);
+        Generation g = {&e, &o, &sampler, log_csv, dump, tokens, n_prompt};
         parallel_team(generate_in_team, &g);
         if (log_csv && fclose(log_csv) != 0) die(1, "cannot write %s", o.log_path);
         if (dump && fclose(dump) != 0) die(1, "cannot write %s", o.dump_path);
@@ -398,6 +388,7 @@ int main(int argc, char **argv) {
     }
     kv_free(&cache);
     runstate_free(&state);
+    free(tokens);
     model_free(&m);
     return 0;
 }

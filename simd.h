@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#include "isa.h"
 
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
@@ -29,7 +29,7 @@ static inline float bf16_to_f32(bf16 h) {
     return f;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#if ISA_AVX512
 #include <immintrin.h>
 #define SIMD_NAME "avx512"
 typedef __m512 v16;
@@ -46,7 +46,6 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
 static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
 
 #define SIMD_PARTS 1
-#define SIMD_REGISTERS 32
 enum { VP_LANES = 16 };
 typedef __m512 vp;
 static inline vp vp_zero(void) { return v16_zero(); }
@@ -131,7 +130,7 @@ static inline void v16_reduce8_store(float *out, const v16 a[8]) {
     _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r)));  /* lane j: a(j) */
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif ISA_AVX2
 #include <immintrin.h>
 #define SIMD_NAME "avx2"
 typedef struct { __m256 lo, hi; } v16;
@@ -191,7 +190,6 @@ static inline v16 v16_first(v16 v, int n) {
 }
 
 #define SIMD_PARTS 2
-#define SIMD_REGISTERS 16
 enum { VP_LANES = 8 };
 typedef __m256 vp;
 static inline vp vp_zero(void) { return _mm256_setzero_ps(); }
@@ -262,7 +260,6 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
     return v;
 }
 #define SIMD_PARTS 1
-#define SIMD_REGISTERS 32
 enum { VP_LANES = 16 };
 typedef v16 vp;
 static inline vp vp_zero(void) { return v16_zero(); }

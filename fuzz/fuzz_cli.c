@@ -25,7 +25,7 @@ static void check(int rc, const Options *o, const char *err, size_t errlen) {
         if (!o->checkpoint || !o->prompt) abort();
         if (o->steps < 0 || o->steps > (1 << 20) || o->top_k < 1 || o->top_k > (1 << 20)) abort();
         if (!(o->temperature >= 0.0f && o->temperature <= 100.0f)) abort();
-        if (o->threads < 0 || o->threads > CLI_MAX_THREADS || o->mla_form < -1 || o->mla_form > 1) abort();
+        if (o->threads < 0 || o->threads > CLI_MAX_THREADS || (o->mla_form != MLA_ABSORBED && o->mla_form != MLA_EXPANDED)) abort();
         if ((int64_t)o->seed < 0) abort();
     }
 }

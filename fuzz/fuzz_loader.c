@@ -16,6 +16,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "loader.h"
 #include "model.h"
 #include "sampler.h"
 
@@ -54,25 +55,23 @@ static size_t scratch_floats(const Config *c) {
     return T * per_token + cache + T * (hd + rd);
 }
 
-static void forward_once(const Model *m, int absorb, int t1) {
+static void forward_once(const Model *m, MlaForm form, int t1) {
     const Config *c = &m->cfg;
     RunState s;
     KVCache cache;
-    if (runstate_init(&s, c) != 0) return;
-    if (kv_init(&cache, c->n_layers, c->max_seq_len, c->n_kv_heads, c->head_dim,
-                c->variant == VARIANT_MLA ? c->kv_latent + c->rope_dim : 0) != 0) {
+    if (runstate_init(&s, c, c->max_seq_len) != 0) return;
+    if (kv_init(&cache, c, c->max_seq_len) != 0) {
         runstate_free(&s);
         return;
     }
-    s.mla_absorb = absorb;
     int tokens[3] = {c->bos_id, t1, c->eos_id};
     int T = c->max_seq_len < 2 ? c->max_seq_len : 2;
     float *logits = malloc((size_t)3 * c->vocab_size * sizeof(float));
     if (logits) {
-        model_forward(m, &s, &cache, tokens, T, 0, logits, 1);
+        if (model_forward(m, &s, &cache, tokens, T, form, logits, 1) != 0) abort();
         volatile int best = sampler_argmax(logits + (size_t)(T - 1) * c->vocab_size, c->vocab_size);
         (void)best;
-        if (c->max_seq_len > T) model_forward(m, &s, &cache, tokens + T, 1, T, logits, 0);  /* a decode step */
+        if (c->max_seq_len > T && model_forward(m, &s, &cache, tokens + T, 1, form, logits, 0) != 0) abort();  /* a decode step */
         free(logits);
     }
     kv_free(&cache);
@@ -94,8 +93,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const Config *c = &m.cfg;
     if (scratch_floats(c) <= g_scratch_floats) {
         int t1 = size ? data[size - 1] % c->vocab_size : 0;
-        forward_once(&m, 1, t1);
-        if (c->variant == VARIANT_MLA) forward_once(&m, 0, t1);
+        forward_once(&m, MLA_ABSORBED, t1);
+        if (c->variant == VARIANT_MLA) forward_once(&m, MLA_EXPANDED, t1);
     }
     model_free(&m);
     return 0;

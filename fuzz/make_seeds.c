@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "loader.h"
 #include "model.h"
 #include "spm_c.h"
 #include "testutil.h"

@@ -1,5 +1,6 @@
-/* Each variant's attention against a naive double-precision reference, and the
- * cached (one token at a time) pass against the whole-sequence pass, bit for bit. */
+/* Each variant's attention against a naive double-precision reference; the fast path
+ * against its specification (attention_query_reference) bit for bit; and the cached
+ * (one token at a time) pass against the whole-sequence pass, bit for bit. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,6 +11,7 @@
 #include <string.h>
 
 #include "model.h"
+#include "spm_c.h"
 #include "testutil.h"
 
 typedef struct {
@@ -30,10 +32,8 @@ static Fixture *load_variant(Variant v, int latent) {
     spm_free(tok);
     assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 1234 + v + latent), 0);
     assert_int_equal(model_load(&f->m, path, err, sizeof err), 0);
-    assert_int_equal(runstate_init(&f->s, &f->m.cfg), 0);
-    const Config *mc = &f->m.cfg;
-    assert_int_equal(kv_init(&f->cache, mc->n_layers, mc->max_seq_len, mc->n_kv_heads, mc->head_dim,
-                             v == VARIANT_MLA ? mc->kv_latent + mc->rope_dim : 0), 0);
+    assert_int_equal(runstate_init(&f->s, &f->m.cfg, f->m.cfg.max_seq_len), 0);
+    assert_int_equal(kv_init(&f->cache, &f->m.cfg, f->m.cfg.max_seq_len), 0);
     return f;
 }
 
@@ -133,28 +133,38 @@ static void random_input(float *xb, int n, uint64_t seed) {
     for (int i = 0; i < n; i++) xb[i] = test_uniform(&s);
 }
 
-/* Runs layer 0's attention over T tokens in one pass (fresh cache). */
-static void attention_pass(Fixture *f, int T, int pos0) {
-    const Config *c = &f->m.cfg;
-    if (c->variant != VARIANT_MLA) attn_kv_heads(&f->m, &f->s, &f->cache, 0, T, pos0);
-    else if (f->s.mla_absorb) attn_mla_absorbed(&f->m, &f->s, &f->cache, 0, T, pos0);
-    else attn_mla_expanded(&f->m, &f->s, &f->cache, 0, T, pos0);
+/* Layer 0's attention for T tokens of input xb at the cache's next positions, as the
+ * forward pass runs it (model.c advances the cache once every layer has run). */
+static void attention_pass(Fixture *f, const float *xb, int T, MlaForm form) {
+    attention(&f->m, &f->s.attn, &f->cache, 0, xb, f->s.heads, T, form);
+    f->cache.len += T;
 }
 
-static void check_variant(Variant v, int latent, int absorb) {
+static void check_variant(Variant v, int latent, MlaForm form) {
     Fixture *f = load_variant(v, latent);
-    f->s.mla_absorb = absorb;
+    const int absorb = form == MLA_ABSORBED;
     const Config *c = &f->m.cfg;
     const int T = 19, D = c->dim, HD = c->n_heads * c->head_dim;
     float *xb = malloc(sizeof(float) * T * D);
     random_input(xb, T * D, 77 + v);
 
     /* one pass of T tokens */
-    memcpy(f->s.xb, xb, sizeof(float) * T * D);
     kv_reset(&f->cache);
-    attention_pass(f, T, 0);
+    attention_pass(f, xb, T, form);
     float *whole = malloc(sizeof(float) * T * HD);
     memcpy(whole, f->s.heads, sizeof(float) * T * HD);
+
+    /* every (query, head) equals its specification, bit for bit */
+    const int qw = config_query_width(c);
+    float *one = malloc(sizeof(float) * c->head_dim);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < c->n_heads; h++) {
+            attention_query_reference(&f->m, &f->cache, 0, h, f->s.attn.q + ((size_t)t * c->n_heads + h) * qw, t, form, one);
+            if (memcmp(one, whole + ((size_t)t * c->n_heads + h) * c->head_dim, sizeof(float) * c->head_dim) != 0)
+                fail_msg("%s (absorb %d): query %d head %d differs from attention_query_reference", variant_name(c),
+                         absorb, t, h);
+        }
+    free(one);
 
     double *ref = reference_attention(&f->m, xb, T);
     double max_err = 0;
@@ -164,18 +174,15 @@ static void check_variant(Variant v, int latent, int absorb) {
     /* token by token with the cache: bitwise the same */
     kv_reset(&f->cache);
     for (int t = 0; t < T; t++) {
-        memcpy(f->s.xb, xb + (size_t)t * D, sizeof(float) * D);
-        attention_pass(f, 1, t);
-        f->cache.len = t + 1;
+        attention_pass(f, xb + (size_t)t * D, 1, form);
+        assert_int_equal(f->cache.len, t + 1);
         assert_memory_equal(f->s.heads, whole + (size_t)t * HD, sizeof(float) * HD);
     }
-    /* a prefill of 5 then single tokens: also the same */
+    /* a prefill of 5, then 3 tokens at once: also the same */
     kv_reset(&f->cache);
-    memcpy(f->s.xb, xb, sizeof(float) * 5 * D);
-    attention_pass(f, 5, 0);
+    attention_pass(f, xb, 5, form);
     assert_memory_equal(f->s.heads, whole, sizeof(float) * 5 * HD);
-    memcpy(f->s.xb, xb + 5 * D, sizeof(float) * 3 * D);
-    attention_pass(f, 3, 5);
+    attention_pass(f, xb + 5 * D, 3, form);
     assert_memory_equal(f->s.heads, whole + 5 * HD, sizeof(float) * 3 * HD);
 
     free(ref);
@@ -184,17 +191,22 @@ static void check_variant(Variant v, int latent, int absorb) {
     free_fixture(f);
 }
 
-static void test_mha(void **state) { check_variant(VARIANT_MHA, 0, 0); }
-static void test_gqa(void **state) { check_variant(VARIANT_GQA, 0, 0); }
-static void test_mqa(void **state) { check_variant(VARIANT_MQA, 0, 0); }
-static void test_mla_expanded(void **state) { check_variant(VARIANT_MLA, 16, 0); check_variant(VARIANT_MLA, 32, 0); }
-static void test_mla_absorbed(void **state) { check_variant(VARIANT_MLA, 16, 1); check_variant(VARIANT_MLA, 32, 1); }
+static void test_mha(void **state) { check_variant(VARIANT_MHA, 0, MLA_EXPANDED); }
+static void test_gqa(void **state) { check_variant(VARIANT_GQA, 0, MLA_EXPANDED); }
+static void test_mqa(void **state) { check_variant(VARIANT_MQA, 0, MLA_EXPANDED); }
+static void test_mla_expanded(void **state) {
+    check_variant(VARIANT_MLA, 16, MLA_EXPANDED);
+    check_variant(VARIANT_MLA, 32, MLA_EXPANDED);
+}
+static void test_mla_absorbed(void **state) {
+    check_variant(VARIANT_MLA, 16, MLA_ABSORBED);
+    check_variant(VARIANT_MLA, 32, MLA_ABSORBED);
+}
 
 /* The whole model: logits of a T-token pass equal, bit for bit, those of a prefill
  * followed by cached single-token steps. */
 static void check_forward_cached_equals_uncached(Variant v, int latent) {
     Fixture *f = load_variant(v, latent);
-    f->s.mla_absorb = 1;
     const Config *c = &f->m.cfg;
     const int T = 12, V = c->vocab_size;
     int tokens[12];
@@ -202,18 +214,20 @@ static void check_forward_cached_equals_uncached(Variant v, int latent) {
     float *full = malloc(sizeof(float) * V), *step = malloc(sizeof(float) * V);
     for (int n = 4; n <= T; n++) {
         kv_reset(&f->cache);
-        model_forward(&f->m, &f->s, &f->cache, tokens, n, 0, full, 0);   /* uncached: whole sequence */
-        if (n == 4) {
-            kv_reset(&f->cache);
-            model_forward(&f->m, &f->s, &f->cache, tokens, 4, 0, step, 0);  /* prefill */
-        } else {
-            /* re-run the cached sequence from scratch up to n */
-            kv_reset(&f->cache);
-            model_forward(&f->m, &f->s, &f->cache, tokens, 4, 0, step, 0);
-            for (int t = 4; t < n; t++) model_forward(&f->m, &f->s, &f->cache, tokens + t, 1, t, step, 0);
-        }
+        assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, n, MLA_ABSORBED, full, 0), 0);  /* whole sequence */
+        /* a prefill of 4, then one token at a time */
+        kv_reset(&f->cache);
+        assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, 4, MLA_ABSORBED, step, 0), 0);
+        for (int t = 4; t < n; t++)
+            assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens + t, 1, MLA_ABSORBED, step, 0), 0);
+        assert_int_equal(f->cache.len, n);
         assert_memory_equal(full, step, sizeof(float) * V);
     }
+    /* the cache has room for max_seq_len positions: a pass past it is refused, untouched */
+    kv_reset(&f->cache);
+    f->cache.len = c->max_seq_len - 1;
+    assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, 2, MLA_ABSORBED, step, 0), -1);
+    assert_int_equal(f->cache.len, c->max_seq_len - 1);
     free(full);
     free(step);
     free_fixture(f);

@@ -35,7 +35,7 @@ static void test_defaults(void **state) {
     assert_int_equal(o.top_k, 40);
     assert_true(o.temperature == 1.0f);
     assert_int_equal(o.threads, 0);
-    assert_int_equal(o.mla_form, -1);
+    assert_int_equal(o.mla_form, MLA_EXPANDED);  /* without the cache */
     assert_int_equal(o.kv + o.quiet + o.ignore_eos + o.check_kv + o.info, 0);
     assert_null(o.log_path);
     assert_null(o.ppl_path);
@@ -55,7 +55,7 @@ static void test_every_flag(void **state) {
     assert_int_equal(o.top_k, 7);
     assert_true(o.temperature == 0.5f);
     assert_int_equal(o.seed, 99);
-    assert_int_equal(o.mla_form, 0);
+    assert_int_equal(o.mla_form, MLA_EXPANDED);
     assert_int_equal(o.threads, 3);
     assert_string_equal(o.log_path, "l.csv");
     assert_string_equal(o.ppl_path, "s.txt");
@@ -64,8 +64,15 @@ static void test_every_flag(void **state) {
     assert_int_equal(o.kv + o.quiet + o.ignore_eos + o.check_kv + o.info, 5);
     char *absorb[] = {"run", "--mla", "absorb", "-"};  /* "-" alone is a file name */
     assert_int_equal(parse(&o, ARGC(absorb), absorb, err, sizeof err), 0);
-    assert_int_equal(o.mla_form, 1);
+    assert_int_equal(o.mla_form, MLA_ABSORBED);
     assert_string_equal(o.checkpoint, "-");
+    /* the default form follows the mode: absorbed with the cache, expanded for --ppl */
+    char *kv[] = {"run", "--kv", "m.bin"};
+    assert_int_equal(parse(&o, ARGC(kv), kv, err, sizeof err), 0);
+    assert_int_equal(o.mla_form, MLA_ABSORBED);
+    char *kv_ppl[] = {"run", "--kv", "--ppl", "s.txt", "m.bin"};
+    assert_int_equal(parse(&o, ARGC(kv_ppl), kv_ppl, err, sizeof err), 0);
+    assert_int_equal(o.mla_form, MLA_EXPANDED);
 }
 
 static void test_help(void **state) {

@@ -8,18 +8,33 @@
 #include "kvcache.h"
 #include "testutil.h"
 
+/* The shipped shape (4 layers, 16 heads of 32) of a variant. */
+static Config shipped(Variant v, int kv_heads, int latent) {
+    Config c = {.variant = v, .n_layers = 4, .n_heads = 16, .head_dim = 32, .n_kv_heads = kv_heads,
+                .kv_latent = latent, .rope_dim = latent ? 16 : 0, .max_seq_len = 256};
+    return c;
+}
+
+/* A cache of L layers, H KV heads of D floats (or an MLA latent of width `latent` with no
+ * RoPE part), for S positions. */
+static int init_shape(KVCache *cache, int L, int S, int H, int D, int latent) {
+    Config c = {.variant = latent ? VARIANT_MLA : VARIANT_MHA, .n_layers = L, .n_heads = H ? H : 1, .head_dim = D,
+                .n_kv_heads = H, .kv_latent = latent, .max_seq_len = S};
+    return kv_init(cache, &c, S);
+}
+
 /* bytes per token follow the formulas of the posts: 2*L*H_kv*d_h*4 and L*(d_c+d_R)*4 */
 static void test_bytes_per_token(void **state) {
     KVCache c;
-    const struct { int kv_heads, latent; size_t expect; } cases[] = {
-        {16, 0, 2 * 4 * 16 * 32 * 4}, /* mha: 16 KiB */
-        {4, 0, 2 * 4 * 4 * 32 * 4},   /* gqa */
-        {1, 0, 2 * 4 * 1 * 32 * 4},   /* mqa */
-        {0, 64 + 16, 4 * 80 * 4},     /* mla64 */
-        {0, 128 + 16, 4 * 144 * 4},   /* mla128 */
+    const struct { Config cfg; size_t expect; } cases[] = {
+        {shipped(VARIANT_MHA, 16, 0), 2 * 4 * 16 * 32 * 4}, /* 16 KiB */
+        {shipped(VARIANT_GQA, 4, 0), 2 * 4 * 4 * 32 * 4},
+        {shipped(VARIANT_MQA, 1, 0), 2 * 4 * 1 * 32 * 4},
+        {shipped(VARIANT_MLA, 0, 64), 4 * 80 * 4},
+        {shipped(VARIANT_MLA, 0, 128), 4 * 144 * 4},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        assert_int_equal(kv_init(&c, 4, 256, cases[i].kv_heads, 32, cases[i].latent), 0);
+        assert_int_equal(kv_init(&c, &cases[i].cfg, 256), 0);
         assert_int_equal(kv_bytes_per_token(&c), cases[i].expect);
         assert_int_equal(kv_bytes_allocated(&c), cases[i].expect * 256);
         kv_free(&c);
@@ -31,7 +46,7 @@ static void test_bytes_per_token(void **state) {
 static void test_layout_disjoint(void **state) {
     KVCache c;
     const int L = 3, S = 10, H = 2, D = 4;
-    assert_int_equal(kv_init(&c, L, S, H, D, 0), 0);
+    assert_int_equal(init_shape(&c, L, S, H, D, 0), 0);
     for (int l = 0; l < L; l++)
         for (int h = 0; h < H; h++)
             for (int p = 0; p < S; p++)
@@ -53,7 +68,7 @@ static void test_layout_disjoint(void **state) {
 
 static void test_latent_layout_and_reset(void **state) {
     KVCache c;
-    assert_int_equal(kv_init(&c, 2, 8, 0, 32, 24), 0);
+    assert_int_equal(init_shape(&c, 2, 8, 0, 32, 24), 0);
     assert_null(c.v);
     assert_ptr_equal(kv_latent(&c, 0, 1), kv_latent(&c, 0, 0) + 24);
     assert_ptr_equal(kv_latent(&c, 1, 0), kv_latent(&c, 0, 7) + 24);

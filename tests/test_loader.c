@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "loader.h"
 #include "model.h"
 #include "testutil.h"
 

@@ -43,7 +43,7 @@ static void check_run_and_for(void *arg) {
     assert_int_equal(r->use_threads ? parallel_threads() : 1, want_threads);
     for (int round = 0; round < 50; round++) {
         for (int t = 0; t < MAX_THREADS; t++) atomic_store(&r->calls[t], 0);
-        parallel_run(record_thread, r, r->use_threads);
+        parallel_run(record_thread, r, r->use_threads ? PARALLEL_STATIC : PARALLEL_ALONE);
         assert_int_equal(atomic_load(&r->bad_numbers), 0);
         assert_int_equal(atomic_load(&r->seen_threads), want_threads);
         for (int t = 0; t < MAX_THREADS; t++) assert_int_equal(atomic_load(&r->calls[t]), t < want_threads ? 1 : 0);
@@ -51,7 +51,7 @@ static void check_run_and_for(void *arg) {
     const long sizes[] = {0, 1, 2, 5, 100, MAX_ITEMS};
     for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
         for (int i = 0; i < MAX_ITEMS; i++) atomic_store(&r->visits[i], 0);
-        parallel_for(sizes[k], record_item, r, r->use_threads);
+        parallel_for(sizes[k], record_item, r, r->use_threads ? PARALLEL_STATIC : PARALLEL_ALONE);
         for (long i = 0; i < MAX_ITEMS; i++) assert_int_equal(atomic_load(&r->visits[i]), i < sizes[k] ? 1 : 0);
     }
 }
@@ -88,7 +88,7 @@ static void check_join(void *arg) {
     Join *j = arg;
     const int threads = parallel_threads();
     for (j->round = 1; j->round <= 3000; j->round++) {
-        parallel_run(write_slot_late, j, 1);
+        parallel_run(write_slot_late, j, PARALLEL_STATIC);
         for (int t = 0; t < threads; t++) assert_int_equal(j->slot[t], j->round);
     }
 }
@@ -116,11 +116,11 @@ static void nested_run(const void *ctx, int thread, int threads) {
     Nested *n = (Nested *)ctx;
     atomic_store(&n->threads_of[thread], parallel_threads());
     n->inner[thread].use_threads = 1;
-    parallel_run(record_thread, &n->inner[thread], 1);
-    parallel_for(10, record_item, &n->inner[thread], 1);
+    parallel_run(record_thread, &n->inner[thread], PARALLEL_STATIC);
+    parallel_for(10, record_item, &n->inner[thread], PARALLEL_STATIC);
 }
 
-static void run_nested(void *arg) { parallel_run(nested_run, arg, 1); }
+static void run_nested(void *arg) { parallel_run(nested_run, arg, PARALLEL_STATIC); }
 
 static void count_body(void *arg) { atomic_fetch_add((atomic_int *)arg, 1); }
 
@@ -176,7 +176,7 @@ static void check_parts(void *arg) {
     for (int round = 0; round < 20; round++) {
         memset(r->visits, 0, sizeof r->visits);
         const ParallelParts w = {parts_count, parts_items, r};
-        parallel_run_parts(&w, round % 2, 1);
+        parallel_run_parts(&w, round % 2 ? PARALLEL_TAKE_OVER : PARALLEL_STATIC);
         assert_int_equal(atomic_load(&r->bad_ranges), 0);
         for (int p = 0; p < 4; p++)
             for (int i = 0; i < 1000; i++) {
@@ -199,6 +199,15 @@ static void test_parts_each_item_once(void **state) {
     omp_set_num_threads(saved);
 }
 
+/* The one policy: small work alone, take-overs from PARALLEL_MIN_TOKENS_TAKE_OVER tokens. */
+static void test_mode_policy(void **state) {
+    (void)state;
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK - 1, 256), PARALLEL_ALONE);
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK, 1), PARALLEL_STATIC);
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK, PARALLEL_MIN_TOKENS_TAKE_OVER - 1), PARALLEL_STATIC);
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK, PARALLEL_MIN_TOKENS_TAKE_OVER), PARALLEL_TAKE_OVER);
+}
+
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
     const struct CMUnitTest tests[] = {
@@ -206,6 +215,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_run_returns_after_every_thread),
         cmocka_unit_test(test_nested_calls_run_alone),
         cmocka_unit_test(test_parts_each_item_once),
+        cmocka_unit_test(test_mode_policy),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,56 @@
+/* attention.h: one layer's attention, for every variant, over the KV cache.
+ *
+ * MHA, GQA and MQA differ only in the number of KV heads (query head h reads KV head
+ * h / (n_heads / n_kv_heads)). MLA (DeepSeek-V2, no query compression) caches a
+ * latent c and a shared RoPE key k_R per position, and computes attention in one of
+ * two forms: expanded (every head's keys and values materialized from the latents)
+ * or absorbed (W_UK folded into the query, W_UV applied after the weighted sum).
+ *
+ * attention() is the fast path: threaded, pipelined, on the SIMD kernels.
+ * attention_query_reference() is its specification: one query, single-threaded, plain
+ * loops over the cache; the tests compare the two bit for bit. */
+#ifndef ATTENTION_H
+#define ATTENTION_H
+
+#include "config.h"
+#include "kvcache.h"
+
+/* Scratch of one layer's attention for passes of up to max_tokens tokens over up to
+ * max_keys positions. */
+typedef struct {
+    float *q;             /* (T, n_heads*query_width) queries, rotated in place */
+    float *k, *v;         /* (T, n_kv_heads*head_dim) new keys and values (MHA, GQA, MQA) */
+    float *latent;        /* (T, kv_latent) new latents c, before their norm (MLA) */
+    float *k_rope;        /* (T, rope_dim) new shared RoPE keys (MLA) */
+    float *q_abs;         /* (T, n_heads, kv_latent+rope_dim) absorbed queries [W_UK,h^T q_C ; q_R] (MLA) */
+    float *ctx_lat;       /* (T, n_heads, kv_latent) attention-weighted latents (MLA, absorbed) */
+    float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
+} AttnScratch;
+
+int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys);
+void attn_scratch_free(AttnScratch *a);
+
+/* Layer `layer` for T tokens at positions p = cache->len .. cache->len+T-1:
+ *   reads xb (T, dim), the normalized input;
+ *   writes what the cache keeps for each token at its position p;
+ *   writes heads (T, n_heads*head_dim): each query attends to positions 0 .. p.
+ * The caller applies W_O, and advances cache->len once every layer has run. The two MLA
+ * forms compute the same function in different orders; form is ignored otherwise. */
+void attention(const Model *m, AttnScratch *a, KVCache *cache, int layer, const float *xb, float *heads, int T,
+               MlaForm form);
+
+/* The specification of one query: head `head` of a query at position pos over positions
+ * 0 .. pos of layer `layer` in the cache, written plainly (scores, softmax, weighted sum).
+ * q is the query as attention() leaves it in a->q: rotated; MLA's [q_C ; q_R].
+ * out: (head_dim). The same arithmetic in the same order as the fast path, so equal bit
+ * for bit. */
+void attention_query_reference(const Model *m, const KVCache *cache, int layer, int head, const float *q, int pos,
+                               MlaForm form, float *out);
+
+/* RoPE's tables for model c, and the rotation of interleaved pairs (v[2i], v[2i+1]) of v
+ * (config_rope_width floats) for position pos. */
+int rope_tables_init(RopeTables *r, const Config *c);
+void rope_tables_free(RopeTables *r);
+void rope(const RopeTables *r, const Config *c, float *v, int pos);
+
+#endif /* ATTENTION_H */

@@ -1,0 +1,307 @@
+/* loader.c: reading a checkpoint (docs/FORMAT.md; loader.h). */
+#define _DEFAULT_SOURCE  /* madvise, MADV_HUGEPAGE */
+#include "loader.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "attention.h"
+#include "errmsg.h"
+#include "spm_c.h"
+
+#define HEADER_SIZE 128
+#define FORMAT_VERSION 1
+#define MAX_DIM 65536
+/* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
+#define MAX_ROPE_ENTRIES (1L << 22)
+
+static uint32_t rd_u32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t rd_u64(const unsigned char *p) { return (uint64_t)rd_u32(p) | (uint64_t)rd_u32(p + 4) << 32; }
+static float rd_f32(const unsigned char *p) {
+    uint32_t u = rd_u32(p);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+const char *variant_name(const Config *c) {
+    static const char *names[] = {"mha", "gqa", "mqa"};
+    static _Thread_local char mla[32];
+    if (c->variant != VARIANT_MLA) return names[c->variant];
+    snprintf(mla, sizeof mla, "mla%d", c->kv_latent);  /* mla64, mla128 */
+    return mla;
+}
+
+void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *ctx) {
+    const int H = c->n_heads, hd = c->head_dim, D = c->dim;
+    visit(ctx, &w->tok_embeddings, c->vocab_size, D);
+    for (int l = 0; l < c->n_layers; l++) {
+        LayerWeights *L = &w->layers[l];
+        visit(ctx, &L->attn_norm, 1, D);
+        if (c->variant == VARIANT_MLA) {
+            visit(ctx, &L->wq, H * (hd + c->rope_dim), D);
+            visit(ctx, &L->wdkv, c->kv_latent, D);
+            visit(ctx, &L->kv_norm, 1, c->kv_latent);
+            visit(ctx, &L->wkr, c->rope_dim, D);
+            visit(ctx, &L->wuk, H * hd, c->kv_latent);
+            visit(ctx, &L->wuv, H * hd, c->kv_latent);
+        } else {
+            visit(ctx, &L->wq, H * hd, D);
+            visit(ctx, &L->wk, c->n_kv_heads * hd, D);
+            visit(ctx, &L->wv, c->n_kv_heads * hd, D);
+        }
+        visit(ctx, &L->wo, D, H * hd);
+        visit(ctx, &L->ffn_norm, 1, D);
+        visit(ctx, &L->w1, c->hidden_dim, D);
+        visit(ctx, &L->w2, D, c->hidden_dim);
+        visit(ctx, &L->w3, c->hidden_dim, D);
+    }
+    visit(ctx, &w->final_norm, 1, D);
+}
+
+static void count_elements(void *ctx, Mat *mat, int rows, int cols) {
+    (void)mat;
+    *(uint64_t *)ctx += (uint64_t)rows * (uint64_t)cols;
+}
+
+size_t model_param_count(const Config *c) {
+    uint64_t n = 0;
+    Weights w;
+    LayerWeights *layers = calloc((size_t)c->n_layers, sizeof *layers);
+    if (!layers) return 0;
+    w.layers = layers;
+    model_walk_tensors(c, &w, count_elements, &n);
+    free(layers);
+    return (size_t)n;
+}
+
+/* Checks the header's numbers; everything later relies on them. */
+static int check_config(const Config *c, char *err, size_t errlen) {
+    const struct { const char *name; int v; } dims[] = {
+        {"dim", c->dim}, {"n_layers", c->n_layers}, {"n_heads", c->n_heads}, {"head_dim", c->head_dim},
+        {"hidden_dim", c->hidden_dim}, {"vocab_size", c->vocab_size}, {"max_seq_len", c->max_seq_len},
+    };
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i].v <= 0 || dims[i].v > MAX_DIM)
+            return errmsg(err, errlen, -1, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v, MAX_DIM);
+    if (c->n_layers > 256) return errmsg(err, errlen, -1, "checkpoint: n_layers = %d is absurd", c->n_layers);
+    if (c->max_seq_len > MAX_SEQ_LEN) return errmsg(err, errlen, -1, "checkpoint: max_seq_len = %d is over %d", c->max_seq_len, MAX_SEQ_LEN);
+    if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
+        return errmsg(err, errlen, -1, "checkpoint: n_heads * head_dim = %ld is absurd", (long)c->n_heads * c->head_dim);
+    if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
+        c->n_kv_heads > MAX_DIM)
+        return errmsg(err, errlen, -1, "checkpoint: n_kv_heads, kv_latent or rope_dim is out of range");
+    switch (c->variant) {
+    case VARIANT_MHA:
+        if (c->n_kv_heads != c->n_heads) return errmsg(err, errlen, -1, "checkpoint: an MHA model needs n_kv_heads == n_heads (%d != %d)", c->n_kv_heads, c->n_heads);
+        break;
+    case VARIANT_GQA:
+        if (c->n_kv_heads <= 1 || c->n_kv_heads >= c->n_heads || c->n_heads % c->n_kv_heads != 0)
+            return errmsg(err, errlen, -1, "checkpoint: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)", c->n_kv_heads, c->n_heads);
+        break;
+    case VARIANT_MQA:
+        if (c->n_kv_heads != 1) return errmsg(err, errlen, -1, "checkpoint: an MQA model needs n_kv_heads == 1 (got %d)", c->n_kv_heads);
+        break;
+    case VARIANT_MLA:
+        if (c->n_kv_heads != 0 || c->kv_latent <= 0 || c->rope_dim <= 0 || c->rope_dim % 2 != 0)
+            return errmsg(err, errlen, -1, "checkpoint: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0");
+        break;
+    default:
+        return errmsg(err, errlen, -1, "checkpoint: unknown variant %d", (int)c->variant);
+    }
+    if (c->variant != VARIANT_MLA && (c->kv_latent != 0 || c->rope_dim != 0))
+        return errmsg(err, errlen, -1, "checkpoint: kv_latent and rope_dim must be 0 for %s", variant_name(c));
+    if (c->head_dim % 2 != 0) return errmsg(err, errlen, -1, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
+    if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f)) return errmsg(err, errlen, -1, "checkpoint: rope_theta is not a sane number");
+    if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f)) return errmsg(err, errlen, -1, "checkpoint: norm_eps is not in (0, 1)");
+    long rope_entries = (long)c->max_seq_len * (config_rope_width(c) / 2);
+    if (rope_entries > MAX_ROPE_ENTRIES)
+        return errmsg(err, errlen, -1, "checkpoint: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)",
+                    rope_entries, MAX_ROPE_ENTRIES);
+    if (c->bos_id < 0 || c->bos_id >= c->vocab_size || c->eos_id < 0 || c->eos_id >= c->vocab_size)
+        return errmsg(err, errlen, -1, "checkpoint: bos_id or eos_id is outside the vocabulary");
+    return 0;
+}
+
+static int parse_header(Config *c, const unsigned char *h, char *err, size_t errlen) {
+    if (memcmp(h, "AKVC", 4) != 0) return errmsg(err, errlen, -1, "checkpoint: bad magic (not an AKVC checkpoint)");
+    uint32_t version = rd_u32(h + 4);
+    if (version != FORMAT_VERSION) return errmsg(err, errlen, -1, "checkpoint: unsupported version %u (this program reads %d)", version, FORMAT_VERSION);
+    uint32_t variant = rd_u32(h + 8), dtype = rd_u32(h + 12);
+    if (variant > VARIANT_MLA) return errmsg(err, errlen, -1, "checkpoint: unknown variant %u", variant);
+    if (dtype > DTYPE_BF16) return errmsg(err, errlen, -1, "checkpoint: unknown dtype %u", dtype);
+    c->variant = (Variant)variant;
+    c->dtype = (DType)dtype;
+    int *fields[] = {&c->dim, &c->n_layers, &c->n_heads, &c->head_dim, &c->n_kv_heads, &c->kv_latent,
+                     &c->rope_dim, &c->hidden_dim, &c->vocab_size, &c->max_seq_len};
+    for (int i = 0; i < 10; i++) {
+        uint32_t v = rd_u32(h + 16 + 4 * i);
+        *fields[i] = v > (uint32_t)MAX_DIM ? -1 : (int)v;  /* out of range either way */
+    }
+    c->rope_theta = rd_f32(h + 56);
+    c->norm_eps = rd_f32(h + 60);
+    uint32_t bos = rd_u32(h + 64), eos = rd_u32(h + 68);
+    c->bos_id = bos > (uint32_t)MAX_DIM ? -1 : (int)bos;
+    c->eos_id = eos > (uint32_t)MAX_DIM ? -1 : (int)eos;
+    return check_config(c, err, errlen);
+}
+
+/* Copies element (r, c) of a packed matrix to dst, in its dtype. */
+static void copy_element(char *dst, Mat w, int r, int c) {
+    size_t es = dtype_size(w.dtype);
+    memcpy(dst, (const char *)w.data + mat_packed_offset(w.rows, w.cols, w.dtype, r, c) * es, es);
+}
+
+/* The per-head matrices of the absorbed form, each head packed on its own so that
+ * mat_block can hand out one head whatever head_dim and kv_latent are:
+ *   wuk_t     [H][dc][hd]: W_UK,h transposed
+ *   wuv_heads [H][hd][dc]: W_UV,h (wuv's rows, regrouped by head) */
+static int derive_absorbed(Model *m) {
+    const Config *c = &m->cfg;
+    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
+    const size_t es = dtype_size(c->dtype), per_matrix = (size_t)H * dc * hd * es;
+    void *aligned = NULL;
+    char *rowmajor = malloc(per_matrix);
+    if (posix_memalign(&aligned, 64, 2 * per_matrix * (size_t)c->n_layers) != 0) aligned = NULL;
+    char *store = aligned;
+    if (!store || !rowmajor) {
+        free(store);
+        free(rowmajor);
+        return -1;
+    }
+    m->derived = store;
+    for (int l = 0; l < c->n_layers; l++) {
+        LayerWeights *L = &m->w.layers[l];
+        char *wuk_t = store + 2 * per_matrix * (size_t)l, *wuv_heads = wuk_t + per_matrix;
+        for (int h = 0; h < H; h++)
+            for (int k = 0; k < dc; k++)
+                for (int d = 0; d < hd; d++)
+                    copy_element(rowmajor + (((size_t)h * dc + k) * hd + d) * es, L->wuk, h * hd + d, k);
+        mat_pack_blocks(wuk_t, rowmajor, H, dc, hd, c->dtype);
+        L->wuk_t = (Mat){wuk_t, H * dc, hd, c->dtype};
+        for (int r = 0; r < H * hd; r++)
+            for (int k = 0; k < dc; k++) copy_element(rowmajor + ((size_t)r * dc + k) * es, L->wuv, r, k);
+        mat_pack_blocks(wuv_heads, rowmajor, H, hd, dc, c->dtype);
+        L->wuv_heads = (Mat){wuv_heads, H * hd, dc, c->dtype};
+    }
+    free(rowmajor);
+    return 0;
+}
+
+/* The weights leave the file mapping for a heap copy in the packed layout of kernels.h,
+ * 2 MB-aligned and advised as transparent huge pages: a decode step streams all ~30 MB
+ * of them, through ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of
+ * a file are never huge). The copy is exactly w_size long, so a read past the last
+ * tensor is a heap overflow that ASan reports. */
+#define HUGE_PAGE ((size_t)2 << 20)
+static void *alloc_weights(size_t w_size) {
+    void *p = NULL;
+    if (posix_memalign(&p, w_size >= HUGE_PAGE ? HUGE_PAGE : 64, w_size) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (w_size >= HUGE_PAGE) madvise(p, w_size / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE);  /* a hint; 4 KB pages still work */
+#endif
+    return p;
+}
+
+typedef struct { const char *src; char *dst; DType dt; } PackCursor;
+
+/* Visitor: the next tensor of the file (row-major) goes packed into the heap copy. */
+static void pack_tensor(void *ctx, Mat *mat, int rows, int cols) {
+    PackCursor *cur = ctx;
+    size_t bytes = (size_t)rows * (size_t)cols * dtype_size(cur->dt);
+    mat_pack(cur->dst, cur->src, rows, cols, cur->dt);
+    *mat = (Mat){cur->dst, rows, cols, cur->dt};
+    cur->src += bytes;
+    cur->dst += bytes;
+}
+
+int model_load(Model *m, const char *path, char *err, size_t errlen) {
+    memset(m, 0, sizeof *m);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return errmsg(err, errlen, -1, "cannot open checkpoint %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return errmsg(err, errlen, -1, "checkpoint %s is not a regular file", path);
+    }
+    size_t size = (size_t)st.st_size;
+    if (size < HEADER_SIZE) {
+        close(fd);
+        return errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", path, size, HEADER_SIZE);
+    }
+    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return errmsg(err, errlen, -1, "cannot mmap checkpoint %s: %s", path, strerror(errno));
+    const unsigned char *h = map;
+    Config *c = &m->cfg;
+    if (parse_header(c, h, err, errlen) != 0) goto bad;
+
+    uint64_t tok_off = rd_u64(h + 72), tok_size = rd_u64(h + 80), w_off = rd_u64(h + 88), w_size = rd_u64(h + 96);
+    if (tok_off < HEADER_SIZE || tok_off > size || tok_size == 0 || tok_size > size - tok_off) {
+        errmsg(err, errlen, -1, "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
+             (unsigned long long)tok_off, (unsigned long long)tok_size, size);
+        goto bad;
+    }
+    if (w_off % 64 != 0 || w_off < tok_off + tok_size || w_off > size || w_size != size - w_off) {
+        errmsg(err, errlen, -1, "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should (truncated?)",
+             (unsigned long long)w_off, (unsigned long long)w_size, size);
+        goto bad;
+    }
+    uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
+    if (w_size != expect) {
+        errmsg(err, errlen, -1, "checkpoint: weights hold %llu bytes but the dimensions imply %llu", (unsigned long long)w_size,
+             (unsigned long long)expect);
+        goto bad;
+    }
+
+    char why[256];
+    m->tokenizer = spm_load_bytes((const char *)map + tok_off, (size_t)tok_size, why, sizeof why);
+    if (!m->tokenizer) {
+        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer is corrupt: %s", why);
+        goto bad;
+    }
+    if (spm_vocab_size(m->tokenizer) != c->vocab_size || spm_bos_id(m->tokenizer) != c->bos_id ||
+        spm_eos_id(m->tokenizer) != c->eos_id) {
+        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer (%d pieces, bos %d, eos %d) does not match the model (%d, bos %d, eos %d)",
+             spm_vocab_size(m->tokenizer), spm_bos_id(m->tokenizer), spm_eos_id(m->tokenizer), c->vocab_size, c->bos_id, c->eos_id);
+        goto bad;
+    }
+
+    m->weights = alloc_weights((size_t)w_size);
+    m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
+    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) {
+        errmsg(err, errlen, -1, "out of memory loading %s", path);
+        goto bad;
+    }
+    PackCursor cur = {(const char *)map + w_off, m->weights, c->dtype};
+    model_walk_tensors(c, &m->w, pack_tensor, &cur);
+    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) {
+        errmsg(err, errlen, -1, "out of memory loading %s", path);
+        goto bad;
+    }
+    munmap(map, size);
+    return 0;
+bad:
+    munmap(map, size);
+    model_free(m);
+    return -1;
+}
+
+void model_free(Model *m) {
+    spm_free(m->tokenizer);
+    free(m->w.layers);
+    rope_tables_free(&m->rope);
+    free(m->derived);
+    free(m->weights);
+    memset(m, 0, sizeof *m);
+}
+
