@@ -6,6 +6,7 @@
 // and later) rule for rule; the model-dependent parts (the unknown surface, how the dummy
 // prefix space is removed) are read off the library's own DecodeIds at load time.
 #include "spm_c.h"
+#include "utf8.h"
 
 #include <sentencepiece_processor.h>
 
@@ -68,30 +69,9 @@ int hex_digit(char c) {
 
 bool is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
 
-// Length of the UTF-8 character at s[0 .. n) by SentencePiece's rules (string_util::
-// DecodeUTF8 with IsValidDecodeUTF8): 1..4 when a whole valid character is there (ASCII
-// included), 0 when it is not (too short, bad trail byte, overlong, surrogate, > U+10FFFF).
-size_t valid_char_len(const unsigned char *s, size_t n) {
-    if (n == 0) return 0;
-    const unsigned c0 = s[0];
-    if (c0 < 0x80) return 1;
-    if ((c0 & 0xE0) == 0xC0) {
-        if (n < 2 || !is_trail(s[1])) return 0;
-        const unsigned cp = ((c0 & 0x1F) << 6) | (s[1] & 0x3F);
-        return cp >= 0x80 ? 2 : 0;
-    }
-    if ((c0 & 0xF0) == 0xE0) {
-        if (n < 3 || !is_trail(s[1]) || !is_trail(s[2])) return 0;
-        const unsigned cp = ((c0 & 0x0F) << 12) | ((s[1] & 0x3Fu) << 6) | (s[2] & 0x3F);
-        return cp >= 0x800 && (cp < 0xD800 || cp > 0xDFFF) ? 3 : 0;
-    }
-    if ((c0 & 0xF8) == 0xF0) {
-        if (n < 4 || !is_trail(s[1]) || !is_trail(s[2]) || !is_trail(s[3])) return 0;
-        const unsigned cp = ((c0 & 0x07) << 18) | ((s[1] & 0x3Fu) << 12) | ((s[2] & 0x3Fu) << 6) | (s[3] & 0x3F);
-        return cp >= 0x10000 && cp <= 0x10FFFF ? 4 : 0;
-    }
-    return 0;
-}
+// Length of the valid UTF-8 character at s[0 .. n), 0 when none starts there: utf8.c's
+// rules, which are SentencePiece's own (string_util::IsValidDecodeUTF8).
+size_t valid_char_len(const unsigned char *s, size_t n) { return utf8_char_len(reinterpret_cast<const char *>(s), n); }
 
 // Bytes a character starting with c0 needs (1..4), or 0 when c0 can start no valid one.
 size_t needed_len(unsigned char c0) {
@@ -113,18 +93,6 @@ bool could_complete(const unsigned char *s, size_t n) {
     std::memcpy(pad, s, n);
     for (size_t i = n; i < need; i++) pad[i] = 0x80;
     return valid_char_len(pad, need) == need;
-}
-
-bool valid_utf8_no_nul(const char *text, size_t len) {
-    const auto *s = reinterpret_cast<const unsigned char *>(text);
-    size_t i = 0;
-    while (i < len) {
-        if (s[i] == 0) return false;
-        const size_t n = valid_char_len(s + i, len - i);
-        if (n == 0) return false;
-        i += n;
-    }
-    return true;
 }
 
 }  // namespace
@@ -382,7 +350,7 @@ int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos,
     try {
         if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return -1;
         if (add_bos && t->bos < 0) return -1;
-        if (len > 0 && !valid_utf8_no_nul(text, len)) return -1;
+        if (len > 0 && !utf8_valid(text, len)) return -1;
         std::vector<int> out;
         if (len > 0 && !t->sp.Encode(std::string_view(text, len), &out).ok()) return -1;
         const size_t extra = add_bos ? 1 : 0;

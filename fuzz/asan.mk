@@ -36,7 +36,7 @@ $(ASAN_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(ASAN_CFLAGS) -c $< -o $@
 
-$(ASAN_B)/spm_c.o: spm_c.cc spm_c.h
+$(ASAN_B)/spm_c.o: spm_c.cc spm_c.h utf8.h
 	@mkdir -p $(@D)
 	$(CXX) $(ASAN_CXXFLAGS) -c $< -o $@
 
@@ -78,7 +78,7 @@ $(VG_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(VG_CFLAGS) -c $< -o $@
 
-$(VG_B)/spm_c.o: spm_c.cc spm_c.h
+$(VG_B)/spm_c.o: spm_c.cc spm_c.h utf8.h
 	@mkdir -p $(@D)
 	$(CXX) -O2 -g -std=c++17 -Wall -Wextra -Werror -c $< -o $@
 

@@ -35,7 +35,7 @@ $(FUZZ_B)/obj/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
 
-$(FUZZ_B)/obj/spm_c.o: spm_c.cc spm_c.h
+$(FUZZ_B)/obj/spm_c.o: spm_c.cc spm_c.h utf8.h
 	@mkdir -p $(@D)
 	$(FUZZ_CXX) $(FUZZ_CXXFLAGS) -c $< -o $@
 

@@ -7,7 +7,7 @@
  * Both tokenizers are loaded once (FUZZ_TINY_MODEL / FUZZ_REAL_MODEL override the paths).
  *
  * Checked, besides memory errors (abort() on a broken promise):
- * - spm_encode accepts text exactly when textfile.c's utf8_valid does (same definition),
+ * - spm_encode accepts text exactly when utf8.c's utf8_valid does (same definition),
  *   reports the full count whatever the room, and writes only ids inside the vocabulary;
  * - spm_decode of those ids, and of the arbitrary ids, is valid UTF-8 with the length it
  *   reports; cut to a short buffer it is a prefix that is still valid UTF-8;
@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "spm_c.h"
-#include "textfile.h"
+#include "utf8.h"
 
 #ifndef FUZZ_TINY_MODEL
 #define FUZZ_TINY_MODEL "build/tests/tiny.model"
