@@ -12,8 +12,11 @@
 
 #include <cerrno>
 #include <climits>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -189,6 +192,11 @@ void analyze(SpmTokenizer *t) {
     for (int id = 0; id < t->vocab; id++) {
         PieceInfo &pi = t->pieces[static_cast<size_t>(id)];
         const std::string &piece = sp.IdToPiece(id);
+        // the decoder prints pieces as they are, as C strings
+        if (!utf8_valid(piece.data(), piece.size()))
+            throw std::runtime_error("piece " + std::to_string(id) + " is not valid UTF-8 text without NUL bytes");
+        if (!std::isfinite(sp.GetScore(id)))
+            throw std::runtime_error("piece " + std::to_string(id) + " has a score that is not a finite number");
         if (sp.IsControl(id)) {
             pi.kind = PieceKind::kControl;
         } else if (sp.IsUnknown(id)) {
@@ -218,6 +226,8 @@ void analyze(SpmTokenizer *t) {
     if (unk >= 0) {
         std::string surface;
         if (sp.Decode(std::vector<int>{unk}, &surface).ok()) t->unk_surface = surface;
+        if (!utf8_valid(t->unk_surface.data(), t->unk_surface.size()))
+            throw std::runtime_error("the unknown piece's surface (unk_surface) is not valid UTF-8 text");
     }
     // A piece that is exactly U+2581 tells the three rules apart: decoding it twice gives
     // "" (while empty), " " (once) or "  " (none). Without one, "once" and "while empty"
@@ -235,10 +245,153 @@ void analyze(SpmTokenizer *t) {
     }
 }
 
+// ---- Checks of the serialized model before the library sees it ----
+// libsentencepiece trusts a model's precompiled charsmaps: it walks their double-array trie
+// without bounds checks and reads the strings the trie indexes with strlen, while loading
+// (self-test samples, DecodeIds) and while encoding. So the wrapper reads the protobuf wire
+// format itself, only as far as the charsmaps, and refuses what the library cannot use safely.
+
+// Reads a varint of at most max_bytes bytes; false when it is cut short or longer.
+bool read_varint(std::string_view *in, uint64_t *v, int max_bytes) {
+    uint64_t x = 0;
+    for (int i = 0; i < max_bytes && !in->empty(); i++) {
+        const auto b = static_cast<unsigned char>(in->front());
+        in->remove_prefix(1);
+        x |= uint64_t(b & 0x7F) << (7 * i);
+        if (!(b & 0x80)) {
+            *v = x;
+            return true;
+        }
+    }
+    return false;
+}
+
+using LengthFieldFn = std::function<void(uint32_t number, std::string_view payload)>;
+
+// Walks the fields of one message in *in, or of a group up to its end tag (end_group > 0),
+// calling on_length for every length-delimited field (groups' contents are skipped, as
+// protobuf keeps them as unknown fields). False when the bytes are not well-formed protobuf,
+// which the library's parser refuses too.
+bool walk_fields(std::string_view *in, uint32_t end_group, int depth, const LengthFieldFn &on_length) {
+    if (depth > 100) return false;  // protobuf's own nesting limit
+    while (!in->empty()) {
+        uint64_t tag, v;
+        if (!read_varint(in, &tag, 5) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
+        const auto number = static_cast<uint32_t>(tag >> 3);
+        switch (tag & 7) {
+            case 0:
+                if (!read_varint(in, &v, 10)) return false;
+                break;
+            case 1:
+            case 5: {
+                const size_t n = (tag & 7) == 1 ? 8 : 4;
+                if (in->size() < n) return false;
+                in->remove_prefix(n);
+                break;
+            }
+            case 2:
+                if (!read_varint(in, &v, 5) || v > in->size()) return false;
+                if (on_length) on_length(number, in->substr(0, v));
+                in->remove_prefix(v);
+                break;
+            case 3:
+                if (!walk_fields(in, number, depth + 1, nullptr)) return false;
+                break;
+            case 4:
+                return end_group != 0 && number == end_group;
+            default:
+                return false;
+        }
+    }
+    return end_group == 0;
+}
+
+uint32_t load_u32le(const char *p) {
+    const auto *b = reinterpret_cast<const unsigned char *>(p);
+    return uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+}
+
+// What is wrong with a precompiled charsmap (normalizer.cc: a little-endian uint32 trie size
+// in bytes, the darts-clone double array, then the NUL-terminated replacement strings), or ""
+// when the library can use it safely: every unit a search can reach leads inside the array,
+// and every value is the start of a NUL-terminated, valid UTF-8 string. The rules hold for
+// the charsmaps spm_train compiles (whole 256-unit blocks, strings stored one after another).
+std::string charsmap_problem(std::string_view blob) {
+    if (blob.empty()) return "";  // no normalization rules
+    if (blob.size() < 4) return "it is " + std::to_string(blob.size()) + " bytes, shorter than its trie size";
+    const uint32_t trie_bytes = load_u32le(blob.data());
+    if (trie_bytes == 0 || trie_bytes % 1024 != 0)
+        return "its trie size " + std::to_string(trie_bytes) + " is not a whole number of 256-unit blocks";
+    if (trie_bytes >= blob.size() - 4)
+        return "its trie of " + std::to_string(trie_bytes) + " bytes leaves no strings in a blob of " +
+               std::to_string(blob.size());
+    const std::string_view strings = blob.substr(4 + size_t(trie_bytes));
+    if (strings.back() != '\0') return "its last string is not NUL-terminated";
+    for (size_t at = 0; at < strings.size();) {
+        const size_t end = strings.find('\0', at);
+        if (!utf8_valid(strings.data() + at, end - at))
+            return "its string at offset " + std::to_string(at) + " is not valid UTF-8";
+        at = end + 1;
+    }
+    // darts-clone units: bits 0-7 the label, bit 8 "has a leaf", bits 10-31 the offset to the
+    // children (shifted 8 more with bit 9); bit 31 marks a value unit, which no search enters.
+    const size_t n_units = trie_bytes / 4;
+    const char *units = blob.data() + 4;
+    if (load_u32le(units) >> 31) return "its root unit is a value unit";
+    for (size_t i = 0; i < n_units; i++) {
+        const uint32_t u = load_u32le(units + 4 * i);
+        if (u >> 31) continue;
+        const size_t base = i ^ size_t((u >> 10) << ((u & (1u << 9)) >> 6));
+        if (base >= n_units)  // whole blocks: base ^ any byte stays inside too
+            return "unit " + std::to_string(i) + " leads to unit " + std::to_string(base) + ", outside its " +
+                   std::to_string(n_units) + " units";
+        if (u & (1u << 8)) {
+            const uint32_t value = load_u32le(units + 4 * base) & 0x7FFFFFFFu;
+            if (value >= strings.size() || (value > 0 && strings[value - 1] != '\0'))
+                return "unit " + std::to_string(i) + "'s value " + std::to_string(value) + " is not the start of one of its strings";
+        }
+    }
+    return "";
+}
+
+struct ModelBytesCheck {
+    bool parses = true;  // false: not well-formed protobuf
+    std::string why;     // otherwise: why the library may not have the model ("" when it may)
+};
+
+// ModelProto fields 3 (normalizer_spec) and 5 (denormalizer_spec) hold NormalizerSpecs, whose
+// field 2 is precompiled_charsmap. Protobuf merges repeated occurrences (the last charsmap
+// wins), so every occurrence is checked.
+ModelBytesCheck check_model_bytes(std::string_view bytes) {
+    ModelBytesCheck c;
+    auto on_spec_field = [&c](bool denormalizer) {
+        return [&c, denormalizer](uint32_t number, std::string_view value) {
+            if (number != 2 || !c.why.empty()) return;
+            if (denormalizer && !value.empty())
+                c.why = "it has a denormalizer (a precompiled_charsmap in denormalizer_spec), which this program's decoder does not apply";
+            else if (const std::string problem = charsmap_problem(value); !problem.empty())
+                c.why = "its normalizer's precompiled_charsmap is malformed: " + problem;
+        };
+    };
+    const LengthFieldFn on_model_field = [&](uint32_t number, std::string_view value) {
+        if (number != 3 && number != 5) return;
+        if (!walk_fields(&value, 0, 1, on_spec_field(number == 5))) c.parses = false;
+    };
+    if (!walk_fields(&bytes, 0, 0, on_model_field)) c.parses = false;
+    return c;
+}
+
 // Loads the model from its serialized bytes; `what` names them in messages ("'path'").
 SpmTokenizer *load_serialized(std::string_view bytes, const std::string &what, char *err, size_t errlen) {
     if (bytes.empty()) {
         set_err(err, errlen, "cannot load the SentencePiece model " + what + ": it is empty.");
+        return nullptr;
+    }
+    const std::string unparsable =
+        "cannot load the SentencePiece model " + what + ": its bytes do not parse as a ModelProto (not a .model file, or cut short).";
+    const ModelBytesCheck check = check_model_bytes(bytes);
+    if (!check.parses || !check.why.empty()) {
+        set_err(err, errlen, !check.parses ? unparsable : "cannot use the SentencePiece model " + what + ": " + check.why + ".");
         return nullptr;
     }
     auto t = std::make_unique<SpmTokenizer>();
@@ -246,8 +399,7 @@ SpmTokenizer *load_serialized(std::string_view bytes, const std::string &what, c
     if (!st.ok()) {
         const std::string msg = one_line(st.message());
         if (msg.find("ParseFromArray") != std::string::npos)  // the library's text is its source line
-            set_err(err, errlen,
-                    "cannot load the SentencePiece model " + what + ": its bytes do not parse as a ModelProto (not a .model file, or cut short).");
+            set_err(err, errlen, unparsable);
         else
             set_err(err, errlen, "cannot load the SentencePiece model " + what + ": the library says \"" + msg + "\".");
         return nullptr;

@@ -16,7 +16,11 @@ extern "C" {
 typedef struct SpmTokenizer SpmTokenizer;
 
 /* Loading: on failure return NULL and write one clear sentence into err (errlen bytes,
- * always NUL-terminated; err may be NULL when errlen is 0). */
+ * always NUL-terminated; err may be NULL when errlen is 0). The model is untrusted input:
+ * one the library could not use safely, or whose text this API could not print as promised,
+ * is refused the same way: a malformed precompiled_charsmap in its normalizer, any
+ * denormalizer, a piece that is not valid UTF-8 or holds a NUL byte, a score that is not a
+ * finite number, an unknown surface (unk_surface) that is not valid UTF-8. */
 SpmTokenizer *spm_load_file(const char *path, char *err, size_t errlen);
 /* data: a serialized ModelProto (the bytes of a .model file); the bytes are copied. */
 SpmTokenizer *spm_load_bytes(const void *data, size_t size, char *err, size_t errlen);

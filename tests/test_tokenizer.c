@@ -6,12 +6,14 @@
 #include <stddef.h>
 #include <cmocka.h>
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "spm_c.h"
+#include "testutil.h"
 
 /* Not in spm_c.h: spm_c.cc's hook that runs the library's own DecodeIds. */
 long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize);
@@ -516,6 +518,235 @@ static void test_load_bytes(void **state) {
     spm_free(t);
 }
 
+/* ---- crafted models: the embedded tokenizer is untrusted input ---- */
+
+/* Loads the tiny model with `extra` appended: protobuf merges the appended fields over the
+ * model's own. */
+static SpmTokenizer *load_with(const unsigned char *extra, size_t n, char *err, size_t errlen) {
+    size_t size, total;
+    unsigned char *model = read_file(s_model_path, &size);
+    unsigned char *bytes = concat_bytes(model, size, extra, n, &total);
+    assert_non_null(bytes);
+    memset(err, 'Z', errlen);
+    SpmTokenizer *t = spm_load_bytes(bytes, total, err, errlen);
+    free(bytes);
+    free(model);
+    return t;
+}
+
+/* spec_field 3 (normalizer_spec) or 5 (denormalizer_spec) with precompiled_charsmap (2) = c,
+ * then `more` (other fields, e.g. self-test data) */
+static SpmTokenizer *load_with_charsmap(unsigned spec_field, const unsigned char *charsmap, size_t cs_len,
+                                        const unsigned char *more, size_t more_len, char *err, size_t errlen) {
+    unsigned char *spec = malloc(cs_len + 16), *extra = malloc(cs_len + 32 + more_len);
+    assert_non_null(spec);
+    assert_non_null(extra);
+    size_t n = pb_put_bytes(spec, 2, charsmap, cs_len);
+    size_t m = pb_put_bytes(extra, spec_field, spec, n);
+    if (more_len) memcpy(extra + m, more, more_len);
+    SpmTokenizer *t = load_with(extra, m + more_len, err, errlen);
+    free(extra);
+    free(spec);
+    return t;
+}
+
+static int encode_with(const SpmTokenizer *t, const char *text, int *ids) {
+    int n = spm_encode(t, text, strlen(text), 0, ids, MAX_IDS);
+    assert_true(n >= 0 && n <= MAX_IDS);
+    return n;
+}
+
+/* A sound charsmap is accepted and used: with the rule q -> "Once", "q" encodes as "Once". */
+static void test_crafted_charsmap_normalizes(void **state) {
+    (void)state;
+    TestCharsmap c;
+    test_charsmap_init(&c, 'q', "Once");
+    unsigned char blob[sizeof c + 4];
+    size_t len = test_charsmap_encode(&c, blob);
+    char err[256];
+    SpmTokenizer *t = load_with_charsmap(3, blob, len, NULL, 0, err, sizeof err);
+    if (!t) fail_msg("refused: %s", err);
+    int a[MAX_IDS], b[MAX_IDS];
+    const char *pairs[][2] = {{"q", "Once"}, {"a q upon", "a Once upon"}, {"qq", "OnceOnce"}};
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+        int n = encode_with(t, pairs[i][0], a);
+        assert_int_equal(n, encode_str(pairs[i][1], 0, b));
+        assert_memory_equal(a, b, (size_t)n * sizeof(int));
+    }
+    assert_int_not_equal(encode_with(t, "q", a), encode_str("q", 0, b)); /* the rule did something */
+    spm_free(t);
+}
+
+enum Corruption {
+    VALUE_PAST_STRINGS, VALUE_FAR_PAST_STRINGS, VALUE_INSIDE_A_STRING, LAST_STRING_UNTERMINATED, STRING_NOT_UTF8,
+    ROOT_OFFSET_OUTSIDE, ROOT_IS_A_VALUE, CHILD_OFFSET_OUTSIDE, TRIE_SIZE_PAST_BLOB, TRIE_SIZE_NOT_BLOCKS,
+    TRIE_SIZE_ZERO, BLOB_OF_3_BYTES, N_CORRUPTIONS
+};
+
+static size_t corrupt_charsmap(enum Corruption k, unsigned char *blob) {
+    TestCharsmap c;
+    test_charsmap_init(&c, 'q', k == STRING_NOT_UTF8 ? "\xFF" : "Once");
+    const uint32_t child = TEST_TRIE_BASE ^ 'q';
+    switch (k) {
+        case VALUE_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | (uint32_t)(c.strings_len + 16); break;
+        case VALUE_FAR_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | 0x40000000; break;
+        case VALUE_INSIDE_A_STRING: c.units[TEST_TRIE_LEAF] = 1u << 31 | 2; break;
+        case LAST_STRING_UNTERMINATED: c.strings_len--; break;
+        case ROOT_OFFSET_OUTSIDE: c.units[0] = 0xFFFFFC00u >> 1 | 1u << 9; break; /* offset about 2^29 */
+        case ROOT_IS_A_VALUE: c.units[0] |= 1u << 31; break;
+        case CHILD_OFFSET_OUTSIDE: c.units[child] = 0x1FFFFFu << 10 | 1u << 8 | 'q'; break; /* bit 31 clear */
+        case TRIE_SIZE_PAST_BLOB: c.trie_bytes = 0x7FFFFFF0u; break;
+        case TRIE_SIZE_NOT_BLOCKS: c.trie_bytes -= 4; break;
+        case TRIE_SIZE_ZERO: c.trie_bytes = 0; break;
+        default: break;
+    }
+    size_t len = test_charsmap_encode(&c, blob);
+    return k == BLOB_OF_3_BYTES ? 3 : len;
+}
+
+/* Each broken charsmap is refused with one sentence. Before the wrapper checked them, the
+ * library took them: encoding "q" then crashed or read out of bounds (the encode below). */
+static void test_crafted_charsmap_refused(void **state) {
+    (void)state;
+    for (int k = 0; k < N_CORRUPTIONS; k++) {
+        unsigned char blob[sizeof(TestCharsmap) + 4];
+        size_t len = corrupt_charsmap((enum Corruption)k, blob);
+        char err[256];
+        SpmTokenizer *t = load_with_charsmap(3, blob, len, NULL, 0, err, sizeof err);
+        if (t) {
+            int ids[MAX_IDS];
+            int n = spm_encode(t, "q q", 3, 1, ids, MAX_IDS);
+            spm_free(t);
+            fail_msg("corruption %d loaded (encoding gave %d)", k, n);
+        }
+        assert_true(strlen(err) < sizeof err);
+        assert_null(strchr(err, '\n'));
+        if (!strstr(err, "normalizer")) fail_msg("corruption %d: %s", k, err);
+    }
+}
+
+/* The library runs a model's self-test samples while loading, so a broken charsmap with a
+ * sample crashed the load itself. */
+static void test_crafted_charsmap_with_self_test(void **state) {
+    (void)state;
+    unsigned char blob[sizeof(TestCharsmap) + 4], sample[32], samples[48], self_test[64];
+    size_t len = corrupt_charsmap(ROOT_OFFSET_OUTSIDE, blob);
+    size_t n = pb_put_bytes(sample, 1, "q", 1);                /* Sample.input */
+    n += pb_put_bytes(sample + n, 2, "\xE2\x96\x81q", 4);       /* Sample.expected */
+    size_t m = pb_put_bytes(samples, 1, sample, n);           /* SelfTestData.samples */
+    size_t k = pb_put_bytes(self_test, 4, samples, m);        /* ModelProto.self_test_data */
+    char err[256];
+    assert_null(load_with_charsmap(3, blob, len, self_test, k, err, sizeof err));
+    assert_non_null(strstr(err, "normalizer"));
+}
+
+/* The denormalizer runs in the library's DecodeIds (called at load to learn the model's
+ * decoding rules); this program's decoder does not apply one, so any is refused. */
+static void test_crafted_denormalizer_refused(void **state) {
+    (void)state;
+    unsigned char blob[sizeof(TestCharsmap) + 4];
+    TestCharsmap c;
+    test_charsmap_init(&c, 'q', "Once");
+    size_t sound = test_charsmap_encode(&c, blob);
+    char err[256];
+    assert_null(load_with_charsmap(5, blob, sound, NULL, 0, err, sizeof err));
+    assert_non_null(strstr(err, "denormalizer"));
+    size_t broken = corrupt_charsmap(ROOT_OFFSET_OUTSIDE, blob);
+    assert_null(load_with_charsmap(5, blob, broken, NULL, 0, err, sizeof err));
+    assert_non_null(strstr(err, "denormalizer"));
+}
+
+/* Appends one piece (ModelProto.pieces: piece 1, score 2, type 3) to the tiny model. */
+static SpmTokenizer *load_with_piece(const char *piece, size_t len, float score, char *err, size_t errlen) {
+    unsigned char sp[64], extra[80];
+    size_t n = pb_put_bytes(sp, 1, piece, len);
+    n += pb_put_float(sp + n, 2, score);
+    n += pb_put_varint(sp + n, 3, 1); /* NORMAL */
+    return load_with(extra, pb_put_bytes(extra, 1, sp, n), err, errlen);
+}
+
+/* The decoder prints pieces as they are: a piece must be valid UTF-8 without NUL, and its
+ * score a number. */
+static void test_crafted_pieces(void **state) {
+    (void)state;
+    char err[256], out[64];
+    SpmTokenizer *t = load_with_piece("zqzq", 4, -1000.0f, err, sizeof err);
+    if (!t) fail_msg("a sound extra piece was refused: %s", err);
+    int id = 320;
+    assert_int_equal(spm_vocab_size(t), 321);
+    assert_int_equal(spm_decode(t, &id, 1, out, sizeof out), 4);
+    assert_string_equal(out, "zqzq");
+    spm_free(t);
+    assert_null(load_with_piece("ab\0cd", 5, -1000.0f, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    assert_null(load_with_piece("\xFF\xFE", 2, -1000.0f, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    assert_null(load_with_piece("zqzq", 4, NAN, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    assert_null(load_with_piece("zqzq", 4, -INFINITY, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    /* the unknown piece's surface (TrainerSpec.unk_surface, 44) is printed too */
+    unsigned char spec[16], extra[32];
+    size_t n = pb_put_bytes(spec, 44, "\xC3", 1);
+    assert_null(load_with(extra, pb_put_bytes(extra, 2, spec, n), err, sizeof err));
+    assert_non_null(strstr(err, "unknown"));
+}
+
+/* What protobuf skips, the checks skip: a group field (wire type 3) numbered like the
+ * normalizer holds a broken charsmap the library never sees, so the model loads. A field
+ * cut short does not parse. */
+static void test_crafted_wire_format(void **state) {
+    (void)state;
+    unsigned char blob[sizeof(TestCharsmap) + 4], extra[sizeof blob + 32];
+    size_t len = corrupt_charsmap(ROOT_OFFSET_OUTSIDE, blob);
+    size_t n = 0;
+    extra[n++] = 3 << 3 | 3; /* start group 3 */
+    n += pb_put_bytes(extra + n, 2, blob, len);
+    extra[n++] = 3 << 3 | 4; /* end group 3 */
+    char err[256];
+    SpmTokenizer *t = load_with(extra, n, err, sizeof err);
+    if (!t) fail_msg("refused: %s", err);
+    int ids[MAX_IDS], ref[MAX_IDS];
+    int k = encode_with(t, "q q", ids);
+    assert_int_equal(k, encode_str("q q", 0, ref));
+    assert_memory_equal(ids, ref, (size_t)k * sizeof(int));
+    spm_free(t);
+    /* a normalizer field whose length runs past the end */
+    const unsigned char cut[] = {3 << 3 | 2, 100, 2 << 3 | 2, 5, 'a'};
+    assert_null(load_with(cut, sizeof cut, err, sizeof err));
+    assert_non_null(strstr(err, "do not parse"));
+}
+
+/* Real charsmaps, as spm_train compiles them, pass the checks and normalize. */
+static void test_trained_normalizers_load(void **state) {
+    (void)state;
+    static const struct { const char *rule, *text, *same_as; } cases[] = {
+        {"nmt_nfkc", "\xEF\xBD\x86\xEF\xBD\x95\xEF\xBD\x8C\xEF\xBD\x8C moon", "full moon"}, /* fullwidth letters */
+        {"nfkc_cf", "ONCE Upon", "once upon"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *prefix = temp_path(cases[i].rule);
+        char cmd[2048], path[1024], err[256];
+        snprintf(cmd, sizeof cmd,
+                 "spm_train --input=tests/fixtures/tiny.txt --model_prefix=%s --model_type=bpe --vocab_size=320 "
+                 "--byte_fallback=true --character_coverage=1.0 --normalization_rule_name=%s --minloglevel=2 "
+                 ">/dev/null 2>&1",
+                 prefix, cases[i].rule);
+        if (system(cmd) != 0) fail_msg("spm_train failed: %s", cmd);
+        snprintf(path, sizeof path, "%s.model", prefix);
+        SpmTokenizer *t = spm_load_file(path, err, sizeof err);
+        if (!t) fail_msg("%s: %s", cases[i].rule, err);
+        int a[MAX_IDS], b[MAX_IDS];
+        int n = encode_with(t, cases[i].text, a);
+        assert_int_equal(n, encode_with(t, cases[i].same_as, b));
+        assert_memory_equal(a, b, (size_t)n * sizeof(int));
+        spm_free(t);
+        remove(path);
+        snprintf(path, sizeof path, "%s.vocab", prefix);
+        remove(path);
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) s_model_path = argv[1];
     const struct CMUnitTest tests[] = {
@@ -534,6 +765,13 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_stream_matches_library_decode),
         cmocka_unit_test(test_load_file_errors),
         cmocka_unit_test(test_load_bytes),
+        cmocka_unit_test(test_crafted_charsmap_normalizes),
+        cmocka_unit_test(test_crafted_charsmap_refused),
+        cmocka_unit_test(test_crafted_charsmap_with_self_test),
+        cmocka_unit_test(test_crafted_denormalizer_refused),
+        cmocka_unit_test(test_crafted_pieces),
+        cmocka_unit_test(test_crafted_wire_format),
+        cmocka_unit_test(test_trained_normalizers_load),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
