@@ -500,20 +500,22 @@ int spm_eos_id(const SpmTokenizer *t) { return t ? t->eos : -1; }
 
 int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos, int *ids, int max_ids) {
     try {
-        if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return -1;
-        if (add_bos && t->bos < 0) return -1;
-        if (len > 0 && !utf8_valid(text, len)) return -1;
+        if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return SPM_ERR_OTHER;
+        if (add_bos && t->bos < 0) return SPM_ERR_OTHER;
+        if (len > 0 && !utf8_valid(text, len)) return SPM_ERR_TEXT;
         std::vector<int> out;
-        if (len > 0 && !t->sp.Encode(std::string_view(text, len), &out).ok()) return -1;
+        if (len > 0 && !t->sp.Encode(std::string_view(text, len), &out).ok()) return SPM_ERR_OTHER;
         const size_t extra = add_bos ? 1 : 0;
-        if (out.size() > static_cast<size_t>(INT_MAX) - extra) return -1;
+        if (out.size() > static_cast<size_t>(INT_MAX) - extra) return SPM_ERR_OTHER;
         const int count = static_cast<int>(out.size() + extra);
         int w = 0;
         if (add_bos && w < max_ids) ids[w++] = t->bos;
         for (size_t i = 0; i < out.size() && w < max_ids; i++) ids[w++] = out[i];
         return count;
+    } catch (const std::bad_alloc &) {
+        return SPM_ERR_NOMEM;
     } catch (...) {
-        return -1;
+        return SPM_ERR_OTHER;
     }
 }
 

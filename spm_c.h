@@ -32,11 +32,19 @@ int spm_vocab_size(const SpmTokenizer *t);
 int spm_bos_id(const SpmTokenizer *t);
 int spm_eos_id(const SpmTokenizer *t);
 
+/* spm_encode's errors: distinct negative values, so that callers can say what went wrong. */
+enum {
+    SPM_ERR_TEXT = -1,  /* the text is not valid UTF-8 (overlong forms, surrogates and code
+                           points above U+10FFFF included) or holds a NUL byte */
+    SPM_ERR_NOMEM = -2, /* out of memory */
+    SPM_ERR_OTHER = -3, /* bad arguments, add_bos on a model without BOS, more than INT_MAX
+                           ids, or the library reported an error */
+};
+
 /* Encodes text (len bytes, not necessarily NUL-terminated). Prepends BOS when add_bos.
  * Returns the number of ids (may exceed max_ids: then only max_ids were written, so callers
- * can detect "too long"), or -1 on error: text that is not valid UTF-8 (overlong forms,
- * surrogates and code points above U+10FFFF included), an embedded NUL byte, add_bos on a
- * model without BOS, or bad arguments. ids may be NULL when max_ids is 0. */
+ * can detect "too long"), or one of the SPM_ERR_* values above. ids may be NULL when max_ids
+ * is 0. */
 int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos, int *ids, int max_ids);
 
 /* Streaming decoder: feed one id at a time as tokens are generated; it returns text that is

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "spm_c.h"
 #include "testutil.h"
@@ -94,7 +95,7 @@ static void test_vocab_and_special_ids(void **state) {
     assert_int_equal(spm_vocab_size(NULL), 0);
     assert_int_equal(spm_bos_id(NULL), -1);
     assert_int_equal(spm_eos_id(NULL), -1);
-    assert_int_equal(spm_encode(NULL, "a", 1, 1, NULL, 0), -1);
+    assert_int_equal(spm_encode(NULL, "a", 1, 1, NULL, 0), SPM_ERR_OTHER);
     assert_null(spm_stream_new(NULL));
     assert_string_equal(spm_stream_put(NULL, 5), "");
     assert_string_equal(spm_stream_flush(NULL), "");
@@ -185,8 +186,9 @@ static void test_encode_rejects_invalid_utf8_and_nul(void **state) {
     int ids[MAX_IDS];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         ids[0] = -7;
-        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 1, ids, MAX_IDS), -1);
-        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 0, ids, MAX_IDS), -1);
+        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 1, ids, MAX_IDS), SPM_ERR_TEXT);
+        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 0, ids, MAX_IDS), SPM_ERR_TEXT);
+        assert_int_equal(ids[0], -7);
     }
     /* len is honoured: the text need not be NUL-terminated */
     int a[MAX_IDS], b[MAX_IDS];
@@ -195,11 +197,12 @@ static void test_encode_rejects_invalid_utf8_and_nul(void **state) {
     assert_int_equal(n, m);
     assert_memory_equal(a, b, (size_t)n * sizeof(int));
     /* and a cut through a character is invalid */
-    assert_int_equal(spm_encode(s_tok, "caf\xC3\xA9", 4, 0, a, MAX_IDS), -1);
-    /* bad arguments */
-    assert_int_equal(spm_encode(s_tok, NULL, 3, 0, a, MAX_IDS), -1);
-    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, NULL, 5), -1);
-    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, a, -1), -1);
+    assert_int_equal(spm_encode(s_tok, "caf\xC3\xA9", 4, 0, a, MAX_IDS), SPM_ERR_TEXT);
+    /* bad arguments are not bad text */
+    assert_int_equal(spm_encode(s_tok, NULL, 3, 0, a, MAX_IDS), SPM_ERR_OTHER);
+    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, NULL, 5), SPM_ERR_OTHER);
+    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, a, -1), SPM_ERR_OTHER);
+    assert_int_equal(SPM_ERR_TEXT, -1); /* run.c's "not valid UTF-8" test is n == -1 */
 }
 
 static void test_max_ids_reports_full_count(void **state) {
@@ -747,6 +750,61 @@ static void test_trained_normalizers_load(void **state) {
     }
 }
 
+#if !defined(__SANITIZE_ADDRESS__)
+/* Bytes of address space this process uses (VmSize), or 0 when /proc does not say. */
+static size_t address_space_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmSize: %zu kB", &kb) == 1) break;
+    fclose(f);
+    return kb * 1024;
+}
+#endif
+
+/* Running out of memory is reported as such, not as bad text: under an address-space limit
+ * 64 MB above what the process uses, the library's buffers for 16 MB of text (24 bytes a
+ * byte) cannot be had. */
+static void test_encode_out_of_memory(void **state) {
+    (void)state;
+#if defined(__SANITIZE_ADDRESS__)
+    skip(); /* ASan's allocator aborts on a failed allocation instead of throwing std::bad_alloc */
+#else
+    const size_t n = (size_t)16 << 20;
+    char *text = malloc(n);
+    assert_non_null(text);
+    for (size_t i = 0; i < n; i++) text[i] = "ab "[i % 3];
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_AS, &old), 0);
+    size_t used = address_space_bytes();
+    assert_true(used > 0);
+    lim.rlim_cur = used + ((size_t)64 << 20);
+    lim.rlim_max = old.rlim_max;
+    assert_int_equal(setrlimit(RLIMIT_AS, &lim), 0);
+    int rc = spm_encode(s_tok, text, n, 1, NULL, 0);
+    assert_int_equal(setrlimit(RLIMIT_AS, &old), 0);
+    free(text);
+    assert_int_equal(rc, SPM_ERR_NOMEM);
+#endif
+}
+
+/* add_bos on a model without BOS: the model's bos_piece (TrainerSpec 46) names no piece */
+static void test_encode_bos_without_bos(void **state) {
+    (void)state;
+    unsigned char spec[32], extra[48];
+    size_t n = pb_put_bytes(spec, 46, "<no-such-piece>", 15);
+    char err[256];
+    SpmTokenizer *t = load_with(extra, pb_put_bytes(extra, 2, spec, n), err, sizeof err);
+    if (!t) fail_msg("refused: %s", err);
+    assert_int_equal(spm_bos_id(t), -1);
+    int ids[MAX_IDS];
+    assert_int_equal(spm_encode(t, "Pip", 3, 1, ids, MAX_IDS), SPM_ERR_OTHER);
+    assert_true(spm_encode(t, "Pip", 3, 0, ids, MAX_IDS) > 0);
+    spm_free(t);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) s_model_path = argv[1];
     const struct CMUnitTest tests[] = {
@@ -772,6 +830,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_crafted_pieces),
         cmocka_unit_test(test_crafted_wire_format),
         cmocka_unit_test(test_trained_normalizers_load),
+        cmocka_unit_test(test_encode_out_of_memory),
+        cmocka_unit_test(test_encode_bos_without_bos),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
