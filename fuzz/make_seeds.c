@@ -1,10 +1,14 @@
 /* make_seeds.c: writes the seed corpora of the fuzz harnesses from valid inputs.
  *
- *   make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER
+ *   make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER NFKC_TOKENIZER
  *
  * OUTDIR/seeds-loader:    a tiny checkpoint of every variant (bf16 and fp32) with the
- *                         tiny test tokenizer embedded (tests/testutil.c writes them)
+ *                         tiny test tokenizer embedded (tests/testutil.c writes them), and
+ *                         one whose tokenizer has a one-rule charsmap (q -> "Once")
  * OUTDIR/seeds-tokenizer: prompts with their ids, in fuzz_tokenizer.c's input layout
+ * OUTDIR/seeds-tokenizer_model: prompts with a whole model each (the tiny one, with and
+ *                         without the one-rule charsmap, the real one, an NFKC one), in
+ *                         fuzz_tokenizer_model.c's input layout
  * OUTDIR/seeds-cli:       valid argument vectors, NUL-separated
  * OUTDIR/seeds-ppl:       small story files */
 #include <stdio.h>
@@ -18,15 +22,38 @@
 
 static const char *g_out;
 
+/* what: the file that could not be read or written, or what went wrong */
+static void die(const char *what) {
+    fprintf(stderr, "make_seeds: cannot go on: %s\n", what);
+    exit(1);
+}
+
+/* The bytes of a model file; with_rule: a normalizer charsmap q -> "Once" appended, which
+ * protobuf merges over the model's own. */
+static unsigned char *model_bytes(const char *path, int with_rule, size_t *size) {
+    size_t n;
+    unsigned char *model = read_whole_file(path, &n);
+    if (!model) die(path);
+    if (!with_rule) {
+        *size = n;
+        return model;
+    }
+    TestCharsmap c;
+    test_charsmap_init(&c, 'q', "Once");
+    unsigned char blob[sizeof c + 4], spec[sizeof blob + 16], extra[sizeof spec + 16];
+    size_t k = pb_put_bytes(spec, 2, blob, test_charsmap_encode(&c, blob));
+    unsigned char *out = concat_bytes(model, n, extra, pb_put_bytes(extra, 3, spec, k), size);
+    free(model);
+    if (!out) die("out of memory");
+    return out;
+}
+
 static void put(const char *dir, const char *name, const void *data, size_t n) {
     char path[1024];
     snprintf(path, sizeof path, "%s/%s", g_out, dir);
     mkdir(path, 0755);
     snprintf(path, sizeof path, "%s/%s/%s", g_out, dir, name);
-    if (write_whole_file(path, data, n) != 0) {
-        fprintf(stderr, "make_seeds: cannot write %s\n", path);
-        exit(1);
-    }
+    if (write_whole_file(path, data, n) != 0) die(path);
 }
 
 /* dim 16, 4 heads of 4, hidden 24, context 8: a few KB of weights */
@@ -55,8 +82,8 @@ static const char *const k_prompts[] = {
 };
 
 int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER\n");
+    if (argc != 5) {
+        fprintf(stderr, "usage: make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER NFKC_TOKENIZER\n");
         return 2;
     }
     g_out = argv[1];
@@ -86,6 +113,40 @@ int main(int argc, char **argv) {
             fprintf(stderr, "make_seeds: cannot write %s\n", path);
             return 1;
         }
+    }
+
+    /* a checkpoint whose tokenizer normalizes */
+    size_t rule_size;
+    unsigned char *rule_model = model_bytes(argv[2], 1, &rule_size);
+    char rule_path[1024], ck_path[1024];
+    snprintf(rule_path, sizeof rule_path, "%s/tiny-rule.model", g_out);
+    snprintf(ck_path, sizeof ck_path, "%s/seeds-loader/gqa-bf16-charsmap.bin", g_out);
+    Config rc = tiny_config(VARIANT_GQA, 0, spm_vocab_size(tok[0]), DTYPE_BF16, 1);
+    if (write_whole_file(rule_path, rule_model, rule_size) != 0 || write_test_checkpoint(ck_path, &rc, rule_path, 99) != 0)
+        die(ck_path);
+    free(rule_model);
+
+    /* tokenizer_model: [flags][short buffer][text length, 2 bytes][text][model] */
+    static const struct { const char *name; int model_arg, with_rule; const char *text; } with_model[] = {
+        {"tiny-plain", 2, 0, "Once upon a time"}, {"tiny-accents", 2, 0, "The caf\xC3\xA9 \xF0\x9F\x90\x89 said \"hi\"!"},
+        {"tiny-rule", 2, 1, "q upon a q"},      {"tiny-rule-bad", 2, 1, "bad \xFF q"},
+        {"real", 3, 0, "Tom had a red ball."},  {"nfkc-fullwidth", 4, 0, "\xEF\xBD\x86\xEF\xBD\x95ll \xE2\x91\xA0 moon"},
+    };
+    for (size_t i = 0; i < sizeof with_model / sizeof with_model[0]; i++) {
+        size_t msize, tlen = strlen(with_model[i].text);
+        unsigned char *m = model_bytes(argv[with_model[i].model_arg], with_model[i].with_rule, &msize);
+        unsigned char head[4 + 64];
+        head[0] = (unsigned char)(1 | (i % 4) << 1);
+        head[1] = (unsigned char)(3 + 5 * i);
+        head[2] = (unsigned char)tlen;
+        head[3] = 0;
+        memcpy(head + 4, with_model[i].text, tlen);
+        size_t total;
+        unsigned char *seed = concat_bytes(head, 4 + tlen, m, msize, &total);
+        if (!seed) die("out of memory");
+        put("seeds-tokenizer_model", with_model[i].name, seed, total);
+        free(seed);
+        free(m);
     }
 
     /* tokenizer: [flags][split][short buffer][text][int16 ids of the text] */

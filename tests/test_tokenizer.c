@@ -802,6 +802,7 @@ static void test_encode_bos_without_bos(void **state) {
     int ids[MAX_IDS];
     assert_int_equal(spm_encode(t, "Pip", 3, 1, ids, MAX_IDS), SPM_ERR_OTHER);
     assert_true(spm_encode(t, "Pip", 3, 0, ids, MAX_IDS) > 0);
+    assert_int_equal(spm_encode(t, "\xFF", 1, 1, ids, MAX_IDS), SPM_ERR_TEXT); /* the text is judged first */
     spm_free(t);
 }
 
