@@ -10,6 +10,7 @@
 
 #include <sentencepiece_processor.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -197,6 +198,10 @@ void analyze(SpmTokenizer *t) {
             throw std::runtime_error("piece " + std::to_string(id) + " is not valid UTF-8 text without NUL bytes");
         if (!std::isfinite(sp.GetScore(id)))
             throw std::runtime_error("piece " + std::to_string(id) + " has a score that is not a finite number");
+        // DecodeIds maps ids to text and back, so for a shared text it decodes another id's piece
+        if (const int same = sp.PieceToId(piece); same != id)
+            throw std::runtime_error("pieces " + std::to_string(std::min(id, same)) + " and " +
+                                     std::to_string(std::max(id, same)) + " have the same text");
         if (sp.IsControl(id)) {
             pi.kind = PieceKind::kControl;
         } else if (sp.IsUnknown(id)) {
@@ -318,13 +323,13 @@ uint32_t load_u32le(const char *p) {
 // the charsmaps spm_train compiles (whole 256-unit blocks, strings stored one after another).
 std::string charsmap_problem(std::string_view blob) {
     if (blob.empty()) return "";  // no normalization rules
-    if (blob.size() < 4) return "it is " + std::to_string(blob.size()) + " bytes, shorter than its trie size";
+    if (blob.size() < 4) return "it is " + std::to_string(blob.size()) + " bytes long, too short for its 4-byte trie size";
     const uint32_t trie_bytes = load_u32le(blob.data());
     if (trie_bytes == 0 || trie_bytes % 1024 != 0)
         return "its trie size " + std::to_string(trie_bytes) + " is not a whole number of 256-unit blocks";
     if (trie_bytes >= blob.size() - 4)
-        return "its trie of " + std::to_string(trie_bytes) + " bytes leaves no strings in a blob of " +
-               std::to_string(blob.size());
+        return "its trie of " + std::to_string(trie_bytes) + " bytes leaves no room for strings in its " +
+               std::to_string(blob.size()) + " bytes";
     const std::string_view strings = blob.substr(4 + size_t(trie_bytes));
     if (strings.back() != '\0') return "its last string is not NUL-terminated";
     for (size_t at = 0; at < strings.size();) {

@@ -668,8 +668,8 @@ static SpmTokenizer *load_with_piece(const char *piece, size_t len, float score,
     return load_with(extra, pb_put_bytes(extra, 1, sp, n), err, errlen);
 }
 
-/* The decoder prints pieces as they are: a piece must be valid UTF-8 without NUL, and its
- * score a number. */
+/* The decoder prints pieces as they are: a piece must be valid UTF-8 without NUL, its score
+ * a number, and its text its own. */
 static void test_crafted_pieces(void **state) {
     (void)state;
     char err[256], out[64];
@@ -688,6 +688,12 @@ static void test_crafted_pieces(void **state) {
     assert_non_null(strstr(err, "piece 320"));
     assert_null(load_with_piece("zqzq", 4, -INFINITY, err, sizeof err));
     assert_non_null(strstr(err, "piece 320"));
+    /* two pieces with one text: the library's DecodeIds would decode the other one (the
+     * control <s> as nothing, <0x41> as "A") */
+    assert_null(load_with_piece("<s>", 3, 0.0f, err, sizeof err));
+    assert_non_null(strstr(err, "pieces 1 and 320 have the same text"));
+    assert_null(load_with_piece("<0x41>", 6, 0.0f, err, sizeof err));
+    assert_non_null(strstr(err, "and 320 have the same text"));
     /* the unknown piece's surface (TrainerSpec.unk_surface, 44) is printed too */
     unsigned char spec[16], extra[32];
     size_t n = pb_put_bytes(spec, 44, "\xC3", 1);
