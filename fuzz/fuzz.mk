@@ -59,11 +59,12 @@ $(FUZZ_B)/make_seeds: fuzz/make_seeds.c $(B)/tests/testutil.o $(ENGINE_OBJS) $(H
 	$(CC) $(CFLAGS) -I. -Itests -c fuzz/make_seeds.c -o $@.o
 	$(CXX) -fopenmp $@.o $(B)/tests/testutil.o $(ENGINE_OBJS) -o $@ $(LDLIBS)
 
-# A tokenizer with a real precompiled charsmap (NFKC rules), as a seed of fuzz_tokenizer_model.
+# A unigram tokenizer with a real precompiled charsmap (NFKC rules), as a seed of
+# fuzz_tokenizer_model (the other seeds are BPE without normalization).
 NFKC_TOKENIZER = $(FUZZ_B)/nfkc.model
 $(NFKC_TOKENIZER): tests/fixtures/tiny.txt
 	@mkdir -p $(@D)
-	spm_train --input=$< --model_prefix=$(FUZZ_B)/nfkc --model_type=bpe --vocab_size=320 \
+	spm_train --input=$< --model_prefix=$(FUZZ_B)/nfkc --model_type=unigram --vocab_size=320 \
 	  --byte_fallback=true --character_coverage=1.0 --normalization_rule_name=nmt_nfkc --minloglevel=2 >/dev/null 2>&1
 
 $(FUZZ_B)/seeds.stamp: $(FUZZ_B)/make_seeds $(TINY_TOKENIZER) $(REAL_TOKENIZER) $(NFKC_TOKENIZER)

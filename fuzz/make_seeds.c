@@ -6,9 +6,10 @@
  *                         tiny test tokenizer embedded (tests/testutil.c writes them), and
  *                         one whose tokenizer has a one-rule charsmap (q -> "Once")
  * OUTDIR/seeds-tokenizer: prompts with their ids, in fuzz_tokenizer.c's input layout
- * OUTDIR/seeds-tokenizer_model: prompts with a whole model each (the tiny one, with and
- *                         without the one-rule charsmap, the real one, an NFKC one), in
- *                         fuzz_tokenizer_model.c's input layout
+ * OUTDIR/seeds-tokenizer_model: prompts with a whole model each (the tiny one, also with
+ *                         a one-rule charsmap, other normalizer flags or more piece types;
+ *                         the real one; a unigram NFKC one), in fuzz_tokenizer_model.c's
+ *                         input layout
  * OUTDIR/seeds-cli:       valid argument vectors, NUL-separated
  * OUTDIR/seeds-ppl:       small story files */
 #include <stdio.h>
@@ -28,21 +29,54 @@ static void die(const char *what) {
     exit(1);
 }
 
-/* The bytes of a model file; with_rule: a normalizer charsmap q -> "Once" appended, which
- * protobuf merges over the model's own. */
-static unsigned char *model_bytes(const char *path, int with_rule, size_t *size) {
+/* What make_seeds appends to a model's bytes (protobuf merges it over the model's own). */
+enum Extra {
+    EXTRA_NONE,
+    EXTRA_RULE,   /* a normalizer charsmap with one rule, q -> "Once" */
+    EXTRA_FLAGS,  /* no dummy prefix, extra white space kept, white space as suffix */
+    EXTRA_PIECES, /* a user-defined piece <tag>, an unused piece zzz, a control piece <ctl> */
+};
+
+static size_t extra_bytes(enum Extra e, unsigned char *out) {
+    unsigned char a[sizeof(TestCharsmap) + 16], b[sizeof a + 16];
+    size_t n = 0, k;
+    switch (e) {
+        case EXTRA_RULE: {
+            TestCharsmap c;
+            test_charsmap_init(&c, 'q', "Once");
+            k = pb_put_bytes(b, 2, a, test_charsmap_encode(&c, a)); /* NormalizerSpec.precompiled_charsmap */
+            n = pb_put_bytes(out, 3, b, k);                         /* ModelProto.normalizer_spec */
+            break;
+        }
+        case EXTRA_FLAGS:
+            k = pb_put_varint(a, 3, 0);      /* add_dummy_prefix */
+            k += pb_put_varint(a + k, 4, 0); /* remove_extra_whitespaces */
+            n = pb_put_bytes(out, 3, a, k);
+            k = pb_put_varint(a, 24, 1);     /* TrainerSpec.treat_whitespace_as_suffix */
+            n += pb_put_bytes(out + n, 2, a, k);
+            break;
+        case EXTRA_PIECES: {
+            static const struct { const char *piece; int type; } p[] = {{"<tag>", 4}, {"zzz", 5}, {"<ctl>", 3}};
+            for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) {
+                k = pb_put_bytes(a, 1, p[i].piece, strlen(p[i].piece)); /* SentencePiece.piece */
+                k += pb_put_varint(a + k, 3, (uint64_t)p[i].type);     /* SentencePiece.type */
+                n += pb_put_bytes(out + n, 1, a, k);                    /* ModelProto.pieces */
+            }
+            break;
+        }
+        default:
+            break;
+    }
+    return n;
+}
+
+/* The bytes of a model file with the extra fields appended. */
+static unsigned char *model_bytes(const char *path, enum Extra e, size_t *size) {
     size_t n;
     unsigned char *model = read_whole_file(path, &n);
     if (!model) die(path);
-    if (!with_rule) {
-        *size = n;
-        return model;
-    }
-    TestCharsmap c;
-    test_charsmap_init(&c, 'q', "Once");
-    unsigned char blob[sizeof c + 4], spec[sizeof blob + 16], extra[sizeof spec + 16];
-    size_t k = pb_put_bytes(spec, 2, blob, test_charsmap_encode(&c, blob));
-    unsigned char *out = concat_bytes(model, n, extra, pb_put_bytes(extra, 3, spec, k), size);
+    unsigned char extra[sizeof(TestCharsmap) + 64];
+    unsigned char *out = concat_bytes(model, n, extra, extra_bytes(e, extra), size);
     free(model);
     if (!out) die("out of memory");
     return out;
@@ -117,7 +151,7 @@ int main(int argc, char **argv) {
 
     /* a checkpoint whose tokenizer normalizes */
     size_t rule_size;
-    unsigned char *rule_model = model_bytes(argv[2], 1, &rule_size);
+    unsigned char *rule_model = model_bytes(argv[2], EXTRA_RULE, &rule_size);
     char rule_path[1024], ck_path[1024];
     snprintf(rule_path, sizeof rule_path, "%s/tiny-rule.model", g_out);
     snprintf(ck_path, sizeof ck_path, "%s/seeds-loader/gqa-bf16-charsmap.bin", g_out);
@@ -127,14 +161,19 @@ int main(int argc, char **argv) {
     free(rule_model);
 
     /* tokenizer_model: [flags][short buffer][text length, 2 bytes][text][model] */
-    static const struct { const char *name; int model_arg, with_rule; const char *text; } with_model[] = {
-        {"tiny-plain", 2, 0, "Once upon a time"}, {"tiny-accents", 2, 0, "The caf\xC3\xA9 \xF0\x9F\x90\x89 said \"hi\"!"},
-        {"tiny-rule", 2, 1, "q upon a q"},      {"tiny-rule-bad", 2, 1, "bad \xFF q"},
-        {"real", 3, 0, "Tom had a red ball."},  {"nfkc-fullwidth", 4, 0, "\xEF\xBD\x86\xEF\xBD\x95ll \xE2\x91\xA0 moon"},
+    static const struct { const char *name; int model_arg; enum Extra extra; const char *text; } with_model[] = {
+        {"tiny-plain", 2, EXTRA_NONE, "Once upon a time"},
+        {"tiny-accents", 2, EXTRA_NONE, "The caf\xC3\xA9 \xF0\x9F\x90\x89 said \"hi\"!"},
+        {"tiny-rule", 2, EXTRA_RULE, "q upon a q"},
+        {"tiny-rule-bad", 2, EXTRA_RULE, "bad \xFF q"},
+        {"tiny-flags", 2, EXTRA_FLAGS, "  two  spaces "},
+        {"tiny-pieces", 2, EXTRA_PIECES, "a <tag> zzz <ctl>"},
+        {"real", 3, EXTRA_NONE, "Tom had a red ball."},
+        {"nfkc-fullwidth", 4, EXTRA_NONE, "\xEF\xBD\x86\xEF\xBD\x95ll \xE2\x91\xA0 moon"},
     };
     for (size_t i = 0; i < sizeof with_model / sizeof with_model[0]; i++) {
         size_t msize, tlen = strlen(with_model[i].text);
-        unsigned char *m = model_bytes(argv[with_model[i].model_arg], with_model[i].with_rule, &msize);
+        unsigned char *m = model_bytes(argv[with_model[i].model_arg], with_model[i].extra, &msize);
         unsigned char head[4 + 64];
         head[0] = (unsigned char)(1 | (i % 4) << 1);
         head[1] = (unsigned char)(3 + 5 * i);

@@ -729,18 +729,18 @@ static void test_crafted_wire_format(void **state) {
 /* Real charsmaps, as spm_train compiles them, pass the checks and normalize. */
 static void test_trained_normalizers_load(void **state) {
     (void)state;
-    static const struct { const char *rule, *text, *same_as; } cases[] = {
-        {"nmt_nfkc", "\xEF\xBD\x86\xEF\xBD\x95\xEF\xBD\x8C\xEF\xBD\x8C moon", "full moon"}, /* fullwidth letters */
-        {"nfkc_cf", "ONCE Upon", "once upon"},
+    static const struct { const char *rule, *type, *text, *same_as; } cases[] = {
+        {"nmt_nfkc", "bpe", "\xEF\xBD\x86\xEF\xBD\x95\xEF\xBD\x8C\xEF\xBD\x8C moon", "full moon"}, /* fullwidth letters */
+        {"nfkc_cf", "unigram", "ONCE Upon", "once upon"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const char *prefix = temp_path(cases[i].rule);
         char cmd[2048], path[1024], err[256];
         snprintf(cmd, sizeof cmd,
-                 "spm_train --input=tests/fixtures/tiny.txt --model_prefix=%s --model_type=bpe --vocab_size=320 "
+                 "spm_train --input=tests/fixtures/tiny.txt --model_prefix=%s --model_type=%s --vocab_size=320 "
                  "--byte_fallback=true --character_coverage=1.0 --normalization_rule_name=%s --minloglevel=2 "
                  ">/dev/null 2>&1",
-                 prefix, cases[i].rule);
+                 prefix, cases[i].type, cases[i].rule);
         if (system(cmd) != 0) fail_msg("spm_train failed: %s", cmd);
         snprintf(path, sizeof path, "%s.model", prefix);
         SpmTokenizer *t = spm_load_file(path, err, sizeof err);
