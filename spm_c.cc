@@ -47,18 +47,30 @@ struct PieceInfo {
     std::string text;        // normal piece with U+2581 replaced by ' '
 };
 
-void set_err(char *err, size_t errlen, const std::string &msg) {
-    if (!err || errlen == 0) return;
-    size_t n = msg.size() < errlen - 1 ? msg.size() : errlen - 1;
-    std::memcpy(err, msg.data(), n);
-    err[n] = '\0';
+bool is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
+
+// Copies text into dst (dstlen > 0), NUL-terminated, cut at a UTF-8 character boundary when
+// it does not fit, so that dst stays valid UTF-8.
+void copy_cut(char *dst, size_t dstlen, std::string_view text) {
+    size_t k = text.size() < dstlen - 1 ? text.size() : dstlen - 1;
+    if (k < text.size())
+        while (k > 0 && is_trail(static_cast<unsigned char>(text[k]))) k--;
+    std::memcpy(dst, text.data(), k);
+    dst[k] = '\0';
 }
 
-// The library's messages may hold newlines; the caller wants one sentence.
+void set_err(char *err, size_t errlen, const std::string &msg) {
+    if (err && errlen > 0) copy_cut(err, errlen, msg);
+}
+
+// The library's messages may hold newlines, and text from the model (a piece), which could
+// hold terminal escape sequences or invalid UTF-8; the caller wants one printable sentence.
 std::string one_line(const char *s) {
-    std::string out = s ? s : "";
-    for (char &c : out)
+    std::string flat = s ? s : "";
+    for (char &c : flat)
         if (c == '\n' || c == '\r' || c == '\t') c = ' ';
+    std::string out(utf8_sanitize(nullptr, 0, flat.data(), flat.size()), '\0');
+    utf8_sanitize(&out[0], out.size() + 1, flat.data(), flat.size());
     while (!out.empty() && (out.back() == ' ' || out.back() == '.')) out.pop_back();
     if (out.empty()) out = "unknown error";
     return out;
@@ -70,8 +82,6 @@ int hex_digit(char c) {
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     return -1;
 }
-
-bool is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
 
 // Length of the valid UTF-8 character at s[0 .. n), 0 when none starts there: utf8.c's
 // rules, which are SentencePiece's own (string_util::IsValidDecodeUTF8).
@@ -583,13 +593,7 @@ size_t spm_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_
         s.out.clear();
         drain_bytes(&s, true);
         text += s.out;
-        if (buf && bufsize > 0) {
-            size_t k = text.size() < bufsize - 1 ? text.size() : bufsize - 1;
-            if (k < text.size())  // do not cut a character in two
-                while (k > 0 && is_trail(static_cast<unsigned char>(text[k]))) k--;
-            std::memcpy(buf, text.data(), k);
-            buf[k] = '\0';
-        }
+        if (buf && bufsize > 0) copy_cut(buf, bufsize, text);
         return text.size();
     } catch (...) {
         if (buf && bufsize > 0) buf[0] = '\0';
