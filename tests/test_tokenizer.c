@@ -203,7 +203,7 @@ static void test_encode_rejects_invalid_utf8_and_nul(void **state) {
     assert_int_equal(spm_encode(s_tok, NULL, 3, 0, a, MAX_IDS), SPM_ERR_OTHER);
     assert_int_equal(spm_encode(s_tok, "abc", 3, 0, NULL, 5), SPM_ERR_OTHER);
     assert_int_equal(spm_encode(s_tok, "abc", 3, 0, a, -1), SPM_ERR_OTHER);
-    assert_int_equal(SPM_ERR_TEXT, -1); /* run.c's "not valid UTF-8" test is n == -1 */
+    assert_int_equal(SPM_ERR_TEXT, -1); /* the value run.c reports as "not valid UTF-8" */
 }
 
 static void test_max_ids_reports_full_count(void **state) {
