@@ -19,9 +19,9 @@ SPM_LIBS := $(shell pkg-config --libs sentencepiece 2>/dev/null || echo -lsenten
 LDLIBS = $(SPM_LIBS) -lm
 B = build
 
-ENGINE = loader.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c cli.c
+ENGINE = loader.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c utf8.c cli.c
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/spm_c.o
-HEADERS = config.h loader.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h spm_c.h cli.h
+HEADERS = config.h loader.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h utf8.h spm_c.h cli.h
 
 .PHONY: all test test-unit test-isa test-py bench clean demo
 all: run
@@ -29,7 +29,7 @@ all: run
 $(B)/%.o: %.c $(HEADERS) | $(B)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(B)/spm_c.o: spm_c.cc spm_c.h | $(B)
+$(B)/spm_c.o: spm_c.cc spm_c.h utf8.h | $(B)
 	$(CXX) $(CXXFLAGS) -c $< -o $@
 
 $(B):
@@ -39,7 +39,7 @@ run: $(B)/run.o $(ENGINE_OBJS)
 	$(CXX) -fopenmp $^ -o $@ $(LDLIBS)
 
 # ---- tests ----
-UNIT_TESTS = test_kernels test_parallel test_attention test_kvcache test_sampler test_loader test_textfile test_tokenizer test_cli_parse
+UNIT_TESTS = test_kernels test_parallel test_attention test_kvcache test_sampler test_loader test_textfile test_tokenizer test_cli_parse test_utf8
 UNIT_BINS = $(UNIT_TESTS:%=$(B)/tests/%)
 
 $(B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS) | $(B)

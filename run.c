@@ -19,6 +19,7 @@
 #include "sampler.h"
 #include "spm_c.h"
 #include "textfile.h"
+#include "utf8.h"
 
 #define EXIT_USAGE 2
 
@@ -57,9 +58,15 @@ static void engine_step(Engine *e, const int *tokens, int n, float *logits) {
         die(1, "internal error: a forward pass of %d tokens at position %d does not fit", n - from, from);
 }
 
+/* What a negative spm_encode result means, after "the prompt" or "story N". */
+static const char *encode_error(int code) {
+    return code == SPM_ERR_TEXT ? "is not valid UTF-8 text" : code == SPM_ERR_NOMEM ? "cannot be encoded: out of memory"
+                                                                                  : "cannot be encoded by the tokenizer";
+}
+
 static int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens) {
     int n = spm_encode(m->tokenizer, prompt, strlen(prompt), 1, tokens, max_tokens);
-    if (n < 0) die(1, "the prompt is not valid UTF-8 text");
+    if (n < 0) die(1, "the prompt %s", encode_error(n));
     if (n > m->cfg.max_seq_len)
         die(1, "the prompt is %d tokens, longer than the context (%d tokens)", n, m->cfg.max_seq_len);
     if (n >= m->cfg.max_seq_len)
@@ -87,7 +94,7 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
     RunStats st = {0};
     st.prompt_tokens = n;
 
-    for (int i = 1; i < n; i++) fputs(spm_stream_put(stream, tokens[i]), stdout);
+    for (int i = 1; i < n; i++) utf8_fputs_sanitized(spm_stream_put(stream, tokens[i]), stdout);
     fflush(stdout);
 
     /* Warm-up, as llama.cpp does after loading: one untimed forward of the prompt, then
@@ -111,7 +118,7 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
     for (;;) {
         st.generated++;
         if (next == m->cfg.eos_id && !o->ignore_eos) { st.hit_eos = 1; break; }
-        fputs(spm_stream_put(stream, next), stdout);
+        utf8_fputs_sanitized(spm_stream_put(stream, next), stdout);
         fflush(stdout);
         if (o->steps && st.generated >= o->steps) break;
         if (n >= max_seq) { st.context_full = 1; break; }
@@ -126,7 +133,7 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
         if (!o->quiet) fprintf(stderr, "[step %d] pos %d token %d ms %.3f\n", st.steps, n - 1, next, ms);
         if (log_csv) fprintf(log_csv, "%d,decode,%d,%d,%d,%.4f\n", st.steps, n - 1, n, next, ms);
     }
-    fputs(spm_stream_flush(stream), stdout);
+    utf8_fputs_sanitized(spm_stream_flush(stream), stdout);
     fputc('\n', stdout);
     fflush(stdout);
 
@@ -277,7 +284,7 @@ static void perplexity(Engine *e, const char *path) {
             free(ids);
             free(logits);
             storyfile_free(&sf);
-            die(1, "%s: story %d is %s", path, s + 1, n < 0 ? "not valid UTF-8" : "longer than 65535 tokens");
+            die(1, "%s: story %d %s", path, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }
         ids[n++] = m->cfg.eos_id;
         /* windows of the context, as train/model.py story_windows() */

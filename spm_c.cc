@@ -6,13 +6,18 @@
 // and later) rule for rule; the model-dependent parts (the unknown surface, how the dummy
 // prefix space is removed) are read off the library's own DecodeIds at load time.
 #include "spm_c.h"
+#include "utf8.h"
 
 #include <sentencepiece_processor.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -42,18 +47,30 @@ struct PieceInfo {
     std::string text;        // normal piece with U+2581 replaced by ' '
 };
 
-void set_err(char *err, size_t errlen, const std::string &msg) {
-    if (!err || errlen == 0) return;
-    size_t n = msg.size() < errlen - 1 ? msg.size() : errlen - 1;
-    std::memcpy(err, msg.data(), n);
-    err[n] = '\0';
+bool is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
+
+// Copies text into dst (dstlen > 0), NUL-terminated, cut at a UTF-8 character boundary when
+// it does not fit, so that dst stays valid UTF-8.
+void copy_cut(char *dst, size_t dstlen, std::string_view text) {
+    size_t k = text.size() < dstlen - 1 ? text.size() : dstlen - 1;
+    if (k < text.size())
+        while (k > 0 && is_trail(static_cast<unsigned char>(text[k]))) k--;
+    std::memcpy(dst, text.data(), k);
+    dst[k] = '\0';
 }
 
-// The library's messages may hold newlines; the caller wants one sentence.
+void set_err(char *err, size_t errlen, const std::string &msg) {
+    if (err && errlen > 0) copy_cut(err, errlen, msg);
+}
+
+// The library's messages may hold newlines, and text from the model (a piece), which could
+// hold terminal escape sequences or invalid UTF-8; the caller wants one printable sentence.
 std::string one_line(const char *s) {
-    std::string out = s ? s : "";
-    for (char &c : out)
+    std::string flat = s ? s : "";
+    for (char &c : flat)
         if (c == '\n' || c == '\r' || c == '\t') c = ' ';
+    std::string out(utf8_sanitize(nullptr, 0, flat.data(), flat.size()), '\0');
+    utf8_sanitize(&out[0], out.size() + 1, flat.data(), flat.size());
     while (!out.empty() && (out.back() == ' ' || out.back() == '.')) out.pop_back();
     if (out.empty()) out = "unknown error";
     return out;
@@ -66,32 +83,9 @@ int hex_digit(char c) {
     return -1;
 }
 
-bool is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
-
-// Length of the UTF-8 character at s[0 .. n) by SentencePiece's rules (string_util::
-// DecodeUTF8 with IsValidDecodeUTF8): 1..4 when a whole valid character is there (ASCII
-// included), 0 when it is not (too short, bad trail byte, overlong, surrogate, > U+10FFFF).
-size_t valid_char_len(const unsigned char *s, size_t n) {
-    if (n == 0) return 0;
-    const unsigned c0 = s[0];
-    if (c0 < 0x80) return 1;
-    if ((c0 & 0xE0) == 0xC0) {
-        if (n < 2 || !is_trail(s[1])) return 0;
-        const unsigned cp = ((c0 & 0x1F) << 6) | (s[1] & 0x3F);
-        return cp >= 0x80 ? 2 : 0;
-    }
-    if ((c0 & 0xF0) == 0xE0) {
-        if (n < 3 || !is_trail(s[1]) || !is_trail(s[2])) return 0;
-        const unsigned cp = ((c0 & 0x0F) << 12) | ((s[1] & 0x3Fu) << 6) | (s[2] & 0x3F);
-        return cp >= 0x800 && (cp < 0xD800 || cp > 0xDFFF) ? 3 : 0;
-    }
-    if ((c0 & 0xF8) == 0xF0) {
-        if (n < 4 || !is_trail(s[1]) || !is_trail(s[2]) || !is_trail(s[3])) return 0;
-        const unsigned cp = ((c0 & 0x07) << 18) | ((s[1] & 0x3Fu) << 12) | ((s[2] & 0x3Fu) << 6) | (s[3] & 0x3F);
-        return cp >= 0x10000 && cp <= 0x10FFFF ? 4 : 0;
-    }
-    return 0;
-}
+// Length of the valid UTF-8 character at s[0 .. n), 0 when none starts there: utf8.c's
+// rules, which are SentencePiece's own (string_util::IsValidDecodeUTF8).
+size_t valid_char_len(const unsigned char *s, size_t n) { return utf8_char_len(reinterpret_cast<const char *>(s), n); }
 
 // Bytes a character starting with c0 needs (1..4), or 0 when c0 can start no valid one.
 size_t needed_len(unsigned char c0) {
@@ -113,18 +107,6 @@ bool could_complete(const unsigned char *s, size_t n) {
     std::memcpy(pad, s, n);
     for (size_t i = n; i < need; i++) pad[i] = 0x80;
     return valid_char_len(pad, need) == need;
-}
-
-bool valid_utf8_no_nul(const char *text, size_t len) {
-    const auto *s = reinterpret_cast<const unsigned char *>(text);
-    size_t i = 0;
-    while (i < len) {
-        if (s[i] == 0) return false;
-        const size_t n = valid_char_len(s + i, len - i);
-        if (n == 0) return false;
-        i += n;
-    }
-    return true;
 }
 
 }  // namespace
@@ -221,6 +203,15 @@ void analyze(SpmTokenizer *t) {
     for (int id = 0; id < t->vocab; id++) {
         PieceInfo &pi = t->pieces[static_cast<size_t>(id)];
         const std::string &piece = sp.IdToPiece(id);
+        // the decoder prints pieces as they are, as C strings
+        if (!utf8_valid(piece.data(), piece.size()))
+            throw std::runtime_error("piece " + std::to_string(id) + " is not valid UTF-8 text without NUL bytes");
+        if (!std::isfinite(sp.GetScore(id)))
+            throw std::runtime_error("piece " + std::to_string(id) + " has a score that is not a finite number");
+        // DecodeIds maps ids to text and back, so for a shared text it decodes another id's piece
+        if (const int same = sp.PieceToId(piece); same != id)
+            throw std::runtime_error("pieces " + std::to_string(std::min(id, same)) + " and " +
+                                     std::to_string(std::max(id, same)) + " have the same text");
         if (sp.IsControl(id)) {
             pi.kind = PieceKind::kControl;
         } else if (sp.IsUnknown(id)) {
@@ -250,6 +241,8 @@ void analyze(SpmTokenizer *t) {
     if (unk >= 0) {
         std::string surface;
         if (sp.Decode(std::vector<int>{unk}, &surface).ok()) t->unk_surface = surface;
+        if (!utf8_valid(t->unk_surface.data(), t->unk_surface.size()))
+            throw std::runtime_error("the unknown piece's surface (unk_surface) is not valid UTF-8 text");
     }
     // A piece that is exactly U+2581 tells the three rules apart: decoding it twice gives
     // "" (while empty), " " (once) or "  " (none). Without one, "once" and "while empty"
@@ -267,10 +260,153 @@ void analyze(SpmTokenizer *t) {
     }
 }
 
+// ---- Checks of the serialized model before the library sees it ----
+// libsentencepiece trusts a model's precompiled charsmaps: it walks their double-array trie
+// without bounds checks and reads the strings the trie indexes with strlen, while loading
+// (self-test samples, DecodeIds) and while encoding. So the wrapper reads the protobuf wire
+// format itself, only as far as the charsmaps, and refuses what the library cannot use safely.
+
+// Reads a varint of at most max_bytes bytes; false when it is cut short or longer.
+bool read_varint(std::string_view *in, uint64_t *v, int max_bytes) {
+    uint64_t x = 0;
+    for (int i = 0; i < max_bytes && !in->empty(); i++) {
+        const auto b = static_cast<unsigned char>(in->front());
+        in->remove_prefix(1);
+        x |= uint64_t(b & 0x7F) << (7 * i);
+        if (!(b & 0x80)) {
+            *v = x;
+            return true;
+        }
+    }
+    return false;
+}
+
+using LengthFieldFn = std::function<void(uint32_t number, std::string_view payload)>;
+
+// Walks the fields of one message in *in, or of a group up to its end tag (end_group > 0),
+// calling on_length for every length-delimited field (groups' contents are skipped, as
+// protobuf keeps them as unknown fields). False when the bytes are not well-formed protobuf,
+// which the library's parser refuses too.
+bool walk_fields(std::string_view *in, uint32_t end_group, int depth, const LengthFieldFn &on_length) {
+    if (depth > 100) return false;  // protobuf's own nesting limit
+    while (!in->empty()) {
+        uint64_t tag, v;
+        if (!read_varint(in, &tag, 5) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
+        const auto number = static_cast<uint32_t>(tag >> 3);
+        switch (tag & 7) {
+            case 0:
+                if (!read_varint(in, &v, 10)) return false;
+                break;
+            case 1:
+            case 5: {
+                const size_t n = (tag & 7) == 1 ? 8 : 4;
+                if (in->size() < n) return false;
+                in->remove_prefix(n);
+                break;
+            }
+            case 2:
+                if (!read_varint(in, &v, 5) || v > in->size()) return false;
+                if (on_length) on_length(number, in->substr(0, v));
+                in->remove_prefix(v);
+                break;
+            case 3:
+                if (!walk_fields(in, number, depth + 1, nullptr)) return false;
+                break;
+            case 4:
+                return end_group != 0 && number == end_group;
+            default:
+                return false;
+        }
+    }
+    return end_group == 0;
+}
+
+uint32_t load_u32le(const char *p) {
+    const auto *b = reinterpret_cast<const unsigned char *>(p);
+    return uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+}
+
+// What is wrong with a precompiled charsmap (normalizer.cc: a little-endian uint32 trie size
+// in bytes, the darts-clone double array, then the NUL-terminated replacement strings), or ""
+// when the library can use it safely: every unit a search can reach leads inside the array,
+// and every value is the start of a NUL-terminated, valid UTF-8 string. The rules hold for
+// the charsmaps spm_train compiles (whole 256-unit blocks, strings stored one after another).
+std::string charsmap_problem(std::string_view blob) {
+    if (blob.empty()) return "";  // no normalization rules
+    if (blob.size() < 4) return "it is " + std::to_string(blob.size()) + " bytes long, too short for its 4-byte trie size";
+    const uint32_t trie_bytes = load_u32le(blob.data());
+    if (trie_bytes == 0 || trie_bytes % 1024 != 0)
+        return "its trie size " + std::to_string(trie_bytes) + " is not a whole number of 256-unit blocks";
+    if (trie_bytes >= blob.size() - 4)
+        return "its trie of " + std::to_string(trie_bytes) + " bytes leaves no room for strings in its " +
+               std::to_string(blob.size()) + " bytes";
+    const std::string_view strings = blob.substr(4 + size_t(trie_bytes));
+    if (strings.back() != '\0') return "its last string is not NUL-terminated";
+    for (size_t at = 0; at < strings.size();) {
+        const size_t end = strings.find('\0', at);
+        if (!utf8_valid(strings.data() + at, end - at))
+            return "its string at offset " + std::to_string(at) + " is not valid UTF-8";
+        at = end + 1;
+    }
+    // darts-clone units: bits 0-7 the label, bit 8 "has a leaf", bits 10-31 the offset to the
+    // children (shifted 8 more with bit 9); bit 31 marks a value unit, which no search enters.
+    const size_t n_units = trie_bytes / 4;
+    const char *units = blob.data() + 4;
+    if (load_u32le(units) >> 31) return "its root unit is a value unit";
+    for (size_t i = 0; i < n_units; i++) {
+        const uint32_t u = load_u32le(units + 4 * i);
+        if (u >> 31) continue;
+        const size_t base = i ^ size_t((u >> 10) << ((u & (1u << 9)) >> 6));
+        if (base >= n_units)  // whole blocks: base ^ any byte stays inside too
+            return "unit " + std::to_string(i) + " leads to unit " + std::to_string(base) + ", outside its " +
+                   std::to_string(n_units) + " units";
+        if (u & (1u << 8)) {
+            const uint32_t value = load_u32le(units + 4 * base) & 0x7FFFFFFFu;
+            if (value >= strings.size() || (value > 0 && strings[value - 1] != '\0'))
+                return "unit " + std::to_string(i) + "'s value " + std::to_string(value) + " is not the start of one of its strings";
+        }
+    }
+    return "";
+}
+
+struct ModelBytesCheck {
+    bool parses = true;  // false: not well-formed protobuf
+    std::string why;     // otherwise: why the library may not have the model ("" when it may)
+};
+
+// ModelProto fields 3 (normalizer_spec) and 5 (denormalizer_spec) hold NormalizerSpecs, whose
+// field 2 is precompiled_charsmap. Protobuf merges repeated occurrences (the last charsmap
+// wins), so every occurrence is checked.
+ModelBytesCheck check_model_bytes(std::string_view bytes) {
+    ModelBytesCheck c;
+    auto on_spec_field = [&c](bool denormalizer) {
+        return [&c, denormalizer](uint32_t number, std::string_view value) {
+            if (number != 2 || !c.why.empty()) return;
+            if (denormalizer && !value.empty())
+                c.why = "it has a denormalizer (a precompiled_charsmap in denormalizer_spec), which this program's decoder does not apply";
+            else if (const std::string problem = charsmap_problem(value); !problem.empty())
+                c.why = "its normalizer's precompiled_charsmap is malformed: " + problem;
+        };
+    };
+    const LengthFieldFn on_model_field = [&](uint32_t number, std::string_view value) {
+        if (number != 3 && number != 5) return;
+        if (!walk_fields(&value, 0, 1, on_spec_field(number == 5))) c.parses = false;
+    };
+    if (!walk_fields(&bytes, 0, 0, on_model_field)) c.parses = false;
+    return c;
+}
+
 // Loads the model from its serialized bytes; `what` names them in messages ("'path'").
 SpmTokenizer *load_serialized(std::string_view bytes, const std::string &what, char *err, size_t errlen) {
     if (bytes.empty()) {
         set_err(err, errlen, "cannot load the SentencePiece model " + what + ": it is empty.");
+        return nullptr;
+    }
+    const std::string unparsable =
+        "cannot load the SentencePiece model " + what + ": its bytes do not parse as a ModelProto (not a .model file, or cut short).";
+    const ModelBytesCheck check = check_model_bytes(bytes);
+    if (!check.parses || !check.why.empty()) {
+        set_err(err, errlen, !check.parses ? unparsable : "cannot use the SentencePiece model " + what + ": " + check.why + ".");
         return nullptr;
     }
     auto t = std::make_unique<SpmTokenizer>();
@@ -278,8 +414,7 @@ SpmTokenizer *load_serialized(std::string_view bytes, const std::string &what, c
     if (!st.ok()) {
         const std::string msg = one_line(st.message());
         if (msg.find("ParseFromArray") != std::string::npos)  // the library's text is its source line
-            set_err(err, errlen,
-                    "cannot load the SentencePiece model " + what + ": its bytes do not parse as a ModelProto (not a .model file, or cut short).");
+            set_err(err, errlen, unparsable);
         else
             set_err(err, errlen, "cannot load the SentencePiece model " + what + ": the library says \"" + msg + "\".");
         return nullptr;
@@ -380,20 +515,22 @@ int spm_eos_id(const SpmTokenizer *t) { return t ? t->eos : -1; }
 
 int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos, int *ids, int max_ids) {
     try {
-        if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return -1;
-        if (add_bos && t->bos < 0) return -1;
-        if (len > 0 && !valid_utf8_no_nul(text, len)) return -1;
+        if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return SPM_ERR_OTHER;
+        if (len > 0 && !utf8_valid(text, len)) return SPM_ERR_TEXT;
+        if (add_bos && t->bos < 0) return SPM_ERR_OTHER;
         std::vector<int> out;
-        if (len > 0 && !t->sp.Encode(std::string_view(text, len), &out).ok()) return -1;
+        if (len > 0 && !t->sp.Encode(std::string_view(text, len), &out).ok()) return SPM_ERR_OTHER;
         const size_t extra = add_bos ? 1 : 0;
-        if (out.size() > static_cast<size_t>(INT_MAX) - extra) return -1;
+        if (out.size() > static_cast<size_t>(INT_MAX) - extra) return SPM_ERR_OTHER;
         const int count = static_cast<int>(out.size() + extra);
         int w = 0;
         if (add_bos && w < max_ids) ids[w++] = t->bos;
         for (size_t i = 0; i < out.size() && w < max_ids; i++) ids[w++] = out[i];
         return count;
+    } catch (const std::bad_alloc &) {
+        return SPM_ERR_NOMEM;
     } catch (...) {
-        return -1;
+        return SPM_ERR_OTHER;
     }
 }
 
@@ -456,13 +593,7 @@ size_t spm_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_
         s.out.clear();
         drain_bytes(&s, true);
         text += s.out;
-        if (buf && bufsize > 0) {
-            size_t k = text.size() < bufsize - 1 ? text.size() : bufsize - 1;
-            if (k < text.size())  // do not cut a character in two
-                while (k > 0 && is_trail(static_cast<unsigned char>(text[k]))) k--;
-            std::memcpy(buf, text.data(), k);
-            buf[k] = '\0';
-        }
+        if (buf && bufsize > 0) copy_cut(buf, bufsize, text);
         return text.size();
     } catch (...) {
         if (buf && bufsize > 0) buf[0] = '\0';

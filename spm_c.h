@@ -16,7 +16,11 @@ extern "C" {
 typedef struct SpmTokenizer SpmTokenizer;
 
 /* Loading: on failure return NULL and write one clear sentence into err (errlen bytes,
- * always NUL-terminated; err may be NULL when errlen is 0). */
+ * always NUL-terminated; err may be NULL when errlen is 0). The model is untrusted input:
+ * one the library could not use safely, or whose text this API could not print as promised,
+ * is refused the same way: a malformed precompiled_charsmap in its normalizer, any
+ * denormalizer, a piece that is not valid UTF-8 or holds a NUL byte, a score that is not a
+ * finite number, an unknown surface (unk_surface) that is not valid UTF-8. */
 SpmTokenizer *spm_load_file(const char *path, char *err, size_t errlen);
 /* data: a serialized ModelProto (the bytes of a .model file); the bytes are copied. */
 SpmTokenizer *spm_load_bytes(const void *data, size_t size, char *err, size_t errlen);
@@ -28,11 +32,19 @@ int spm_vocab_size(const SpmTokenizer *t);
 int spm_bos_id(const SpmTokenizer *t);
 int spm_eos_id(const SpmTokenizer *t);
 
+/* spm_encode's errors: distinct negative values, so that callers can say what went wrong. */
+enum {
+    SPM_ERR_TEXT = -1,  /* the text is not valid UTF-8 (overlong forms, surrogates and code
+                           points above U+10FFFF included) or holds a NUL byte */
+    SPM_ERR_NOMEM = -2, /* out of memory */
+    SPM_ERR_OTHER = -3, /* bad arguments, add_bos on a model without BOS, more than INT_MAX
+                           ids, or the library reported an error */
+};
+
 /* Encodes text (len bytes, not necessarily NUL-terminated). Prepends BOS when add_bos.
  * Returns the number of ids (may exceed max_ids: then only max_ids were written, so callers
- * can detect "too long"), or -1 on error: text that is not valid UTF-8 (overlong forms,
- * surrogates and code points above U+10FFFF included), an embedded NUL byte, add_bos on a
- * model without BOS, or bad arguments. ids may be NULL when max_ids is 0. */
+ * can detect "too long"), or one of the SPM_ERR_* values above. ids may be NULL when max_ids
+ * is 0. */
 int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos, int *ids, int max_ids);
 
 /* Streaming decoder: feed one id at a time as tokens are generated; it returns text that is

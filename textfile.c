@@ -6,32 +6,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "errmsg.h"
+#include "utf8.h"
+
 #define SEPARATOR "<|endoftext|>"
 #define MAX_FILE_BYTES (1L << 30)
-
-int utf8_valid(const char *str, size_t n) {
-    const unsigned char *s = (const unsigned char *)str;
-    size_t i = 0;
-    while (i < n) {
-        unsigned c = s[i];
-        if (c == 0) return 0;
-        if (c < 0x80) { i++; continue; }
-        int len;
-        unsigned cp, min;
-        if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
-        else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
-        else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
-        else return 0;
-        if (i + (size_t)len > n) return 0;
-        for (int k = 1; k < len; k++) {
-            if ((s[i + k] & 0xC0) != 0x80) return 0;
-            cp = (cp << 6) | (s[i + k] & 0x3F);
-        }
-        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
-        i += (size_t)len;
-    }
-    return 1;
-}
 
 static int is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
 
@@ -54,9 +33,9 @@ static int add_story(StoryFile *f, char *b, char *e, int *cap) {
 
 int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
-    if (memchr(data, '\0', size)) { snprintf(err, errlen, "the text holds a NUL byte"); return -1; }
+    if (memchr(data, '\0', size)) return errmsg(err, errlen, -1, "the text holds a NUL byte");
     f->text = malloc(size + 1);
-    if (!f->text) { snprintf(err, errlen, "out of memory reading stories"); return -1; }
+    if (!f->text) return errmsg(err, errlen, -1, "out of memory reading stories");
     memcpy(f->text, data, size);
     f->text[size] = '\0';
     int cap = 0;
@@ -78,18 +57,18 @@ int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size
     if (add_story(f, story, end, &cap) != 0) goto oom;
     for (int i = 0; i < f->n_stories; i++)
         if (!utf8_valid(f->stories[i], strlen(f->stories[i]))) {
-            snprintf(err, errlen, "story %d is not valid UTF-8 text", i + 1);
+            errmsg(err, errlen, -1, "story %d is not valid UTF-8 text", i + 1);
             storyfile_free(f);
             return -1;
         }
     if (f->n_stories == 0) {
-        snprintf(err, errlen, "no story found (stories are separated by lines holding only %s)", SEPARATOR);
+        errmsg(err, errlen, -1, "no story found (stories are separated by lines holding only %s)", SEPARATOR);
         storyfile_free(f);
         return -1;
     }
     return 0;
 oom:
-    snprintf(err, errlen, "out of memory reading stories");
+    errmsg(err, errlen, -1, "out of memory reading stories");
     storyfile_free(f);
     return -1;
 }
@@ -97,14 +76,14 @@ oom:
 int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
     FILE *fp = fopen(path, "rb");
-    if (!fp) { snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno)); return -1; }
+    if (!fp) return errmsg(err, errlen, -1, "cannot open %s: %s", path, strerror(errno));
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap);
     for (;;) {
-        if (!buf) { fclose(fp); snprintf(err, errlen, "out of memory reading %s", path); return -1; }
+        if (!buf) { fclose(fp); return errmsg(err, errlen, -1, "out of memory reading %s", path); }
         n += fread(buf + n, 1, cap - n, fp);
         if (n < cap) break;
-        if (cap >= (size_t)MAX_FILE_BYTES) { free(buf); fclose(fp); snprintf(err, errlen, "%s is over 1 GiB", path); return -1; }
+        if (cap >= (size_t)MAX_FILE_BYTES) { free(buf); fclose(fp); return errmsg(err, errlen, -1, "%s is over 1 GiB", path); }
         char *nb = realloc(buf, cap * 2);
         if (!nb) free(buf);
         buf = nb;
@@ -112,11 +91,11 @@ int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
     }
     int bad = ferror(fp);
     fclose(fp);
-    if (bad) { free(buf); snprintf(err, errlen, "cannot read %s", path); return -1; }
+    if (bad) { free(buf); errmsg(err, errlen, -1, "cannot read %s", path); return -1; }
     char inner[256];
     int rc = storyfile_parse(f, buf, n, inner, sizeof inner);
     free(buf);
-    if (rc != 0) snprintf(err, errlen, "%s: %s", path, inner);
+    if (rc != 0) errmsg(err, errlen, -1, "%s: %s", path, inner);
     return rc;
 }
 

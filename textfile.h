@@ -18,7 +18,5 @@ int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen);
 /* From memory (copied); the same checks. */
 int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size_t errlen);
 void storyfile_free(StoryFile *f);
-/* 1 when s[0..n) is valid UTF-8 (no overlongs, surrogates or code points past U+10FFFF) with no NUL byte. */
-int utf8_valid(const char *s, size_t n);
 
 #endif /* TEXTFILE_H */

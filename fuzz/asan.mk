@@ -30,13 +30,14 @@ ASAN_ENV = ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:strict_string_checks=1:de
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 .PHONY: test-asan valgrind
-.SECONDARY: $(ASAN_OBJS) $(ASAN_B)/run.o $(ASAN_B)/fuzz/replay.o $(FUZZ_HARNESSES:%=$(ASAN_B)/fuzz/fuzz_%.o)
+.SECONDARY: $(ASAN_OBJS) $(ASAN_B)/run.o $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/tokenizer_checks.o \
+  $(FUZZ_HARNESSES:%=$(ASAN_B)/fuzz/fuzz_%.o)
 
 $(ASAN_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(ASAN_CFLAGS) -c $< -o $@
 
-$(ASAN_B)/spm_c.o: spm_c.cc spm_c.h
+$(ASAN_B)/spm_c.o: spm_c.cc spm_c.h utf8.h
 	@mkdir -p $(@D)
 	$(CXX) $(ASAN_CXXFLAGS) -c $< -o $@
 
@@ -51,12 +52,12 @@ $(ASAN_B)/tests/test_%: $(ASAN_B)/tests/test_%.o $(ASAN_B)/tests/testutil.o $(AS
 	$(CXX) -fopenmp $(ASAN_SAN) $^ -o $@ $(LDLIBS) -lcmocka
 
 # the fuzz harnesses with fuzz/replay.c's main() instead of libFuzzer
-$(ASAN_B)/fuzz/%.o: fuzz/%.c $(HEADERS)
+$(ASAN_B)/fuzz/%.o: fuzz/%.c fuzz/tokenizer_checks.h $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(ASAN_CFLAGS) -I. -DFUZZ_TINY_MODEL='"$(CURDIR)/$(TINY_TOKENIZER)"' \
 	  -DFUZZ_REAL_MODEL='"$(CURDIR)/$(REAL_TOKENIZER)"' -c $< -o $@
 
-$(ASAN_B)/fuzz/replay_%: $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/fuzz_%.o $(ASAN_OBJS)
+$(ASAN_B)/fuzz/replay_%: $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/fuzz_%.o $(ASAN_B)/fuzz/tokenizer_checks.o $(ASAN_OBJS)
 	$(CXX) -fopenmp $(ASAN_SAN) $^ -o $@ $(LDLIBS)
 
 test-asan: $(ASAN_B)/run build/roofline $(ASAN_UNIT_BINS) $(ASAN_REPLAYS) $(TINY_TOKENIZER) fuzz-seeds
@@ -78,7 +79,7 @@ $(VG_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(VG_CFLAGS) -c $< -o $@
 
-$(VG_B)/spm_c.o: spm_c.cc spm_c.h
+$(VG_B)/spm_c.o: spm_c.cc spm_c.h utf8.h
 	@mkdir -p $(@D)
 	$(CXX) -O2 -g -std=c++17 -Wall -Wextra -Werror -c $< -o $@
 

@@ -6,7 +6,7 @@
 #   make fuzz FUZZ_RUNS=1000000 FUZZ_SECONDS=0
 #                             a campaign of 1,000,000 executions per harness, no time limit
 #   make fuzz FUZZ_HARNESSES=loader   one harness only
-#   make fuzz-build           the harnesses only: build/fuzz/fuzz_{loader,tokenizer,cli,ppl}
+#   make fuzz-build           the harnesses only: build/fuzz/fuzz_{loader,tokenizer,tokenizer_model,cli,ppl}
 #   make fuzz-seeds           the seed corpora only: build/fuzz/seeds-*/
 #   make fuzz-regress         replays fuzz/regressions/<harness>/ with the harnesses
 #
@@ -18,13 +18,13 @@ FUZZ_CXX ?= clang++
 FUZZ_SECONDS ?= 60
 FUZZ_RUNS ?=
 FUZZ_ARGS ?=
-FUZZ_HARNESSES ?= loader tokenizer cli ppl
+FUZZ_HARNESSES ?= loader tokenizer tokenizer_model cli ppl
 FUZZ_B = $(B)/fuzz
 FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_CFLAGS = -g -O1 $(ARCH) $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c11 -D_POSIX_C_SOURCE=200809L \
   -ffp-contract=off -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-function -I.
 FUZZ_CXXFLAGS = -g -O1 $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c++17 -Wall -Wextra
-FUZZ_OBJS = $(ENGINE:%.c=$(FUZZ_B)/obj/%.o) $(FUZZ_B)/obj/spm_c.o
+FUZZ_OBJS = $(ENGINE:%.c=$(FUZZ_B)/obj/%.o) $(FUZZ_B)/obj/spm_c.o $(FUZZ_B)/obj/tokenizer_checks.o
 FUZZ_BINS = $(FUZZ_HARNESSES:%=$(FUZZ_B)/fuzz_%)
 REAL_TOKENIZER = tokenizer/tokenizer.model
 
@@ -35,11 +35,15 @@ $(FUZZ_B)/obj/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
 
-$(FUZZ_B)/obj/spm_c.o: spm_c.cc spm_c.h
+$(FUZZ_B)/obj/spm_c.o: spm_c.cc spm_c.h utf8.h
 	@mkdir -p $(@D)
 	$(FUZZ_CXX) $(FUZZ_CXXFLAGS) -c $< -o $@
 
-$(FUZZ_B)/obj/fuzz_%.o: fuzz/fuzz_%.c $(HEADERS)
+$(FUZZ_B)/obj/tokenizer_checks.o: fuzz/tokenizer_checks.c fuzz/tokenizer_checks.h $(HEADERS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
+
+$(FUZZ_B)/obj/fuzz_%.o: fuzz/fuzz_%.c fuzz/tokenizer_checks.h $(HEADERS)
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -DFUZZ_TINY_MODEL='"$(CURDIR)/$(TINY_TOKENIZER)"' \
 	  -DFUZZ_REAL_MODEL='"$(CURDIR)/$(REAL_TOKENIZER)"' -c $< -o $@
@@ -55,9 +59,17 @@ $(FUZZ_B)/make_seeds: fuzz/make_seeds.c $(B)/tests/testutil.o $(ENGINE_OBJS) $(H
 	$(CC) $(CFLAGS) -I. -Itests -c fuzz/make_seeds.c -o $@.o
 	$(CXX) -fopenmp $@.o $(B)/tests/testutil.o $(ENGINE_OBJS) -o $@ $(LDLIBS)
 
-$(FUZZ_B)/seeds.stamp: $(FUZZ_B)/make_seeds $(TINY_TOKENIZER) $(REAL_TOKENIZER)
+# A unigram tokenizer with a real precompiled charsmap (NFKC rules), as a seed of
+# fuzz_tokenizer_model (the other seeds are BPE without normalization).
+NFKC_TOKENIZER = $(FUZZ_B)/nfkc.model
+$(NFKC_TOKENIZER): tests/fixtures/tiny.txt
+	@mkdir -p $(@D)
+	spm_train --input=$< --model_prefix=$(FUZZ_B)/nfkc --model_type=unigram --vocab_size=320 \
+	  --byte_fallback=true --character_coverage=1.0 --normalization_rule_name=nmt_nfkc --minloglevel=2 >/dev/null 2>&1
+
+$(FUZZ_B)/seeds.stamp: $(FUZZ_B)/make_seeds $(TINY_TOKENIZER) $(REAL_TOKENIZER) $(NFKC_TOKENIZER)
 	rm -rf $(FUZZ_B)/seeds-*
-	$(FUZZ_B)/make_seeds $(FUZZ_B) $(TINY_TOKENIZER) $(REAL_TOKENIZER)
+	$(FUZZ_B)/make_seeds $(FUZZ_B) $(TINY_TOKENIZER) $(REAL_TOKENIZER) $(NFKC_TOKENIZER)
 	@touch $@
 
 fuzz-seeds: $(FUZZ_B)/seeds.stamp

@@ -7,7 +7,8 @@
  * reports any read past it (the loader packs the weights into a heap block of exactly
  * their size, and the derived MLA matrices into another). Models whose scratch would exceed
  * FUZZ_LOADER_SCRATCH_MB (default 256) are loaded and freed without a forward pass: they
- * are legal, just too big to run thousands of times a second. */
+ * are legal, just too big to run thousands of times a second. Every loaded checkpoint's
+ * embedded tokenizer also encodes 16 of the input's bytes, made printable. */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
@@ -19,6 +20,7 @@
 #include "loader.h"
 #include "model.h"
 #include "sampler.h"
+#include "spm_c.h"
 
 static int g_fd = -1;
 static char g_path[64];
@@ -90,6 +92,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (err[0] == '\0' || memchr(err, '\n', strlen(err)) || strlen(err) >= sizeof err) abort();
         return 0;
     }
+    /* the embedded tokenizer is untrusted too: encode a few input bytes, made printable */
+    char text[16];
+    int ids[sizeof text + 1];
+    for (size_t i = 0; i < sizeof text; i++) text[i] = (char)(0x20 + data[i * 7 % size] % 95);
+    if (spm_encode(m.tokenizer, text, sizeof text, 1, ids, (int)(sizeof ids / sizeof ids[0])) < SPM_ERR_OTHER) abort();
     const Config *c = &m.cfg;
     if (scratch_floats(c) <= g_scratch_floats) {
         int t1 = size ? data[size - 1] % c->vocab_size : 0;

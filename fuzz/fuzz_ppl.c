@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "textfile.h"
+#include "utf8.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -1,10 +1,15 @@
 /* make_seeds.c: writes the seed corpora of the fuzz harnesses from valid inputs.
  *
- *   make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER
+ *   make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER NFKC_TOKENIZER
  *
  * OUTDIR/seeds-loader:    a tiny checkpoint of every variant (bf16 and fp32) with the
- *                         tiny test tokenizer embedded (tests/testutil.c writes them)
+ *                         tiny test tokenizer embedded (tests/testutil.c writes them), and
+ *                         one whose tokenizer has a one-rule charsmap (q -> "Once")
  * OUTDIR/seeds-tokenizer: prompts with their ids, in fuzz_tokenizer.c's input layout
+ * OUTDIR/seeds-tokenizer_model: prompts with a whole model each (the tiny one, also with
+ *                         a one-rule charsmap, other normalizer flags or more piece types;
+ *                         the real one; a unigram NFKC one), in fuzz_tokenizer_model.c's
+ *                         input layout
  * OUTDIR/seeds-cli:       valid argument vectors, NUL-separated
  * OUTDIR/seeds-ppl:       small story files */
 #include <stdio.h>
@@ -19,15 +24,71 @@
 
 static const char *g_out;
 
+/* what: the file that could not be read or written, or what went wrong */
+static void die(const char *what) {
+    fprintf(stderr, "make_seeds: cannot go on: %s\n", what);
+    exit(1);
+}
+
+/* What make_seeds appends to a model's bytes (protobuf merges it over the model's own). */
+enum Extra {
+    EXTRA_NONE,
+    EXTRA_RULE,   /* a normalizer charsmap with one rule, q -> "Once" */
+    EXTRA_FLAGS,  /* no dummy prefix, extra white space kept, white space as suffix */
+    EXTRA_PIECES, /* a user-defined piece <tag>, an unused piece zzz, a control piece <ctl> */
+};
+
+static size_t extra_bytes(enum Extra e, unsigned char *out) {
+    unsigned char a[sizeof(TestCharsmap) + 16], b[sizeof a + 16];
+    size_t n = 0, k;
+    switch (e) {
+        case EXTRA_RULE: {
+            TestCharsmap c;
+            test_charsmap_init(&c, 'q', "Once");
+            k = pb_put_bytes(b, 2, a, test_charsmap_encode(&c, a)); /* NormalizerSpec.precompiled_charsmap */
+            n = pb_put_bytes(out, 3, b, k);                         /* ModelProto.normalizer_spec */
+            break;
+        }
+        case EXTRA_FLAGS:
+            k = pb_put_varint(a, 3, 0);      /* add_dummy_prefix */
+            k += pb_put_varint(a + k, 4, 0); /* remove_extra_whitespaces */
+            n = pb_put_bytes(out, 3, a, k);
+            k = pb_put_varint(a, 24, 1);     /* TrainerSpec.treat_whitespace_as_suffix */
+            n += pb_put_bytes(out + n, 2, a, k);
+            break;
+        case EXTRA_PIECES: {
+            static const struct { const char *piece; int type; } p[] = {{"<tag>", 4}, {"zzz", 5}, {"<ctl>", 3}};
+            for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) {
+                k = pb_put_bytes(a, 1, p[i].piece, strlen(p[i].piece)); /* SentencePiece.piece */
+                k += pb_put_varint(a + k, 3, (uint64_t)p[i].type);     /* SentencePiece.type */
+                n += pb_put_bytes(out + n, 1, a, k);                    /* ModelProto.pieces */
+            }
+            break;
+        }
+        default:
+            break;
+    }
+    return n;
+}
+
+/* The bytes of a model file with the extra fields appended. */
+static unsigned char *model_bytes(const char *path, enum Extra e, size_t *size) {
+    size_t n;
+    unsigned char *model = read_whole_file(path, &n);
+    if (!model) die(path);
+    unsigned char extra[sizeof(TestCharsmap) + 64];
+    unsigned char *out = concat_bytes(model, n, extra, extra_bytes(e, extra), size);
+    free(model);
+    if (!out) die("out of memory");
+    return out;
+}
+
 static void put(const char *dir, const char *name, const void *data, size_t n) {
     char path[1024];
     snprintf(path, sizeof path, "%s/%s", g_out, dir);
     mkdir(path, 0755);
     snprintf(path, sizeof path, "%s/%s/%s", g_out, dir, name);
-    if (write_whole_file(path, data, n) != 0) {
-        fprintf(stderr, "make_seeds: cannot write %s\n", path);
-        exit(1);
-    }
+    if (write_whole_file(path, data, n) != 0) die(path);
 }
 
 /* dim 16, 4 heads of 4, hidden 24, context 8: a few KB of weights */
@@ -56,8 +117,8 @@ static const char *const k_prompts[] = {
 };
 
 int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER\n");
+    if (argc != 5) {
+        fprintf(stderr, "usage: make_seeds OUTDIR TINY_TOKENIZER REAL_TOKENIZER NFKC_TOKENIZER\n");
         return 2;
     }
     g_out = argv[1];
@@ -87,6 +148,45 @@ int main(int argc, char **argv) {
             fprintf(stderr, "make_seeds: cannot write %s\n", path);
             return 1;
         }
+    }
+
+    /* a checkpoint whose tokenizer normalizes */
+    size_t rule_size;
+    unsigned char *rule_model = model_bytes(argv[2], EXTRA_RULE, &rule_size);
+    char rule_path[1024], ck_path[1024];
+    snprintf(rule_path, sizeof rule_path, "%s/tiny-rule.model", g_out);
+    snprintf(ck_path, sizeof ck_path, "%s/seeds-loader/gqa-bf16-charsmap.bin", g_out);
+    Config rc = tiny_config(VARIANT_GQA, 0, spm_vocab_size(tok[0]), DTYPE_BF16, 1);
+    if (write_whole_file(rule_path, rule_model, rule_size) != 0 || write_test_checkpoint(ck_path, &rc, rule_path, 99) != 0)
+        die(ck_path);
+    free(rule_model);
+
+    /* tokenizer_model: [flags][short buffer][text length, 2 bytes][text][model] */
+    static const struct { const char *name; int model_arg; enum Extra extra; const char *text; } with_model[] = {
+        {"tiny-plain", 2, EXTRA_NONE, "Once upon a time"},
+        {"tiny-accents", 2, EXTRA_NONE, "The caf\xC3\xA9 \xF0\x9F\x90\x89 said \"hi\"!"},
+        {"tiny-rule", 2, EXTRA_RULE, "q upon a q"},
+        {"tiny-rule-bad", 2, EXTRA_RULE, "bad \xFF q"},
+        {"tiny-flags", 2, EXTRA_FLAGS, "  two  spaces "},
+        {"tiny-pieces", 2, EXTRA_PIECES, "a <tag> zzz <ctl>"},
+        {"real", 3, EXTRA_NONE, "Tom had a red ball."},
+        {"nfkc-fullwidth", 4, EXTRA_NONE, "\xEF\xBD\x86\xEF\xBD\x95ll \xE2\x91\xA0 moon"},
+    };
+    for (size_t i = 0; i < sizeof with_model / sizeof with_model[0]; i++) {
+        size_t msize, tlen = strlen(with_model[i].text);
+        unsigned char *m = model_bytes(argv[with_model[i].model_arg], with_model[i].extra, &msize);
+        unsigned char head[4 + 64];
+        head[0] = (unsigned char)(1 | (i % 4) << 1);
+        head[1] = (unsigned char)(3 + 5 * i);
+        head[2] = (unsigned char)tlen;
+        head[3] = 0;
+        memcpy(head + 4, with_model[i].text, tlen);
+        size_t total;
+        unsigned char *seed = concat_bytes(head, 4 + tlen, m, msize, &total);
+        if (!seed) die("out of memory");
+        put("seeds-tokenizer_model", with_model[i].name, seed, total);
+        free(seed);
+        free(m);
     }
 
     /* tokenizer: [flags][split][short buffer][text][int16 ids of the text] */

@@ -6,12 +6,16 @@
 #include <stddef.h>
 #include <cmocka.h>
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "spm_c.h"
+#include "testutil.h"
+#include "utf8.h"
 
 /* Not in spm_c.h: spm_c.cc's hook that runs the library's own DecodeIds. */
 long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize);
@@ -92,7 +96,7 @@ static void test_vocab_and_special_ids(void **state) {
     assert_int_equal(spm_vocab_size(NULL), 0);
     assert_int_equal(spm_bos_id(NULL), -1);
     assert_int_equal(spm_eos_id(NULL), -1);
-    assert_int_equal(spm_encode(NULL, "a", 1, 1, NULL, 0), -1);
+    assert_int_equal(spm_encode(NULL, "a", 1, 1, NULL, 0), SPM_ERR_OTHER);
     assert_null(spm_stream_new(NULL));
     assert_string_equal(spm_stream_put(NULL, 5), "");
     assert_string_equal(spm_stream_flush(NULL), "");
@@ -183,8 +187,9 @@ static void test_encode_rejects_invalid_utf8_and_nul(void **state) {
     int ids[MAX_IDS];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         ids[0] = -7;
-        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 1, ids, MAX_IDS), -1);
-        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 0, ids, MAX_IDS), -1);
+        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 1, ids, MAX_IDS), SPM_ERR_TEXT);
+        assert_int_equal(spm_encode(s_tok, bad[i].s, bad[i].len, 0, ids, MAX_IDS), SPM_ERR_TEXT);
+        assert_int_equal(ids[0], -7);
     }
     /* len is honoured: the text need not be NUL-terminated */
     int a[MAX_IDS], b[MAX_IDS];
@@ -193,11 +198,12 @@ static void test_encode_rejects_invalid_utf8_and_nul(void **state) {
     assert_int_equal(n, m);
     assert_memory_equal(a, b, (size_t)n * sizeof(int));
     /* and a cut through a character is invalid */
-    assert_int_equal(spm_encode(s_tok, "caf\xC3\xA9", 4, 0, a, MAX_IDS), -1);
-    /* bad arguments */
-    assert_int_equal(spm_encode(s_tok, NULL, 3, 0, a, MAX_IDS), -1);
-    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, NULL, 5), -1);
-    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, a, -1), -1);
+    assert_int_equal(spm_encode(s_tok, "caf\xC3\xA9", 4, 0, a, MAX_IDS), SPM_ERR_TEXT);
+    /* bad arguments are not bad text */
+    assert_int_equal(spm_encode(s_tok, NULL, 3, 0, a, MAX_IDS), SPM_ERR_OTHER);
+    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, NULL, 5), SPM_ERR_OTHER);
+    assert_int_equal(spm_encode(s_tok, "abc", 3, 0, a, -1), SPM_ERR_OTHER);
+    assert_int_equal(SPM_ERR_TEXT, -1); /* the value run.c reports as "not valid UTF-8" */
 }
 
 static void test_max_ids_reports_full_count(void **state) {
@@ -516,6 +522,318 @@ static void test_load_bytes(void **state) {
     spm_free(t);
 }
 
+/* ---- crafted models: the embedded tokenizer is untrusted input ---- */
+
+/* Loads the tiny model with `extra` appended: protobuf merges the appended fields over the
+ * model's own. */
+static SpmTokenizer *load_with(const unsigned char *extra, size_t n, char *err, size_t errlen) {
+    size_t size, total;
+    unsigned char *model = read_file(s_model_path, &size);
+    unsigned char *bytes = concat_bytes(model, size, extra, n, &total);
+    assert_non_null(bytes);
+    memset(err, 'Z', errlen);
+    SpmTokenizer *t = spm_load_bytes(bytes, total, err, errlen);
+    free(bytes);
+    free(model);
+    return t;
+}
+
+/* spec_field 3 (normalizer_spec) or 5 (denormalizer_spec) with precompiled_charsmap (2) = c,
+ * then `more` (other fields, e.g. self-test data) */
+static SpmTokenizer *load_with_charsmap(unsigned spec_field, const unsigned char *charsmap, size_t cs_len,
+                                        const unsigned char *more, size_t more_len, char *err, size_t errlen) {
+    unsigned char *spec = malloc(cs_len + 16), *extra = malloc(cs_len + 32 + more_len);
+    assert_non_null(spec);
+    assert_non_null(extra);
+    size_t n = pb_put_bytes(spec, 2, charsmap, cs_len);
+    size_t m = pb_put_bytes(extra, spec_field, spec, n);
+    if (more_len) memcpy(extra + m, more, more_len);
+    SpmTokenizer *t = load_with(extra, m + more_len, err, errlen);
+    free(extra);
+    free(spec);
+    return t;
+}
+
+static int encode_with(const SpmTokenizer *t, const char *text, int *ids) {
+    int n = spm_encode(t, text, strlen(text), 0, ids, MAX_IDS);
+    assert_true(n >= 0 && n <= MAX_IDS);
+    return n;
+}
+
+/* A sound charsmap is accepted and used: with the rule q -> "Once", "q" encodes as "Once". */
+static void test_crafted_charsmap_normalizes(void **state) {
+    (void)state;
+    TestCharsmap c;
+    test_charsmap_init(&c, 'q', "Once");
+    unsigned char blob[sizeof c + 4];
+    size_t len = test_charsmap_encode(&c, blob);
+    char err[256];
+    SpmTokenizer *t = load_with_charsmap(3, blob, len, NULL, 0, err, sizeof err);
+    if (!t) fail_msg("refused: %s", err);
+    int a[MAX_IDS], b[MAX_IDS];
+    const char *pairs[][2] = {{"q", "Once"}, {"a q upon", "a Once upon"}, {"qq", "OnceOnce"}};
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+        int n = encode_with(t, pairs[i][0], a);
+        assert_int_equal(n, encode_str(pairs[i][1], 0, b));
+        assert_memory_equal(a, b, (size_t)n * sizeof(int));
+    }
+    assert_int_not_equal(encode_with(t, "q", a), encode_str("q", 0, b)); /* the rule did something */
+    spm_free(t);
+}
+
+enum Corruption {
+    VALUE_PAST_STRINGS, VALUE_FAR_PAST_STRINGS, VALUE_INSIDE_A_STRING, LAST_STRING_UNTERMINATED, STRING_NOT_UTF8,
+    ROOT_OFFSET_OUTSIDE, ROOT_IS_A_VALUE, CHILD_OFFSET_OUTSIDE, TRIE_SIZE_PAST_BLOB, TRIE_SIZE_NOT_BLOCKS,
+    TRIE_SIZE_ZERO, BLOB_OF_3_BYTES, N_CORRUPTIONS
+};
+
+static size_t corrupt_charsmap(enum Corruption k, unsigned char *blob) {
+    TestCharsmap c;
+    test_charsmap_init(&c, 'q', k == STRING_NOT_UTF8 ? "\xFF" : "Once");
+    const uint32_t child = TEST_TRIE_BASE ^ 'q';
+    switch (k) {
+        case VALUE_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | (uint32_t)(c.strings_len + 16); break;
+        case VALUE_FAR_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | 0x40000000; break;
+        case VALUE_INSIDE_A_STRING: c.units[TEST_TRIE_LEAF] = 1u << 31 | 2; break;
+        case LAST_STRING_UNTERMINATED: c.strings_len--; break;
+        case ROOT_OFFSET_OUTSIDE: c.units[0] = 0xFFFFFC00u >> 1 | 1u << 9; break; /* offset about 2^29 */
+        case ROOT_IS_A_VALUE: c.units[0] |= 1u << 31; break;
+        case CHILD_OFFSET_OUTSIDE: c.units[child] = 0x1FFFFFu << 10 | 1u << 8 | 'q'; break; /* bit 31 clear */
+        case TRIE_SIZE_PAST_BLOB: c.trie_bytes = 0x7FFFFFF0u; break;
+        case TRIE_SIZE_NOT_BLOCKS: c.trie_bytes -= 4; break;
+        case TRIE_SIZE_ZERO: c.trie_bytes = 0; break;
+        default: break;
+    }
+    size_t len = test_charsmap_encode(&c, blob);
+    return k == BLOB_OF_3_BYTES ? 3 : len;
+}
+
+/* Each broken charsmap is refused with one sentence. Before the wrapper checked them, the
+ * library took them: encoding "q" then crashed or read out of bounds (the encode below). */
+static void test_crafted_charsmap_refused(void **state) {
+    (void)state;
+    for (int k = 0; k < N_CORRUPTIONS; k++) {
+        unsigned char blob[sizeof(TestCharsmap) + 4];
+        size_t len = corrupt_charsmap((enum Corruption)k, blob);
+        char err[256];
+        SpmTokenizer *t = load_with_charsmap(3, blob, len, NULL, 0, err, sizeof err);
+        if (t) {
+            int ids[MAX_IDS];
+            int n = spm_encode(t, "q q", 3, 1, ids, MAX_IDS);
+            spm_free(t);
+            fail_msg("corruption %d loaded (encoding gave %d)", k, n);
+        }
+        assert_true(strlen(err) < sizeof err);
+        assert_null(strchr(err, '\n'));
+        if (!strstr(err, "normalizer")) fail_msg("corruption %d: %s", k, err);
+    }
+}
+
+/* The library runs a model's self-test samples while loading, so a broken charsmap with a
+ * sample crashed the load itself. */
+static void test_crafted_charsmap_with_self_test(void **state) {
+    (void)state;
+    unsigned char blob[sizeof(TestCharsmap) + 4], sample[32], samples[48], self_test[64];
+    size_t len = corrupt_charsmap(ROOT_OFFSET_OUTSIDE, blob);
+    size_t n = pb_put_bytes(sample, 1, "q", 1);                /* Sample.input */
+    n += pb_put_bytes(sample + n, 2, "\xE2\x96\x81q", 4);       /* Sample.expected */
+    size_t m = pb_put_bytes(samples, 1, sample, n);           /* SelfTestData.samples */
+    size_t k = pb_put_bytes(self_test, 4, samples, m);        /* ModelProto.self_test_data */
+    char err[256];
+    assert_null(load_with_charsmap(3, blob, len, self_test, k, err, sizeof err));
+    assert_non_null(strstr(err, "normalizer"));
+}
+
+/* The denormalizer runs in the library's DecodeIds (called at load to learn the model's
+ * decoding rules); this program's decoder does not apply one, so any is refused. */
+static void test_crafted_denormalizer_refused(void **state) {
+    (void)state;
+    unsigned char blob[sizeof(TestCharsmap) + 4];
+    TestCharsmap c;
+    test_charsmap_init(&c, 'q', "Once");
+    size_t sound = test_charsmap_encode(&c, blob);
+    char err[256];
+    assert_null(load_with_charsmap(5, blob, sound, NULL, 0, err, sizeof err));
+    assert_non_null(strstr(err, "denormalizer"));
+    size_t broken = corrupt_charsmap(ROOT_OFFSET_OUTSIDE, blob);
+    assert_null(load_with_charsmap(5, blob, broken, NULL, 0, err, sizeof err));
+    assert_non_null(strstr(err, "denormalizer"));
+}
+
+/* Appends one piece (ModelProto.pieces: piece 1, score 2, type 3) to the tiny model. */
+static SpmTokenizer *load_with_typed_piece(const char *piece, size_t len, float score, int type, char *err,
+                                           size_t errlen) {
+    unsigned char sp[64], extra[80];
+    size_t n = pb_put_bytes(sp, 1, piece, len);
+    n += pb_put_float(sp + n, 2, score);
+    n += pb_put_varint(sp + n, 3, (uint64_t)type);
+    return load_with(extra, pb_put_bytes(extra, 1, sp, n), err, errlen);
+}
+
+static SpmTokenizer *load_with_piece(const char *piece, size_t len, float score, char *err, size_t errlen) {
+    return load_with_typed_piece(piece, len, score, 1 /* NORMAL */, err, errlen);
+}
+
+/* The decoder prints pieces as they are: a piece must be valid UTF-8 without NUL, its score
+ * a number, and its text its own. */
+static void test_crafted_pieces(void **state) {
+    (void)state;
+    char err[256], out[64];
+    SpmTokenizer *t = load_with_piece("zqzq", 4, -1000.0f, err, sizeof err);
+    if (!t) fail_msg("a sound extra piece was refused: %s", err);
+    int id = 320;
+    assert_int_equal(spm_vocab_size(t), 321);
+    assert_int_equal(spm_decode(t, &id, 1, out, sizeof out), 4);
+    assert_string_equal(out, "zqzq");
+    spm_free(t);
+    assert_null(load_with_piece("ab\0cd", 5, -1000.0f, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    assert_null(load_with_piece("\xFF\xFE", 2, -1000.0f, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    assert_null(load_with_piece("zqzq", 4, NAN, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    assert_null(load_with_piece("zqzq", 4, -INFINITY, err, sizeof err));
+    assert_non_null(strstr(err, "piece 320"));
+    /* two pieces with one text: the library's DecodeIds would decode the other one (the
+     * control <s> as nothing, <0x41> as "A") */
+    assert_null(load_with_piece("<s>", 3, 0.0f, err, sizeof err));
+    assert_non_null(strstr(err, "pieces 1 and 320 have the same text"));
+    assert_null(load_with_piece("<0x41>", 6, 0.0f, err, sizeof err));
+    assert_non_null(strstr(err, "and 320 have the same text"));
+    /* the library's refusal quotes a BYTE piece (type 6): its escape sequences and invalid
+     * UTF-8 must not reach the message, which ./run prints on a terminal */
+    static const char evil[] = "<0x\x1b]0;pwned\x07\x1b[31m\xFF>";
+    memset(err, 'Z', sizeof err);
+    assert_null(load_with_typed_piece(evil, sizeof evil - 1, 0.0f, 6, err, sizeof err));
+    assert_non_null(strstr(err, "\xEF\xBF\xBD]0;pwned\xEF\xBF\xBD\xEF\xBF\xBD[31m\xEF\xBF\xBD>"));
+    assert_true(utf8_valid(err, strlen(err)));
+    for (const char *c = err; *c; c++) assert_false((unsigned char)*c < 0x20 || *c == 0x7F);
+    /* a message cut to a small buffer stays valid UTF-8 */
+    for (size_t room = 1; room < 64; room++) {
+        char small[64];
+        assert_null(load_with_typed_piece(evil, sizeof evil - 1, 0.0f, 6, small, room));
+        assert_true(strlen(small) < room && utf8_valid(small, strlen(small)));
+    }
+    /* the unknown piece's surface (TrainerSpec.unk_surface, 44) is printed too */
+    unsigned char spec[16], extra[32];
+    size_t n = pb_put_bytes(spec, 44, "\xC3", 1);
+    assert_null(load_with(extra, pb_put_bytes(extra, 2, spec, n), err, sizeof err));
+    assert_non_null(strstr(err, "unknown"));
+}
+
+/* What protobuf skips, the checks skip: a group field (wire type 3) numbered like the
+ * normalizer holds a broken charsmap the library never sees, so the model loads. A field
+ * cut short does not parse. */
+static void test_crafted_wire_format(void **state) {
+    (void)state;
+    unsigned char blob[sizeof(TestCharsmap) + 4], extra[sizeof blob + 32];
+    size_t len = corrupt_charsmap(ROOT_OFFSET_OUTSIDE, blob);
+    size_t n = 0;
+    extra[n++] = 3 << 3 | 3; /* start group 3 */
+    n += pb_put_bytes(extra + n, 2, blob, len);
+    extra[n++] = 3 << 3 | 4; /* end group 3 */
+    char err[256];
+    SpmTokenizer *t = load_with(extra, n, err, sizeof err);
+    if (!t) fail_msg("refused: %s", err);
+    int ids[MAX_IDS], ref[MAX_IDS];
+    int k = encode_with(t, "q q", ids);
+    assert_int_equal(k, encode_str("q q", 0, ref));
+    assert_memory_equal(ids, ref, (size_t)k * sizeof(int));
+    spm_free(t);
+    /* a normalizer field whose length runs past the end */
+    const unsigned char cut[] = {3 << 3 | 2, 100, 2 << 3 | 2, 5, 'a'};
+    assert_null(load_with(cut, sizeof cut, err, sizeof err));
+    assert_non_null(strstr(err, "do not parse"));
+}
+
+/* Real charsmaps, as spm_train compiles them, pass the checks and normalize. */
+static void test_trained_normalizers_load(void **state) {
+    (void)state;
+    static const struct { const char *rule, *type, *text, *same_as; } cases[] = {
+        {"nmt_nfkc", "bpe", "\xEF\xBD\x86\xEF\xBD\x95\xEF\xBD\x8C\xEF\xBD\x8C moon", "full moon"}, /* fullwidth letters */
+        {"nfkc_cf", "unigram", "ONCE Upon", "once upon"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *prefix = temp_path(cases[i].rule);
+        char cmd[2048], path[1024], err[256];
+        snprintf(cmd, sizeof cmd,
+                 "spm_train --input=tests/fixtures/tiny.txt --model_prefix=%s --model_type=%s --vocab_size=320 "
+                 "--byte_fallback=true --character_coverage=1.0 --normalization_rule_name=%s --minloglevel=2 "
+                 ">/dev/null 2>&1",
+                 prefix, cases[i].type, cases[i].rule);
+        if (system(cmd) != 0) fail_msg("spm_train failed: %s", cmd);
+        snprintf(path, sizeof path, "%s.model", prefix);
+        SpmTokenizer *t = spm_load_file(path, err, sizeof err);
+        if (!t) fail_msg("%s: %s", cases[i].rule, err);
+        int a[MAX_IDS], b[MAX_IDS];
+        int n = encode_with(t, cases[i].text, a);
+        assert_int_equal(n, encode_with(t, cases[i].same_as, b));
+        assert_memory_equal(a, b, (size_t)n * sizeof(int));
+        spm_free(t);
+        remove(path);
+        snprintf(path, sizeof path, "%s.vocab", prefix);
+        remove(path);
+    }
+}
+
+#if !defined(__SANITIZE_ADDRESS__)
+/* Bytes of address space this process uses (VmSize), or 0 when /proc does not say. */
+static size_t address_space_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmSize: %zu kB", &kb) == 1) break;
+    fclose(f);
+    return kb * 1024;
+}
+#endif
+
+/* Running out of memory is reported as such, not as bad text: under an address-space limit
+ * 64 MB above what the process uses, the library's buffers for 16 MB of text (24 bytes a
+ * byte) cannot be had. */
+static void test_encode_out_of_memory(void **state) {
+    (void)state;
+#if defined(__SANITIZE_ADDRESS__)
+    skip(); /* ASan's allocator aborts on a failed allocation instead of throwing std::bad_alloc */
+#else
+    const char *preload = getenv("LD_PRELOAD");
+    if (preload && strstr(preload, "vgpreload")) skip(); /* valgrind's operator new aborts too */
+    const size_t n = (size_t)16 << 20;
+    char *text = malloc(n);
+    assert_non_null(text);
+    for (size_t i = 0; i < n; i++) text[i] = "ab "[i % 3];
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_AS, &old), 0);
+    size_t used = address_space_bytes();
+    assert_true(used > 0);
+    lim.rlim_cur = used + ((size_t)64 << 20);
+    lim.rlim_max = old.rlim_max;
+    assert_int_equal(setrlimit(RLIMIT_AS, &lim), 0);
+    int rc = spm_encode(s_tok, text, n, 1, NULL, 0);
+    assert_int_equal(setrlimit(RLIMIT_AS, &old), 0);
+    free(text);
+    assert_int_equal(rc, SPM_ERR_NOMEM);
+#endif
+}
+
+/* add_bos on a model without BOS: the model's bos_piece (TrainerSpec 46) names no piece */
+static void test_encode_bos_without_bos(void **state) {
+    (void)state;
+    unsigned char spec[32], extra[48];
+    size_t n = pb_put_bytes(spec, 46, "<no-such-piece>", 15);
+    char err[256];
+    SpmTokenizer *t = load_with(extra, pb_put_bytes(extra, 2, spec, n), err, sizeof err);
+    if (!t) fail_msg("refused: %s", err);
+    assert_int_equal(spm_bos_id(t), -1);
+    int ids[MAX_IDS];
+    assert_int_equal(spm_encode(t, "Pip", 3, 1, ids, MAX_IDS), SPM_ERR_OTHER);
+    assert_true(spm_encode(t, "Pip", 3, 0, ids, MAX_IDS) > 0);
+    assert_int_equal(spm_encode(t, "\xFF", 1, 1, ids, MAX_IDS), SPM_ERR_TEXT); /* the text is judged first */
+    spm_free(t);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) s_model_path = argv[1];
     const struct CMUnitTest tests[] = {
@@ -534,6 +852,15 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_stream_matches_library_decode),
         cmocka_unit_test(test_load_file_errors),
         cmocka_unit_test(test_load_bytes),
+        cmocka_unit_test(test_crafted_charsmap_normalizes),
+        cmocka_unit_test(test_crafted_charsmap_refused),
+        cmocka_unit_test(test_crafted_charsmap_with_self_test),
+        cmocka_unit_test(test_crafted_denormalizer_refused),
+        cmocka_unit_test(test_crafted_pieces),
+        cmocka_unit_test(test_crafted_wire_format),
+        cmocka_unit_test(test_trained_normalizers_load),
+        cmocka_unit_test(test_encode_out_of_memory),
+        cmocka_unit_test(test_encode_bos_without_bos),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -141,3 +141,65 @@ const char *temp_path(const char *name) {
     snprintf(p, 512, "build/tests/tmp/%d-%s", (int)getpid(), name);
     return p;
 }
+
+static size_t put_varint(unsigned char *out, uint64_t v) {
+    size_t n = 0;
+    while (v >= 0x80) {
+        out[n++] = (unsigned char)(v | 0x80);
+        v >>= 7;
+    }
+    out[n++] = (unsigned char)v;
+    return n;
+}
+
+size_t pb_put_bytes(unsigned char *out, unsigned field, const void *data, size_t n) {
+    size_t k = put_varint(out, (uint64_t)field << 3 | 2);
+    k += put_varint(out + k, n);
+    memcpy(out + k, data, n);
+    return k + n;
+}
+
+size_t pb_put_varint(unsigned char *out, unsigned field, uint64_t v) {
+    size_t k = put_varint(out, (uint64_t)field << 3);
+    return k + put_varint(out + k, v);
+}
+
+size_t pb_put_float(unsigned char *out, unsigned field, float v) {
+    size_t k = put_varint(out, (uint64_t)field << 3 | 5);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    put_u32(out + k, u);
+    return k + 4;
+}
+
+unsigned char *concat_bytes(const void *a, size_t na, const void *b, size_t nb, size_t *n) {
+    unsigned char *out = malloc(na + nb ? na + nb : 1);
+    if (!out) return NULL;
+    memcpy(out, a, na);
+    memcpy(out + na, b, nb);
+    *n = na + nb;
+    return out;
+}
+
+/* darts-clone unit fields: bits 0-7 the label, bit 8 "has a leaf", bits 10-31 the offset to
+ * the children (shifted by 8 more when bit 9 is set); a value unit has bit 31 set. */
+void test_charsmap_init(TestCharsmap *c, unsigned char from, const char *to) {
+    memset(c, 0, sizeof *c);
+    c->trie_bytes = 4 * TEST_TRIE_UNITS;
+    const uint32_t child = TEST_TRIE_BASE ^ from;
+    c->units[0] = (uint32_t)TEST_TRIE_BASE << 10;
+    c->units[child] = (child ^ TEST_TRIE_LEAF) << 10 | 1u << 8 | from;
+    /* strings: "" first, so that the rule's value (1) is not 0 */
+    c->strings[0] = '\0';
+    size_t len = strlen(to);
+    memcpy(c->strings + 1, to, len + 1);
+    c->strings_len = len + 2;
+    c->units[TEST_TRIE_LEAF] = 1u << 31 | 1;
+}
+
+size_t test_charsmap_encode(const TestCharsmap *c, unsigned char *out) {
+    put_u32(out, c->trie_bytes);
+    for (int i = 0; i < TEST_TRIE_UNITS; i++) put_u32(out + 4 + 4 * i, c->units[i]);
+    memcpy(out + 4 + 4 * TEST_TRIE_UNITS, c->strings, c->strings_len);
+    return 4 + 4 * TEST_TRIE_UNITS + c->strings_len;
+}

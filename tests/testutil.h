@@ -27,4 +27,30 @@ const char *temp_path(const char *name);
 extern const char *g_tokenizer_path;
 float test_uniform(uint64_t *state);  /* in [-1, 1) */
 
+/* Protobuf wire format, to edit serialized SentencePiece models (ModelProto): a field
+ * appended after a model's bytes is merged over it, so appending `3 { 2: charsmap }` replaces
+ * the normalizer's precompiled_charsmap and keeps the rest. Each writes one field to out
+ * (room for n + 15 bytes) and returns the bytes written. */
+size_t pb_put_bytes(unsigned char *out, unsigned field, const void *data, size_t n);
+size_t pb_put_varint(unsigned char *out, unsigned field, uint64_t v);
+size_t pb_put_float(unsigned char *out, unsigned field, float v);
+/* A malloc'd copy of a[0..na) followed by b[0..nb); its size in *n. */
+unsigned char *concat_bytes(const void *a, size_t na, const void *b, size_t nb, size_t *n);
+
+/* A SentencePiece precompiled charsmap (normalizer.cc's format: a little-endian uint32 trie
+ * size in bytes, the darts-clone double array, then NUL-terminated strings) holding one rule:
+ * the byte `from` becomes the string `to`. The array has 512 units: the root (0) leads to
+ * block TEST_TRIE_BASE, where `from` is unit TEST_TRIE_BASE ^ from, whose leaf, the value
+ * unit TEST_TRIE_LEAF, holds the offset of `to` in the strings. Tests corrupt the fields. */
+enum { TEST_TRIE_UNITS = 512, TEST_TRIE_BASE = 256, TEST_TRIE_LEAF = 384 };
+typedef struct {
+    uint32_t trie_bytes;               /* the size field: 4 * TEST_TRIE_UNITS when sound */
+    uint32_t units[TEST_TRIE_UNITS];
+    char strings[64];
+    size_t strings_len;                /* bytes of strings written, NULs included */
+} TestCharsmap;
+void test_charsmap_init(TestCharsmap *c, unsigned char from, const char *to);
+/* Serializes c into out (room for 4 + 4 * TEST_TRIE_UNITS + strings_len bytes); returns the size. */
+size_t test_charsmap_encode(const TestCharsmap *c, unsigned char *out);
+
 #endif
