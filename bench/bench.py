@@ -413,7 +413,7 @@ class Bench:
     def missing(self):
         """(what, why) of everything the bench set out to measure and did not."""
         a, out = self.args, []
-        stopped = f"interrupted ({self.interrupted})" if self.interrupted else "not reached"
+        stopped = "interrupted" if self.interrupted else "not reached"   # the banner says where
         if a.full and self.roof is None:
             out.append(("the roofline probe", self.roof_error or stopped))
         if a.pytorch and self.pt_error:
