@@ -1,28 +1,36 @@
-# bench/bench.mk: `make bench`, included by the main Makefile (bench/README.md).
+# bench/bench.mk: `make bench` and `make bench-quick`, included by the main Makefile (bench/README.md).
 #
 #   make bench                                   every weights/*.bin, all cores, 5 C reps, 3 PyTorch reps
 #   make bench BENCH_CHECKPOINTS="weights/mha.bin weights/gqa.bin" BENCH_THREADS=1 BENCH_REPS=9
+#   make bench-quick                             every weights/*.bin, C engine only, 64 decode steps, 3 reps
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)
 # BENCH_THREADS      threads for the engine, PyTorch and the roofline probe (default: empty = all cores)
-# BENCH_REPS         timed runs of the C engine per checkpoint and mode, after one warm-up (default 5)
-# BENCH_PT_REPS      timed runs of the PyTorch reference per checkpoint and mode, after one warm-up (default 3)
-# BENCH_OUT          where the report goes (default bench/results)
+# BENCH_REPS         timed runs of the C engine per checkpoint and mode, after a warm-up (default: empty = 5, quick 3)
+# BENCH_PT_REPS      timed runs of the PyTorch reference per checkpoint and mode, after a warm-up (default: empty = 3)
+# BENCH_OUT          where the report goes (default: empty = bench/results, quick bench/results/tmp/quick)
 # BENCH_FLAGS        any further bench/bench.py flags (bench/bench.py -h)
+# An empty knob leaves bench.py's own default, which differs between the two targets.
 # Included anywhere in the main Makefile, this fragment leaves its default goal alone.
 _bench_default_goal := $(.DEFAULT_GOAL)
 PYTHON ?= /usr/bin/python3
 BENCH_CHECKPOINTS ?=
 BENCH_THREADS ?=
-BENCH_REPS ?= 5
-BENCH_PT_REPS ?= 3
-BENCH_OUT ?= bench/results
+BENCH_REPS ?=
+BENCH_PT_REPS ?=
+BENCH_OUT ?=
 BENCH_FLAGS ?=
+_bench_knobs = --cc "$(CC)" $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) \
+  $(if $(strip $(BENCH_REPS)),--reps $(BENCH_REPS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)) \
+  $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
-.PHONY: bench
+.PHONY: bench bench-quick
 bench: run build/roofline
-	$(PYTHON) bench/bench.py --reps $(BENCH_REPS) --pt-reps $(BENCH_PT_REPS) --out $(BENCH_OUT) --cc "$(CC)" \
-	  $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
+	$(PYTHON) bench/bench.py $(if $(strip $(BENCH_PT_REPS)),--pt-reps $(BENCH_PT_REPS)) $(_bench_knobs)
+
+# the C engine alone, 64 decode steps a run: every checkpoint compared in well under a minute
+bench-quick: run
+	$(PYTHON) bench/bench.py --quick $(_bench_knobs)
 
 # the matmul kernel alone on the model's shapes (bench/matmul.c); not part of `make bench`
 build/matmul_bench: bench/matmul.c $(B)/kernels.o $(B)/parallel.o kernels.h parallel.h
