@@ -98,9 +98,8 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
     fflush(stdout);
 
     /* Warm-up, as llama.cpp does after loading: one untimed forward of the prompt, then
-     * an empty cache. A process's first forward runs cold (its weights come from DRAM; on
-     * this project's VM it took 2-3 ms more than the same forward run again); that is a
-     * cost of loading, so the timed prefill below runs warm, like every decode step. The
+     * an empty cache. A process's first forward runs cold (its weights come from DRAM);
+     * that is a cost of loading, so the timed prefill below runs warm, like every decode step. The
      * arithmetic is batch-invariant, so the prefill's logits are the same bits either way. */
     double warm0 = now_ms();
     engine_step(e, tokens, n, logits);
@@ -151,8 +150,7 @@ static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_cs
 
 /* generate() inside one team (parallel.h), so that every forward pass of the run uses it
  * instead of opening an OpenMP region of its own: the other threads stay awake, spinning,
- * while a token is sampled and printed. MHA with the cache: 0.406 -> 0.397 ms/token (9
- * alternated runs, 7 pairs faster). */
+ * while a token is sampled and printed. */
 typedef struct {
     Engine *e;
     const Options *o;
