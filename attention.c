@@ -55,14 +55,14 @@ static int kv_head_of(const Config *c, int h) { return h / (c->n_heads / c->n_kv
 
 /* ---- the specification: one query, plainly ---- */
 
-/* out[d] = sum_j p[j] rows[j*stride + d], j < n, in weighted_sum_rows' order (kernels.h):
- * the even j and the odd j in two ascending chains, then their sum. */
-static void mix_reference(float *out, const float *p, int n, const float *rows, size_t stride, int width) {
+/* out[d] = sum_j p[j] rows[j][d], j < n, in weighted_sum_rows' order (kernels.h): the
+ * even j and the odd j in two ascending chains, then their sum. */
+static void mix_reference(float *out, const float *p, int n, const float *const *rows, int width) {
     for (int d = 0; d < width; d++) {
         float even = 0.0f, odd = 0.0f;
         for (int j = 0; j < n; j++) {
-            if (j % 2 == 0) even = fmaf(p[j], rows[(size_t)j * stride + d], even);
-            else odd = fmaf(p[j], rows[(size_t)j * stride + d], odd);
+            if (j % 2 == 0) even = fmaf(p[j], rows[j][d], even);
+            else odd = fmaf(p[j], rows[j][d], odd);
         }
         out[d] = even + odd;
     }
@@ -83,10 +83,15 @@ static void kv_heads_query_reference(const Model *m, const KVCache *cache, int l
     const Config *c = &m->cfg;
     const int g = kv_head_of(c, h), hd = c->head_dim, n = pos + 1;
     float *p = malloc((size_t)n * sizeof(float));
-    for (int j = 0; j < n; j++) p[j] = dot(q, kv_key(cache, l, g, j), hd) * score_scale(c);
+    const float **values = malloc((size_t)n * sizeof *values);
+    for (int j = 0; j < n; j++) {
+        p[j] = dot(q, kv_key(cache, l, g, j), hd) * score_scale(c);
+        values[j] = kv_value(cache, l, g, j);
+    }
     softmax(p, n);
-    mix_reference(out, p, n, kv_value(cache, l, g, 0), (size_t)hd, hd);
+    mix_reference(out, p, n, values, hd);
     free(p);
+    free(values);
 }
 
 /* MLA, expanded: head h's key of position j is [W_UK,h c_j ; k_R,j], its value W_UV,h c_j. */
@@ -96,17 +101,20 @@ static void mla_expanded_query_reference(const Model *m, const KVCache *cache, i
     const LayerWeights *w = &m->w.layers[l];
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, n = pos + 1;
     float *p = malloc((size_t)n * sizeof(float)), *values = malloc((size_t)n * hd * sizeof(float));
+    const float **rows = malloc((size_t)n * sizeof *rows);
     float key[hd];
     for (int j = 0; j < n; j++) {
         const float *latent = kv_latent(cache, l, j), *k_rope = latent + dc;
         matvec_reference(key, w->wuk, h * hd, hd, latent);                 /* k_C,j = W_UK,h c_j */
         matvec_reference(values + (size_t)j * hd, w->wuv, h * hd, hd, latent);  /* v_j = W_UV,h c_j */
         p[j] = dot_cat(q, key, hd, q + hd, k_rope, rd) * score_scale(c);  /* [q_C ; q_R] . [k_C ; k_R] */
+        rows[j] = values + (size_t)j * hd;
     }
     softmax(p, n);
-    mix_reference(out, p, n, values, (size_t)hd, hd);
+    mix_reference(out, p, n, rows, hd);
     free(p);
     free(values);
+    free(rows);
 }
 
 /* MLA, absorbed: q_lat = W_UK,h^T q_C; score_j = [q_lat ; q_R] . [c_j ; k_R,j];
@@ -118,13 +126,18 @@ static void mla_absorbed_query_reference(const Model *m, const KVCache *cache, i
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd, n = pos + 1;
     float q_abs[lw], ctx_lat[dc];
     float *p = malloc((size_t)n * sizeof(float));
+    const float **latents = malloc((size_t)n * sizeof *latents);
     matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q);  /* q_lat = W_UK,h^T q_C */
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));  /* q_R */
-    for (int j = 0; j < n; j++) p[j] = dot(q_abs, kv_latent(cache, l, j), lw) * score_scale(c);
+    for (int j = 0; j < n; j++) {
+        latents[j] = kv_latent(cache, l, j);
+        p[j] = dot(q_abs, latents[j], lw) * score_scale(c);
+    }
     softmax(p, n);
-    mix_reference(ctx_lat, p, n, kv_latent(cache, l, 0), (size_t)lw, dc);  /* sum_j p_j c_j */
+    mix_reference(ctx_lat, p, n, latents, dc);  /* sum_j p_j c_j */
     matvec_reference(out, mat_block(w->wuv_heads, h, hd), 0, hd, ctx_lat);
     free(p);
+    free(latents);
 }
 
 void attention_query_reference(const Model *m, const KVCache *cache, int layer, int head, const float *q, int pos,
@@ -149,7 +162,7 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
     struct { float **p; size_t n; } bufs[] = {
         {&a->q, T * H * (size_t)config_query_width(c)}, {&a->k, T * kv}, {&a->v, T * kv},
         {&a->latent, T * dc}, {&a->k_rope, T * rd}, {&a->q_abs, T * H * (dc + rd)}, {&a->ctx_lat, T * H * dc},
-        {&a->k_exp, expanded}, {&a->v_exp, expanded},
+        {&a->latents, dc ? (size_t)max_keys * (dc + rd) : 0}, {&a->k_exp, expanded}, {&a->v_exp, expanded},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         if (bufs[i].n == 0) continue;
@@ -158,77 +171,126 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
             return -1;
         }
     }
+    if (!(a->items = malloc(2 * H * T * sizeof(int)))) {
+        attn_scratch_free(a);
+        return -1;
+    }
     return 0;
 }
 
 void attn_scratch_free(AttnScratch *a) {
-    float *bufs[] = {a->q, a->k, a->v, a->latent, a->k_rope, a->q_abs, a->ctx_lat, a->k_exp, a->v_exp};
+    float *bufs[] = {a->q, a->k, a->v, a->latent, a->k_rope, a->q_abs, a->ctx_lat, a->latents, a->k_exp, a->v_exp};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(a->items);
     memset(a, 0, sizeof *a);
 }
 
-/* One layer's attention over T tokens at positions pos0.., shared by the stages below. */
+/* One layer's attention over the tokens of a pass, shared by the stages below. */
 typedef struct {
     const Model *m;
     AttnScratch *a;
-    KVCache *cache;
+    const TokenSlots *slots;
     float *heads;
-    int l, T, pos0;
+    int l;
     float scale;
 } AttnPass;
 
-/* -- the arithmetic of one (head h, query t) item: scores into att, then the mix of the
+/* The rows of one sequence's cache for keys 0 .. n-1, block by block: `first` gives the
+ * row of the block's first position. */
+typedef float *(*BlockRow)(const KVCache *c, int layer, int head, int pos);
+static RowBlocks cache_rows(const float **blocks, const KVCache *c, int layer, int head, int n, BlockRow first,
+                            size_t stride) {
+    for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = first(c, layer, head, b * KV_BLOCK_TOKENS);
+    return (RowBlocks){blocks, KV_BLOCK_TOKENS, stride};
+}
+
+static float *latent_row(const KVCache *c, int layer, int head, int pos) {
+    (void)head;  /* shared by every head */
+    return kv_latent(c, layer, pos);
+}
+
+/* -- the arithmetic of one (head h, token t) item: scores into att, then the mix of the
  * probabilities softmax made of them -- */
 
 static void kv_heads_scores(const AttnPass *p, int h, int t, float *att) {
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim;
+    const int hd = c->head_dim, pos = p->slots->pos[t];
     float *q = p->a->q + ((size_t)t * c->n_heads + h) * hd;
-    rope(&p->m->rope, c, q, p->pos0 + t);
-    dot_rows(att, q, kv_key(p->cache, p->l, kv_head_of(c, h), 0), (size_t)hd, p->pos0 + t + 1, hd, p->scale);
+    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+    rope(&p->m->rope, c, q, pos);
+    dot_row_blocks(att, q, cache_rows(blocks, p->slots->cache[t], p->l, kv_head_of(c, h), pos + 1, kv_key, hd), pos + 1,
+                   hd, p->scale);
 }
 
 static void kv_heads_mix(const AttnPass *p, int h, int t, const float *att) {
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim;
-    weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att, kv_value(p->cache, p->l, kv_head_of(c, h), 0),
-                      (size_t)hd, p->pos0 + t + 1, hd);
+    const int hd = c->head_dim, pos = p->slots->pos[t];
+    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+    weighted_sum_row_blocks(p->heads + ((size_t)t * c->n_heads + h) * hd, att,
+                            cache_rows(blocks, p->slots->cache[t], p->l, kv_head_of(c, h), pos + 1, kv_value, hd),
+                            pos + 1, hd);
 }
 
+/* The expanded form reads one sequence's latents, gathered into a->latents, and its keys
+ * and values expanded from them into a->k_exp and a->v_exp. */
 static void mla_expanded_scores(const AttnPass *p, int h, int t, float *att) {
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
+    const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, n = p->slots->pos[t] + 1;
     const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd);  /* [q_C ; q_R] */
-    dot_rows_cat(att, p->pos0 + t + 1, p->scale, q, p->a->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd,
-                 q + hd, kv_latent(p->cache, p->l, 0) + dc, (size_t)(dc + rd), rd);
+    dot_rows_cat(att, n, p->scale, q, p->a->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd, q + hd,
+                 p->a->latents + dc, (size_t)(dc + rd), rd);
 }
 
 static void mla_expanded_mix(const AttnPass *p, int h, int t, const float *att) {
     const Config *c = &p->m->cfg;
     const int hd = c->head_dim;
     weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att, p->a->v_exp + (size_t)h * hd,
-                      (size_t)mla_exp_stride(c), p->pos0 + t + 1, hd);
+                      (size_t)mla_exp_stride(c), p->slots->pos[t] + 1, hd);
 }
 
 static void mla_absorbed_scores(const AttnPass *p, int h, int t, float *att) {
     const Config *c = &p->m->cfg;
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, lw = dc + rd;
+    const int n = p->slots->pos[t] + 1;
     const float *q = p->a->q + ((size_t)t * H + h) * (hd + rd);  /* [q_C ; q_R] */
     float *q_abs = p->a->q_abs + ((size_t)t * H + h) * lw;       /* [q_lat ; q_R] */
+    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
     matmul_serial(q_abs, dc, q, hd, mat_block(p->m->w.layers[p->l].wuk_t, h, dc), 1);
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
-    dot_rows(att, q_abs, kv_latent(p->cache, p->l, 0), (size_t)lw, p->pos0 + t + 1, lw, p->scale);
+    dot_row_blocks(att, q_abs, cache_rows(blocks, p->slots->cache[t], p->l, 0, n, latent_row, lw), n, lw, p->scale);
 }
 
 static void mla_absorbed_mix(const AttnPass *p, int h, int t, const float *att) {
     const Config *c = &p->m->cfg;
-    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
+    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = p->slots->pos[t] + 1;
     float *ctx_lat = p->a->ctx_lat + ((size_t)t * H + h) * dc;  /* sum_j p_j c_j */
-    weighted_sum_rows(ctx_lat, att, kv_latent(p->cache, p->l, 0), (size_t)(dc + c->rope_dim), p->pos0 + t + 1, dc);
+    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+    weighted_sum_row_blocks(ctx_lat, att, cache_rows(blocks, p->slots->cache[t], p->l, 0, n, latent_row, dc + c->rope_dim),
+                            n, dc);
     matmul_serial(p->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(p->m->w.layers[p->l].wuv_heads, h, hd), 1);
 }
 
-/* -- the scheduling of the n_heads*T items (head-major) among the threads -- */
+/* -- the scheduling of the (head, token) items among the threads -- */
+
+/* The order of the items: sequence by sequence, and inside one sequence's tokens head by
+ * head. A decode step (one token a sequence) thus runs a token's heads together, which
+ * share its cache rows (GQA's groups, MLA's latents); a prefill runs each head over all
+ * its tokens, which share that head's rows. Returns the number of items written. */
+static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int n_heads) {
+    int n = 0;
+    for (int r0 = t0; r0 < t1;) {
+        int r1 = r0 + 1;
+        while (r1 < t1 && slots->cache[r1] == slots->cache[r0]) r1++;
+        for (int h = 0; h < n_heads; h++)
+            for (int t = r0; t < r1; t++) {
+                items[2 * n] = h;
+                items[2 * n + 1] = t;
+                n++;
+            }
+        r0 = r1;
+    }
+    return n;
+}
 
 typedef void (*ScoresFn)(const AttnPass *p, int h, int t, float *att);
 typedef void (*MixFn)(const AttnPass *p, int h, int t, const float *att);
@@ -236,12 +298,12 @@ typedef struct {
     const AttnPass *p;
     ScoresFn scores;
     MixFn mix;
+    long n_items;
 } Queries;
 
 static long queries_part_count(const void *ctx, int part, int parts) {
-    const Queries *qs = ctx;
     long lo, hi;
-    parallel_share((long)qs->p->m->cfg.n_heads * qs->p->T, part, parts, &lo, &hi);
+    parallel_share(((const Queries *)ctx)->n_items, part, parts, &lo, &hi);
     return hi - lo;
 }
 
@@ -250,26 +312,30 @@ static long queries_part_count(const void *ctx, int part, int parts) {
  * stored. */
 static void queries_part_items(const void *ctx, int part, int parts, long lo, long hi) {
     const Queries *qs = ctx;
-    const int T = qs->p->T;
+    const AttnPass *p = qs->p;
+    const int *items = p->a->items;
     long first, last;
-    parallel_share((long)qs->p->m->cfg.n_heads * T, part, parts, &first, &last);
+    parallel_share(qs->n_items, part, parts, &first, &last);
     lo += first;
     hi += first;
     _Alignas(64) float att[2][MAX_SEQ_LEN];  /* two items' scores, then probabilities: in L1 on this thread's stack */
-    if (lo < hi) qs->scores(qs->p, (int)(lo / T), (int)(lo % T), att[0]);
+    if (lo < hi) qs->scores(p, items[2 * lo], items[2 * lo + 1], att[0]);
     for (long i = lo; i < hi; i++) {
         float *probs = att[(i - lo) % 2];
-        if (i + 1 < hi) qs->scores(qs->p, (int)((i + 1) / T), (int)((i + 1) % T), att[(i + 1 - lo) % 2]);
-        softmax(probs, qs->p->pos0 + (int)(i % T) + 1);
-        qs->mix(qs->p, (int)(i / T), (int)(i % T), probs);
+        const int h = items[2 * i], t = items[2 * i + 1];
+        if (i + 1 < hi) qs->scores(p, items[2 * i + 2], items[2 * i + 3], att[(i + 1 - lo) % 2]);
+        softmax(probs, p->slots->pos[t] + 1);
+        qs->mix(p, h, t, probs);
     }
 }
 
-static void run_queries(const AttnPass *p, ScoresFn scores, MixFn mix) {
-    const Queries qs = {p, scores, mix};
+/* Runs the queries of tokens [t0, t1). */
+static void run_queries(const AttnPass *p, int t0, int t1, ScoresFn scores, MixFn mix) {
+    const Queries qs = {p, scores, mix, order_items(p->a->items, p->slots, t0, t1, p->m->cfg.n_heads)};
     const ParallelParts parts = {queries_part_count, queries_part_items, &qs};
-    const long work = (long)p->m->cfg.n_heads * p->T * (p->pos0 + p->T) * p->m->cfg.head_dim;
-    parallel_run_parts(&parts, parallel_mode(work, p->T));
+    long keys = 0;
+    for (int t = t0; t < t1; t++) keys += p->slots->pos[t] + 1;
+    parallel_run_parts(&parts, parallel_mode(keys * p->m->cfg.n_heads * p->m->cfg.head_dim, t1 - t0));
 }
 
 /* -- each variant: its projections, its cache writes, then its queries -- */
@@ -279,17 +345,19 @@ static void kv_heads_store(const void *ctx, long tg) {
     const AttnPass *p = ctx;
     const Config *c = &p->m->cfg;
     const int Hkv = c->n_kv_heads, hd = c->head_dim, t = (int)(tg / Hkv), g = (int)(tg % Hkv);
+    const KVCache *cache = p->slots->cache[t];
+    const int pos = p->slots->pos[t];
     float *k = p->a->k + ((size_t)t * Hkv + g) * hd;
-    rope(&p->m->rope, c, k, p->pos0 + t);
-    memcpy(kv_key(p->cache, p->l, g, p->pos0 + t), k, (size_t)hd * sizeof(float));
-    memcpy(kv_value(p->cache, p->l, g, p->pos0 + t), p->a->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
+    rope(&p->m->rope, c, k, pos);
+    memcpy(kv_key(cache, p->l, g, pos), k, (size_t)hd * sizeof(float));
+    memcpy(kv_value(cache, p->l, g, pos), p->a->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
 }
 
 static void attention_kv_heads(const AttnPass *p, const float *xb) {
     const Config *c = &p->m->cfg;
     const LayerWeights *w = &p->m->w.layers[p->l];
     AttnScratch *a = p->a;
-    const int H = c->n_heads, Hkv = c->n_kv_heads, hd = c->head_dim, T = p->T;
+    const int H = c->n_heads, Hkv = c->n_kv_heads, hd = c->head_dim, T = p->slots->T;
     const MatmulJob qkv[] = {
         {a->q, H * hd, xb, c->dim, w->wq, T},    /* q: (T, H*hd) */
         {a->k, Hkv * hd, xb, c->dim, w->wk, T},  /* k: (T, Hkv*hd) */
@@ -297,7 +365,7 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
     };
     matmul_jobs(qkv, 3);
     parallel_for((long)T * Hkv, kv_heads_store, p, parallel_mode((long)T * Hkv * hd, T));
-    run_queries(p, kv_heads_scores, kv_heads_mix);
+    run_queries(p, 0, T, kv_heads_scores, kv_heads_mix);
 }
 
 /* Item t: token t's queries get q_R rotated; [RMSNorm(c) ; RoPE(k_R)] goes into the cache. */
@@ -305,9 +373,9 @@ static void mla_store(const void *ctx, long t) {
     const AttnPass *p = ctx;
     const Config *c = &p->m->cfg;
     const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
-    const int pos = p->pos0 + (int)t;
+    const int pos = p->slots->pos[t];
     for (int h = 0; h < H; h++) rope(&p->m->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, pos);
-    float *row = kv_latent(p->cache, p->l, pos);
+    float *row = kv_latent(p->slots->cache[t], p->l, pos);
     rmsnorm(row, p->a->latent + (size_t)t * dc, p->m->w.layers[p->l].kv_norm, dc, c->norm_eps);
     memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
     rope(&p->m->rope, c, row + dc, pos);
@@ -317,7 +385,7 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
     const Config *c = &p->m->cfg;
     const LayerWeights *w = &p->m->w.layers[p->l];
     AttnScratch *a = p->a;
-    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim, T = p->T;
+    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim, T = p->slots->T;
     const MatmulJob projections[] = {
         {a->q, H * qw, xb, c->dim, w->wq, T},         /* q: (T, H*(hd+rd)) */
         {a->latent, dc, xb, c->dim, w->wdkv, T},      /* c: (T, dc) */
@@ -327,28 +395,38 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
     parallel_for(T, mla_store, p, parallel_mode((long)T * (H * rd + dc + rd), T));
 }
 
+/* Sequence by sequence: its latents gathered from the cache, every head's keys and values
+ * expanded from them, then its tokens' queries. */
 static void attention_mla_expanded(const AttnPass *p, const float *xb) {
     const Config *c = &p->m->cfg;
     const LayerWeights *w = &p->m->w.layers[p->l];
-    const int lw = c->kv_latent + c->rope_dim, n_keys = p->pos0 + p->T, es = mla_exp_stride(c);
+    AttnScratch *a = p->a;
+    const TokenSlots *slots = p->slots;
+    const int lw = c->kv_latent + c->rope_dim, es = mla_exp_stride(c);
     mla_project_and_store(p, xb);
-    /* rows of the cache are [c ; k_R]: the products read the first dc floats of each */
-    const MatmulJob expand[] = {
-        {p->a->k_exp, es, kv_latent(p->cache, p->l, 0), lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
-        {p->a->v_exp, es, kv_latent(p->cache, p->l, 0), lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
-    };
-    matmul_jobs(expand, 2);
-    run_queries(p, mla_expanded_scores, mla_expanded_mix);
+    for (int t0 = 0, t1; t0 < slots->T; t0 = t1) {
+        for (t1 = t0 + 1; t1 < slots->T && slots->cache[t1] == slots->cache[t0];) t1++;
+        const int n_keys = slots->pos[t1 - 1] + 1;
+        for (int j = 0; j < n_keys; j++)
+            memcpy(a->latents + (size_t)j * lw, kv_latent(slots->cache[t0], p->l, j), (size_t)lw * sizeof(float));
+        /* rows of latents are [c ; k_R]: the products read the first dc floats of each */
+        const MatmulJob expand[] = {
+            {a->k_exp, es, a->latents, lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
+            {a->v_exp, es, a->latents, lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
+        };
+        matmul_jobs(expand, 2);
+        run_queries(p, t0, t1, mla_expanded_scores, mla_expanded_mix);
+    }
 }
 
 static void attention_mla_absorbed(const AttnPass *p, const float *xb) {
     mla_project_and_store(p, xb);
-    run_queries(p, mla_absorbed_scores, mla_absorbed_mix);
+    run_queries(p, 0, p->slots->T, mla_absorbed_scores, mla_absorbed_mix);
 }
 
-void attention(const Model *m, AttnScratch *a, KVCache *cache, int layer, const float *xb, float *heads, int T,
+void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int layer, const float *xb, float *heads,
                MlaForm form) {
-    const AttnPass p = {m, a, cache, heads, layer, T, cache->len, score_scale(&m->cfg)};
+    const AttnPass p = {m, a, slots, heads, layer, score_scale(&m->cfg)};
     if (m->cfg.variant != VARIANT_MLA) attention_kv_heads(&p, xb);
     else if (form == MLA_ABSORBED) attention_mla_absorbed(&p, xb);
     else attention_mla_expanded(&p, xb);

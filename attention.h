@@ -15,6 +15,15 @@
 #include "config.h"
 #include "kvcache.h"
 
+/* Where the tokens of a pass go: token t is at position pos[t] of the sequence whose
+ * cache is cache[t]. A sequence's tokens are consecutive in the pass and in order, and
+ * its cache holds (or has reserved) every position up to its last token's. */
+typedef struct {
+    int T;
+    KVCache *const *cache;  /* (T) */
+    const int *pos;         /* (T) */
+} TokenSlots;
+
 /* Scratch of one layer's attention for passes of up to max_tokens tokens over up to
  * max_keys positions. */
 typedef struct {
@@ -24,19 +33,22 @@ typedef struct {
     float *k_rope;        /* (T, rope_dim) new shared RoPE keys (MLA) */
     float *q_abs;         /* (T, n_heads, kv_latent+rope_dim) absorbed queries [W_UK,h^T q_C ; q_R] (MLA) */
     float *ctx_lat;       /* (T, n_heads, kv_latent) attention-weighted latents (MLA, absorbed) */
+    float *latents;       /* (max_keys, kv_latent+rope_dim) one sequence's cached [c ; k_R] (MLA, expanded) */
     float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
+    int *items;           /* (n_heads*max_tokens, 2) the (head, token) order of the queries */
 } AttnScratch;
 
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys);
 void attn_scratch_free(AttnScratch *a);
 
-/* Layer `layer` for T tokens at positions p = cache->len .. cache->len+T-1:
+/* Layer `layer` for the T tokens of slots:
  *   reads xb (T, dim), the normalized input;
- *   writes what the cache keeps for each token at its position p;
- *   writes heads (T, n_heads*head_dim): each query attends to positions 0 .. p.
- * The caller applies W_O, and advances cache->len once every layer has run. The two MLA
- * forms compute the same function in different orders; form is ignored otherwise. */
-void attention(const Model *m, AttnScratch *a, KVCache *cache, int layer, const float *xb, float *heads, int T,
+ *   writes what the cache keeps for each token at its position;
+ *   writes heads (T, n_heads*head_dim): token t's query attends to positions 0 .. pos[t]
+ *   of its own sequence.
+ * The caller applies W_O, and advances each cache's len once every layer has run. The
+ * two MLA forms compute the same function in different orders; form is ignored otherwise. */
+void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int layer, const float *xb, float *heads,
                MlaForm form);
 
 /* The specification of one query: head `head` of a query at position pos over positions

@@ -20,6 +20,12 @@ void cli_usage(FILE *f) {
           "  -s SEED           random seed, a non-negative integer (default: from the clock; printed)\n"
           "  --kv              decode with a KV cache (default: recompute the whole sequence every step)\n"
           "  --mla absorb|expand  MLA form (default: absorb with --kv, expand without)\n"
+          "  --batch B         decode B sequences of the prompt together, sequence i with seed s+i, 1..256\n"
+          "  --kv-mem MB       the KV cache pool's size in MiB, fractions allowed (default: B full contexts)\n"
+          "  --json            one JSON object per line and sequence on stdout instead of the text\n"
+          "  --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
+          "  --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
+          "                    with seed s+i (continuous batching)\n"
           "  --threads N       OpenMP threads, 1..256 (default: all cores)\n"
           "  --log FILE.csv    write the per-step latencies as CSV\n"
           "  -q                no per-step lines on stderr (the summary stays)\n"
@@ -64,23 +70,32 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->temperature = 1.0f;
     o->seed = (uint64_t)time(NULL);
     int mla_given = 0;
+    o->batch = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) return 1;
         int takes_value = !strcmp(a, "-p") || !strcmp(a, "-n") || !strcmp(a, "-k") || !strcmp(a, "-t") ||
                           !strcmp(a, "-s") || !strcmp(a, "--threads") || !strcmp(a, "--log") ||
-                          !strcmp(a, "--mla") || !strcmp(a, "--ppl") || !strcmp(a, "--dump-logits");
+                          !strcmp(a, "--mla") || !strcmp(a, "--ppl") || !strcmp(a, "--dump-logits") ||
+                          !strcmp(a, "--batch") || !strcmp(a, "--kv-mem") || !strcmp(a, "--prompts");
         if (takes_value && i + 1 >= argc) return errmsg(err, errlen, 2, "%s needs a value (see -h)", a);
         const char *v = takes_value ? argv[++i] : NULL;
         long n = 0;
         int rc = 0;
-        if (!strcmp(a, "-p")) o->prompt = v;
+        if (!strcmp(a, "-p")) o->prompt = v, o->prompt_given = 1;
+        else if (!strcmp(a, "--prompts")) o->prompts_path = v;
         else if (!strcmp(a, "-n")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n; }
         else if (!strcmp(a, "-k")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n; }
         else if (!strcmp(a, "-t")) rc = parse_float(a, v, 0.0f, 100.0f, &o->temperature, err, errlen);
         else if (!strcmp(a, "-s")) { if (!(rc = parse_long(a, v, 0, INT64_MAX, &n, err, errlen))) o->seed = (uint64_t)n; }
         else if (!strcmp(a, "--threads")) { if (!(rc = parse_long(a, v, 1, CLI_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; }
         else if (!strcmp(a, "--log")) o->log_path = v;
+        else if (!strcmp(a, "--batch")) {
+            if (!(rc = parse_long(a, v, 1, CLI_MAX_BATCH, &n, err, errlen))) o->batch = (int)n, o->batch_given = 1;
+        } else if (!strcmp(a, "--kv-mem")) {
+            if (!(rc = parse_float(a, v, 0.0f, 1048576.0f, &o->kv_mem_mb, err, errlen)) && o->kv_mem_mb == 0.0f)
+                rc = errmsg(err, errlen, 2, "--kv-mem needs a size above 0 MB");
+        }
         else if (!strcmp(a, "--mla")) {
             mla_given = 1;
             if (!strcmp(v, "absorb")) o->mla_form = MLA_ABSORBED;
@@ -92,6 +107,8 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         else if (!strcmp(a, "-q")) o->quiet = 1;
         else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
         else if (!strcmp(a, "--check-kv")) o->check_kv = 1;
+        else if (!strcmp(a, "--check-batch")) o->check_batch = 1;
+        else if (!strcmp(a, "--json")) o->json = 1;
         else if (!strcmp(a, "--info")) o->info = 1;
         else if (a[0] == '-' && a[1] != '\0') rc = errmsg(err, errlen, 2, "unknown flag %s (see -h)", a);
         else if (!o->checkpoint) o->checkpoint = a;
@@ -100,6 +117,8 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     }
     /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
      * expanded one recomputes without it */
+    if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
+    if (o->prompts_path && o->prompt_given) return errmsg(err, errlen, 2, "-p and --prompts cannot be combined");
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;
     if (!o->checkpoint) {
         o->usage_on_error = 1;

@@ -12,6 +12,7 @@
 #include "config.h"
 
 #define CLI_MAX_THREADS 256
+#define CLI_MAX_BATCH 256
 
 typedef struct {
     const char *checkpoint;
@@ -30,6 +31,13 @@ typedef struct {
     const char *ppl_path;
     int info;
     const char *dump_path;
+    int batch;            /* sequences decoded together (1 = one) */
+    int batch_given;      /* --batch was on the command line */
+    float kv_mem_mb;      /* the KV pool's size in MiB; 0 = enough for `batch` full contexts */
+    int json;             /* one JSON object per line and sequence on stdout */
+    int check_batch;
+    const char *prompts_path;  /* --prompts: one prompt a line, served through `batch` slots */
+    int prompt_given;     /* -p was on the command line */
     int usage_on_error;   /* with return 2: print the usage text to stderr before the message */
 } Options;
 

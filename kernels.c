@@ -168,26 +168,43 @@ void dot_rows(float *out, const float *q, const float *rows, size_t stride, int 
 /* the columns of a 16-wide slice that lie in [c, width): 0 to 16 */
 static inline int slice_len(int width, int c) { return width - c < 0 ? 0 : width - c < 16 ? width - c : 16; }
 
-void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
+void dot_row_blocks(float *out, const float *q, RowBlocks rows, int n, int width, float scale) {
+    for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
+        const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
+        dot_rows(out + j0, q, rows.block[b], rows.stride, m, width, scale);
+    }
+}
+
+void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, int width) {
+    const size_t stride = rows.stride;
     for (int c = 0; c < width; c += 32) {  /* 32 columns per pass (two slices), each with two chains */
         const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
         v16 even0 = v16_zero(), odd0 = v16_zero(), even1 = v16_zero(), odd1 = v16_zero();
-        const float *row = rows + c;
-        int j = 0;
-        for (; j + 2 <= n; j += 2, row += 2 * stride) {
-            const v16 p_even = v16_set1(p[j]), p_odd = v16_set1(p[j + 1]);
-            even0 = v16_fma(p_even, v16_load_f32(row, len0), even0);
-            odd0 = v16_fma(p_odd, v16_load_f32(row + stride, len0), odd0);
-            even1 = v16_fma(p_even, v16_load_f32(row + 16, len1), even1);
-            odd1 = v16_fma(p_odd, v16_load_f32(row + stride + 16, len1), odd1);
-        }
-        if (j < n) {
-            even0 = v16_fma(v16_set1(p[j]), v16_load_f32(row, len0), even0);
-            even1 = v16_fma(v16_set1(p[j]), v16_load_f32(row + 16, len1), even1);
+        for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {  /* blocks start at even j */
+            const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
+            const float *row = rows.block[b] + c, *pb = p + j0;
+            int j = 0;
+            for (; j + 2 <= m; j += 2, row += 2 * stride) {
+                const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
+                even0 = v16_fma(p_even, v16_load_f32(row, len0), even0);
+                odd0 = v16_fma(p_odd, v16_load_f32(row + stride, len0), odd0);
+                even1 = v16_fma(p_even, v16_load_f32(row + 16, len1), even1);
+                odd1 = v16_fma(p_odd, v16_load_f32(row + stride + 16, len1), odd1);
+            }
+            if (j < m) {  /* an odd last row: only in the last block */
+                even0 = v16_fma(v16_set1(pb[j]), v16_load_f32(row, len0), even0);
+                even1 = v16_fma(v16_set1(pb[j]), v16_load_f32(row + 16, len1), even1);
+            }
         }
         v16_store(out + c, v16_add(even0, odd0), len0);
         if (len1) v16_store(out + c + 16, v16_add(even1, odd1), len1);
     }
+}
+
+void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
+    const float *one[1] = {rows};
+    const RowBlocks all = {one, n + n % 2, stride};  /* one block holding every row */
+    weighted_sum_row_blocks(out, p, all, n, width);
 }
 
 float dot_canonical_scalar(const float *a, const float *b, int n) {

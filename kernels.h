@@ -106,6 +106,18 @@ void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *
  * chains per column: one alone waits on the FMA latency at every key. */
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width);
 
+/* n rows kept in blocks of block_rows rows (the paged KV cache): row j starts at
+ * block[j / block_rows] + (j % block_rows) * stride. block_rows is even. */
+typedef struct {
+    const float *const *block;
+    int block_rows;
+    size_t stride;
+} RowBlocks;
+/* dot_rows and weighted_sum_rows over such rows, bit for bit what they give on the same
+ * rows stored contiguously. */
+void dot_row_blocks(float *out, const float *q, RowBlocks rows, int n, int width, float scale);
+void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, int width);
+
 /* out = w * x / sqrt(mean(x^2) + eps); w is a vector of n (out may be x). */
 void rmsnorm(float *out, const float *x, Mat w, int n, float eps);
 /* In place: e^(x - max) by simd.h's polynomial exp (the same bits on every path), divided

@@ -19,7 +19,10 @@ int runstate_init(RunState *s, const Config *c, int max_tokens) {
             runstate_free(s);
             return -1;
         }
-    if (attn_scratch_init(&s->attn, c, max_tokens, c->max_seq_len) != 0) {
+    s->pos = malloc(T * sizeof *s->pos);
+    s->caches = malloc(T * sizeof *s->caches);
+    s->logit_tokens = malloc(T * sizeof *s->logit_tokens);
+    if (!s->pos || !s->caches || !s->logit_tokens || attn_scratch_init(&s->attn, c, max_tokens, c->max_seq_len) != 0) {
         runstate_free(s);
         return -1;
     }
@@ -30,6 +33,9 @@ int runstate_init(RunState *s, const Config *c, int max_tokens) {
 void runstate_free(RunState *s) {
     float *bufs[] = {s->x, s->xb, s->heads, s->hb, s->hb2};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(s->pos);
+    free(s->caches);
+    free(s->logit_tokens);
     attn_scratch_free(&s->attn);
     memset(s, 0, sizeof *s);
 }
@@ -58,19 +64,18 @@ static void residual_rmsnorm(float *x, const float *dx, float *out, Mat w, int T
     parallel_for(T, residual_rmsnorm_row, &r, parallel_mode((long)T * c->dim, T));
 }
 
-/* The forward pass (model.h's model_forward), on thread 0 of a team (parallel.h). */
-static void forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form,
-                    float *logits, int all_logits) {
+/* The forward pass (model.h's model_forward_batch), on thread 0 of a team (parallel.h). */
+static void forward(const Model *m, RunState *s, const Batch *b, const TokenSlots *slots, MlaForm form, float *logits) {
     const Config *c = &m->cfg;
-    const int D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
+    const int T = b->n_tokens, D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
 
-    for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, tokens[t]);  /* x: (T, D) */
+    for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, b->ids[t]);  /* x: (T, D) */
     residual_rmsnorm(s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c);  /* xb = RMSNorm(x): (T, D) */
 
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
-        attention(m, &s->attn, cache, l, s->xb, s->heads, T, form);  /* heads: (T, HD) */
+        attention(m, &s->attn, slots, l, s->xb, s->heads, form);       /* heads: (T, HD) */
         matmul(s->xb, D, s->heads, HD, w->wo, T);                      /* (T, D) */
         residual_rmsnorm(s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
@@ -81,33 +86,68 @@ static void forward(const Model *m, RunState *s, KVCache *cache, const int *toke
         Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
         residual_rmsnorm(s->x, s->xb, s->xb, next_norm, T, c);
     }
-    cache->len += T;
 
-    /* the tied head, for the last token or for all */
-    int first = all_logits ? 0 : T - 1;
-    matmul(logits, c->vocab_size, s->xb + (size_t)first * D, D, m->w.tok_embeddings, T - first);
+    /* the tied head, for the tokens asked for: their rows gathered into x, which is free now */
+    const float *rows = s->xb;
+    if (b->n_logits < T || b->logit_tokens[0] != 0) {
+        for (int i = 0; i < b->n_logits; i++)
+            memcpy(s->x + (size_t)i * D, s->xb + (size_t)b->logit_tokens[i] * D, (size_t)D * sizeof(float));
+        rows = s->x;
+    }
+    matmul(logits, c->vocab_size, rows, D, m->w.tok_embeddings, b->n_logits);  /* (n_logits, vocab) */
 }
 
 typedef struct {
     const Model *m;
     RunState *s;
-    KVCache *cache;
-    const int *tokens;
-    int T;
+    const Batch *b;
+    const TokenSlots *slots;
     MlaForm form;
     float *logits;
-    int all_logits;
 } ForwardArgs;
 
 static void forward_in_team(void *arg) {
     const ForwardArgs *f = arg;
-    forward(f->m, f->s, f->cache, f->tokens, f->T, f->form, f->logits, f->all_logits);
+    forward(f->m, f->s, f->b, f->slots, f->form, f->logits);
+}
+
+/* Positions of the batch's tokens, or -1 when the batch breaks model.h's rules or a cache
+ * cannot reserve its positions. */
+static int place_tokens(const Model *m, RunState *s, const Batch *b) {
+    const int T = b->n_tokens;
+    if (T < 1 || T > s->max_tokens || b->n_logits < 1 || b->n_logits > T) return -1;
+    for (int i = 0; i < b->n_logits; i++)
+        if (b->logit_tokens[i] < 0 || b->logit_tokens[i] >= T || (i > 0 && b->logit_tokens[i] <= b->logit_tokens[i - 1]))
+            return -1;
+    for (int t = 0; t < T; t++) {
+        if (b->ids[t] < 0 || b->ids[t] >= m->cfg.vocab_size) return -1;
+        const int same = t > 0 && b->cache[t] == b->cache[t - 1];
+        if (!same)
+            for (int u = 0; u < t; u++)  /* a sequence's tokens are consecutive */
+                if (b->cache[u] == b->cache[t]) return -1;
+        s->pos[t] = same ? s->pos[t - 1] + 1 : b->cache[t]->len;
+    }
+    for (int t = 0; t < T; t++)
+        if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) && kv_reserve(b->cache[t], s->pos[t] + 1) != 0) return -1;
+    return 0;
+}
+
+int model_forward_batch(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits) {
+    if (place_tokens(m, s, b) != 0) return -1;
+    const TokenSlots slots = {b->n_tokens, b->cache, s->pos};
+    ForwardArgs f = {m, s, b, &slots, form, logits};
+    parallel_team(forward_in_team, &f);  /* inside a team already (run.c's generation): just runs it */
+    for (int t = 0; t < b->n_tokens; t++) b->cache[t]->len = s->pos[t] + 1;
+    return 0;
 }
 
 int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form, float *logits,
                   int all_logits) {
-    if (T < 1 || T > s->max_tokens || T > cache->capacity - cache->len) return -1;
-    ForwardArgs f = {m, s, cache, tokens, T, form, logits, all_logits};
-    parallel_team(forward_in_team, &f);  /* inside a team already (run.c's generation): just runs it */
-    return 0;
+    if (T < 1 || T > s->max_tokens) return -1;
+    for (int t = 0; t < T; t++) {
+        s->caches[t] = cache;
+        s->logit_tokens[t] = t;
+    }
+    const Batch b = {T, tokens, s->caches, all_logits ? T : 1, all_logits ? s->logit_tokens : s->logit_tokens + T - 1};
+    return model_forward_batch(m, s, &b, form, logits);
 }

@@ -22,6 +22,9 @@ typedef struct {
     float *xb;          /* (T, dim) normalized input / sublayer output */
     float *heads;       /* (T, n_heads*head_dim) attention output, heads concatenated */
     float *hb, *hb2;    /* (T, hidden_dim) */
+    int *pos;           /* (T) each token's position in its sequence */
+    KVCache **caches;   /* (T) model_forward's one cache, once per token */
+    int *logit_tokens;  /* (T) model_forward's rows of logits */
     AttnScratch attn;
 } RunState;
 
@@ -29,12 +32,29 @@ typedef struct {
 int runstate_init(RunState *s, const Config *c, int max_tokens);
 void runstate_free(RunState *s);
 
-/* Runs T tokens at the cache's next positions, cache->len .. cache->len+T-1, and
- * advances cache->len by T. Writes the logits of the last token into logits
- * (vocab_size floats), or of all T tokens ((T, vocab_size)) when all_logits. Returns -1,
- * touching nothing, when T is not in 1..s->max_tokens or the cache has no room for T
- * more positions. The kernels share the work among the threads of a team (parallel.h):
- * the caller's, or one opened for this pass. */
+/* The tokens of one forward pass: token t is appended to the sequence whose cache is
+ * cache[t], at its next position. The tokens of a sequence are consecutive in the pass,
+ * in order. The pass writes the logits of tokens logit_tokens[0 .. n_logits), ascending,
+ * as (n_logits, vocab_size). */
+typedef struct {
+    int n_tokens;
+    const int *ids;          /* (T) */
+    KVCache *const *cache;   /* (T) */
+    int n_logits;
+    const int *logit_tokens; /* (n_logits) */
+} Batch;
+
+/* Runs a batch: every token through the projections and the FFN together (the weights are
+ * read once for all), each token's attention over its own sequence's cache. Reserves the
+ * caches' positions (kv_reserve) and advances their len. Returns -1 before computing
+ * anything when the batch is malformed or larger than s->max_tokens, or a cache cannot
+ * reserve its positions (caches reserved before it keep their new blocks). The kernels share the work among the threads of a team (parallel.h):
+ * the caller's, or one opened for this pass. Batch invariance: every token's logits are
+ * the same bits whatever else the batch holds. */
+int model_forward_batch(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits);
+
+/* One sequence: T tokens appended to cache; the logits of the last token (vocab_size
+ * floats), or of all T ((T, vocab_size)) when all_logits. */
 int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form, float *logits,
                   int all_logits);
 

@@ -4,6 +4,7 @@
  *   ./run weights/gqa.bin -p "Once upon a time" --kv
  */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -16,9 +17,12 @@
 #include "loader.h"
 #include "model.h"
 #include "parallel.h"
+#include "json.h"
 #include "sampler.h"
+#include "scheduler.h"
 #include "spm_c.h"
 #include "textfile.h"
+#include "timer.h"
 #include "utf8.h"
 
 #define EXIT_USAGE 2
@@ -31,12 +35,6 @@ static void die(int code, const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(ap);
     exit(code);
-}
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
 /* ---- generation ---- */
@@ -64,104 +62,362 @@ static const char *encode_error(int code) {
                                                                                   : "cannot be encoded by the tokenizer";
 }
 
-static int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens) {
+/* BOS and the prompt's tokens; `where` ("" or "FILE:LINE: ") starts any error message. */
+static int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where) {
     int n = spm_encode(m->tokenizer, prompt, strlen(prompt), 1, tokens, max_tokens);
-    if (n < 0) die(1, "the prompt %s", encode_error(n));
+    if (n < 0) die(1, "%sthe prompt %s", where, encode_error(n));
     if (n > m->cfg.max_seq_len)
-        die(1, "the prompt is %d tokens, longer than the context (%d tokens)", n, m->cfg.max_seq_len);
+        die(1, "%sthe prompt is %d tokens, longer than the context (%d tokens)", where, n, m->cfg.max_seq_len);
     if (n >= m->cfg.max_seq_len)
-        die(1, "the prompt is %d tokens and fills the whole context (%d): no room to generate", n, m->cfg.max_seq_len);
+        die(1, "%sthe prompt is %d tokens and fills the whole context (%d): no room to generate", where, n,
+            m->cfg.max_seq_len);
     return n;
 }
 
-typedef struct {
-    int steps;            /* decode steps (tokens after the first) */
-    double prefill_ms;
-    double decode_ms;
-    int prompt_tokens;
-    int generated;
-    int hit_eos;
-    int context_full;
-} RunStats;
+/* ---- generation: one sequence or many (scheduler.h) ---- */
 
-/* tokens: room for max_seq_len + 1 ids, the first n of them the prompt */
-static void generate(Engine *e, const Options *o, Sampler *sampler, FILE *log_csv, FILE *dump, int *tokens, int n) {
-    const Model *m = e->model;
-    const int max_seq = m->cfg.max_seq_len, V = m->cfg.vocab_size;
-    float *logits = malloc((size_t)V * sizeof(float));
-    SpmStream *stream = spm_stream_new(m->tokenizer);
-    if (!logits || !stream) die(1, "out of memory");
-    RunStats st = {0};
-    st.prompt_tokens = n;
-
-    for (int i = 1; i < n; i++) utf8_fputs_sanitized(spm_stream_put(stream, tokens[i]), stdout);
-    fflush(stdout);
-
-    /* Warm-up, as llama.cpp does after loading: one untimed forward of the prompt, then
-     * an empty cache. A process's first forward runs cold (its weights come from DRAM);
-     * that is a cost of loading, so the timed prefill below runs warm, like every decode step. The
-     * arithmetic is batch-invariant, so the prefill's logits are the same bits either way. */
-    double warm0 = now_ms();
-    engine_step(e, tokens, n, logits);
-    kv_reset(e->cache);
-    if (!o->quiet) fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - warm0);
-
-    double t0 = now_ms();
-    engine_step(e, tokens, n, logits);
-    int next = sampler_sample(sampler, logits);
-    st.prefill_ms = now_ms() - t0;
-    if (dump) fwrite(logits, sizeof(float), (size_t)V, dump);
-    if (!o->quiet) fprintf(stderr, "[prefill] tokens %d next %d ms %.3f\n", n, next, st.prefill_ms);
-    if (log_csv) fprintf(log_csv, "0,prefill,%d,%d,%d,%.4f\n", n - 1, n, next, st.prefill_ms);
-
-    for (;;) {
-        st.generated++;
-        if (next == m->cfg.eos_id && !o->ignore_eos) { st.hit_eos = 1; break; }
-        utf8_fputs_sanitized(spm_stream_put(stream, next), stdout);
-        fflush(stdout);
-        if (o->steps && st.generated >= o->steps) break;
-        if (n >= max_seq) { st.context_full = 1; break; }
-        tokens[n++] = next;
-        t0 = now_ms();
-        engine_step(e, tokens, n, logits);
-        next = sampler_sample(sampler, logits);
-        double ms = now_ms() - t0;
-        st.steps++;
-        st.decode_ms += ms;
-        if (dump) fwrite(logits, sizeof(float), (size_t)V, dump);
-        if (!o->quiet) fprintf(stderr, "[step %d] pos %d token %d ms %.3f\n", st.steps, n - 1, next, ms);
-        if (log_csv) fprintf(log_csv, "%d,decode,%d,%d,%d,%.4f\n", st.steps, n - 1, n, next, ms);
-    }
-    utf8_fputs_sanitized(spm_stream_flush(stream), stdout);
-    fputc('\n', stdout);
-    fflush(stdout);
-
-    double avg = st.steps ? st.decode_ms / st.steps : 0.0;
-    fprintf(stderr,
-            "summary: %s %s | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s | "
-            "KV cache %zu bytes%s | stop: %s\n",
-            variant_name(&m->cfg), e->kv ? "kv" : "no-kv", st.prompt_tokens, st.prefill_ms, st.steps, avg,
-            avg > 0 ? 1000.0 / avg : 0.0, e->kv ? kv_bytes_allocated(e->cache) : (size_t)0,
-            e->kv ? "" : " (recomputed every step)",
-            st.hit_eos ? "eos" : st.context_full ? "context full" : "steps");
-    spm_stream_free(stream);
-    free(logits);
+static const char *stop_name(StopReason r) {
+    return r == STOP_EOS ? "eos" : r == STOP_CONTEXT ? "context full" : r == STOP_STEPS ? "steps" : "running";
 }
 
-/* generate() inside one team (parallel.h), so that every forward pass of the run uses it
- * instead of opening an OpenMP region of its own: the other threads stay awake, spinning,
- * while a token is sampled and printed. */
 typedef struct {
-    Engine *e;
     const Options *o;
-    Sampler *sampler;
+    const Model *model;
+    Scheduler *sch;
+    const char *const *prompts;  /* each request's prompt text, by index */
+    int serving;                 /* --prompts */
     FILE *log_csv, *dump;
-    int *tokens, n;
+    SpmStream *stream;       /* one sequence's text, printed as it comes */
+    int next_to_print;       /* many sequences print whole, in order */
+    double *step_ms;         /* (steps so far) */
+    int n_steps, cap_steps;
+    int first_step_tokens;
 } Generation;
 
-static void generate_in_team(void *arg) {
-    Generation *g = arg;
-    generate(g->e, g->o, g->sampler, g->log_csv, g->dump, g->tokens, g->n);
+/* The text of tokens[1 ..) (after BOS) as stdout shows it: sanitized, in a new buffer. */
+static char *sequence_text(const Model *m, const Request *r, size_t *len) {
+    const size_t n = spm_decode(m->tokenizer, r->tokens + 1, r->n_tokens - 1, NULL, 0);
+    char *raw = malloc(n + 1), *text = NULL;
+    if (raw) {
+        spm_decode(m->tokenizer, r->tokens + 1, r->n_tokens - 1, raw, n + 1);
+        *len = utf8_sanitize(NULL, 0, raw, n);
+        if ((text = malloc(*len + 1))) utf8_sanitize(text, *len + 1, raw, n);
+    }
+    free(raw);
+    if (!text) die(1, "out of memory");
+    return text;
+}
+
+/* A whole sequence: a JSON line, or its text under a header line. */
+static void print_sequence(const Generation *g, const Request *r) {
+    size_t len;
+    char *text = sequence_text(g->model, r, &len);
+    if (g->o->json) {
+        const char *prompt = g->prompts[r->index];
+        printf("{\"index\": %d, \"prompt\": ", r->index);
+        json_string(stdout, prompt, strlen(prompt));
+        printf(", \"seed\": %llu, \"text\": ", (unsigned long long)r->seed);
+        json_string(stdout, text, len);
+        printf(", \"prompt_tokens\": %d, \"tokens\": [", r->n_prompt);
+        for (int i = r->n_prompt; i < r->n_tokens; i++) printf(i > r->n_prompt ? ", %d" : "%d", r->tokens[i]);
+        printf("], \"generated\": %d, \"stop\": \"%s\", \"first_token_ms\": %.3f, \"prefill_ms\": %.3f, "
+               "\"decode_ms_per_token\": %.4f, \"preemptions\": %d}\n",
+               r->generated, stop_name(r->stop), r->first_token_ms, r->prefill_ms,
+               r->decode_steps ? r->decode_ms / r->decode_steps : 0.0, r->preemptions);
+    } else {
+        printf("[sequence %d seed %llu stop %s]\n%s\n\n", r->index, (unsigned long long)r->seed, stop_name(r->stop), text);
+    }
+    fflush(stdout);
+    free(text);
+}
+
+static int streams_text(const Generation *g) { return g->sch->n_requests == 1 && !g->o->json && !g->serving; }
+
+static void on_logits(void *ctx, Request *r, const float *logits) {
+    Generation *g = ctx;
+    (void)r;
+    if (g->dump) fwrite(logits, sizeof(float), (size_t)g->model->cfg.vocab_size, g->dump);
+}
+
+static void on_token(void *ctx, Request *r, int token) {
+    Generation *g = ctx;
+    (void)r;
+    if (!streams_text(g)) return;
+    utf8_fputs_sanitized(spm_stream_put(g->stream, token), stdout);
+    fflush(stdout);
+}
+
+static void on_done(void *ctx, Request *r) {
+    Generation *g = ctx;
+    if (streams_text(g)) {
+        utf8_fputs_sanitized(spm_stream_flush(g->stream), stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+        (void)r;
+        return;
+    }
+    while (g->next_to_print < g->sch->n_requests && g->sch->requests[g->next_to_print].stop != STOP_NONE)
+        print_sequence(g, &g->sch->requests[g->next_to_print++]);
+}
+
+/* Steps that ran only prompt tokens are prefill, only new tokens decode, both mixed. */
+static const char *step_phase(const StepInfo *st) {
+    return st->prefill_tokens == st->n_tokens ? "prefill" : st->prefill_tokens == 0 ? "decode" : "mixed";
+}
+
+static void on_step(void *ctx, const StepInfo *st) {
+    Generation *g = ctx;
+    if (g->n_steps == g->cap_steps) {
+        g->cap_steps = g->cap_steps ? 2 * g->cap_steps : 512;
+        if (!(g->step_ms = realloc(g->step_ms, (size_t)g->cap_steps * sizeof *g->step_ms))) die(1, "out of memory");
+    }
+    g->step_ms[g->n_steps++] = st->ms;
+    if (st->step == 0) g->first_step_tokens = st->n_tokens;
+    if (!g->o->quiet) {
+        if (st->only && st->step == 0) fprintf(stderr, "[prefill] tokens %d next %d ms %.3f\n", st->n_tokens, st->next_token, st->ms);
+        else if (st->only) fprintf(stderr, "[step %d] pos %d token %d ms %.3f\n", st->step, st->pos, st->next_token, st->ms);
+        else fprintf(stderr, "[step %d] sequences %d tokens %d ms %.3f\n", st->step, st->sequences, st->n_tokens, st->ms);
+    }
+    if (g->log_csv) {
+        fprintf(g->log_csv, "%d,%s,%d,%d,", st->step, step_phase(st), st->sequences, st->n_tokens);
+        if (st->only) fprintf(g->log_csv, "%d,%d,", st->pos, st->next_token);
+        else fputs("-1,-1,", g->log_csv);
+        fprintf(g->log_csv, "%.4f\n", st->ms);
+    }
+}
+
+static int compare_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double percentile(double *v, int n, double q) {
+    if (n == 0) return 0.0;
+    qsort(v, (size_t)n, sizeof *v, compare_double);
+    const double rank = q * (n - 1);
+    const int lo = (int)rank;
+    return lo + 1 < n ? v[lo] + (rank - lo) * (v[lo + 1] - v[lo]) : v[lo];
+}
+
+static void print_pool(const Generation *g) {
+    const Scheduler *sch = g->sch;
+    const KVPool *pool = sch->pool;
+    const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
+    fprintf(stderr, "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
+            "full contexts for %d sequences: %zu bytes | preemptions %d\n",
+            KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->peak_in_use, pool->n_blocks,
+            kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, sch->preemptions);
+}
+
+/* --prompts: requests served, throughput, time to first token and per-token latency
+ * (each request's decode time over its decode steps), median and 95th percentile. */
+static void print_serving_summary(const Generation *g) {
+    const Scheduler *sch = g->sch;
+    const int n = sch->n_requests;
+    double *ttft = malloc((size_t)n * sizeof *ttft), *per_token = malloc((size_t)n * sizeof *per_token);
+    if (!ttft || !per_token) die(1, "out of memory");
+    long tokens = 0;
+    int n_per_token = 0, stops[4] = {0};
+    for (int i = 0; i < n; i++) {
+        const Request *r = &sch->requests[i];
+        tokens += r->generated;
+        stops[r->stop]++;
+        ttft[i] = r->first_token_ms;
+        if (r->decode_steps) per_token[n_per_token++] = r->decode_ms / r->decode_steps;
+    }
+    const double ttft50 = percentile(ttft, n, 0.5), ttft95 = percentile(ttft, n, 0.95);
+    const double tok50 = percentile(per_token, n_per_token, 0.5), tok95 = percentile(per_token, n_per_token, 0.95);
+    fprintf(stderr, "summary: %s %s | %d requests served through %d slots in %d steps | %ld tokens in %.1f ms, "
+            "%.1f tokens/s | time to first token median %.3f ms, p95 %.3f ms | per token median %.3f ms, p95 %.3f ms "
+            "| KV cache %zu bytes | stops: eos %d, steps %d, context full %d\n",
+            variant_name(&g->model->cfg), sch->kv ? "kv" : "no-kv", n, sch->max_batch, sch->steps, tokens,
+            sch->total_ms, sch->total_ms > 0 ? 1000.0 * tokens / sch->total_ms : 0.0, ttft50, ttft95, tok50, tok95,
+            sch->kv ? kv_block_bytes(sch->pool) * (size_t)sch->pool->n_blocks : (size_t)0, stops[STOP_EOS],
+            stops[STOP_STEPS], stops[STOP_CONTEXT]);
+    if (sch->kv) print_pool(g);
+    free(ttft);
+    free(per_token);
+}
+
+/* The summary line (and the pool's line with the cache): the first step is the prefill,
+ * every later step decodes. */
+static void print_summary(const Generation *g) {
+    if (g->serving) {
+        print_serving_summary(g);
+        return;
+    }
+    const Scheduler *sch = g->sch;
+    const KVPool *pool = sch->pool;
+    const int B = sch->n_requests;
+    int decode_tokens = 0, stops[4] = {0};
+    double per_sequence = 0.0;
+    for (int i = 0; i < B; i++) {
+        const Request *r = &sch->requests[i];
+        decode_tokens += r->generated - 1;
+        stops[r->stop]++;
+        per_sequence += r->decode_steps ? r->decode_ms / r->decode_steps / B : 0.0;
+    }
+    const int decode_steps = g->n_steps - 1;
+    double decode_ms = 0.0;
+    for (int i = 1; i < g->n_steps; i++) decode_ms += g->step_ms[i];
+    double *sorted = malloc((size_t)(decode_steps > 0 ? decode_steps : 1) * sizeof *sorted);
+    if (!sorted) die(1, "out of memory");
+    memcpy(sorted, g->step_ms + 1, (size_t)(decode_steps > 0 ? decode_steps : 0) * sizeof *sorted);
+    const double med = percentile(sorted, decode_steps > 0 ? decode_steps : 0, 0.5);
+    free(sorted);
+    const double per_token = decode_tokens ? decode_ms / decode_tokens : 0.0;
+    fprintf(stderr, "summary: %s %s", variant_name(&g->model->cfg), sch->kv ? "kv" : "no-kv");
+    if (B > 1) fprintf(stderr, " | %d sequences", B);
+    fprintf(stderr, " | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s, median step %.3f ms, "
+            "mean step %.3f ms",
+            g->first_step_tokens, g->n_steps ? g->step_ms[0] : 0.0, decode_steps, per_token,
+            decode_ms > 0 ? 1000.0 * decode_tokens / decode_ms : 0.0, med, decode_steps ? decode_ms / decode_steps : 0.0);
+    if (B > 1) fprintf(stderr, " | per sequence %.3f ms/token", per_sequence);
+    fprintf(stderr, " | KV cache %zu bytes%s", sch->kv ? kv_block_bytes(pool) * (size_t)pool->n_blocks : (size_t)0,
+            sch->kv ? "" : " (recomputed every step)");
+    if (B == 1) fprintf(stderr, " | stop: %s\n", stop_name(sch->requests[0].stop));
+    else fprintf(stderr, " | stops: eos %d, steps %d, context full %d\n", stops[STOP_EOS], stops[STOP_STEPS], stops[STOP_CONTEXT]);
+    if (sch->kv) print_pool(g);
+}
+
+/* scheduler_run inside one team (parallel.h), so that every forward pass of the run uses
+ * it instead of opening an OpenMP region of its own: the other threads stay awake,
+ * spinning, while tokens are sampled and printed. */
+static void run_in_team(void *arg) {
+    Scheduler *sch = arg;
+    if (scheduler_run(sch) != 0) die(1, "out of memory");
+}
+
+/* B requests of one prompt, request i with seed + i. */
+static Request *prompt_requests(const int *prompt, int n_prompt, int B, uint64_t seed, int max_seq_len) {
+    Request *requests = calloc((size_t)B, sizeof *requests);
+    if (!requests) die(1, "out of memory");
+    for (int i = 0; i < B; i++) {
+        Request *r = &requests[i];
+        if (!(r->tokens = malloc((size_t)(max_seq_len + 1) * sizeof(int)))) die(1, "out of memory");
+        memcpy(r->tokens, prompt, (size_t)n_prompt * sizeof(int));
+        r->n_prompt = n_prompt;
+        r->index = i;
+        r->seed = seed + (uint64_t)i;
+    }
+    return requests;
+}
+
+static void free_requests(Scheduler *sch) {
+    scheduler_free_requests(sch);
+    for (int i = 0; i < sch->n_requests; i++) free(sch->requests[i].tokens);
+    free(sch->requests);
+}
+
+/* Warm-up, as llama.cpp does after loading: one untimed forward of the prompt, then an
+ * empty cache. A process's first forward runs cold (its weights come from DRAM); that is
+ * a cost of loading, so the timed prefill runs warm, like every decode step. The
+ * arithmetic is batch-invariant, so the prefill's logits are the same bits either way. */
+static void warm_up(const Scheduler *sch, const Options *o) {
+    const Request *r = &sch->requests[0];
+    KVCache scratch;
+    const double t0 = now_ms();
+    if (kv_init(&scratch, sch->pool, sch->model->cfg.max_seq_len) != 0 ||
+        model_forward(sch->model, sch->state, &scratch, r->tokens, r->n_prompt, sch->form, sch->logits, 0) != 0)
+        die(1, "out of memory");
+    kv_free(&scratch);
+    if (!o->quiet) fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", r->n_prompt, now_ms() - t0);
+}
+
+static void generate(Scheduler *sch, const Options *o, const char *const *prompts, FILE *log_csv, FILE *dump) {
+    Generation g = {o, sch->model, sch, prompts, o->prompts_path != NULL, log_csv, dump, NULL, 0, NULL, 0, 0, 0};
+    if (!(g.stream = spm_stream_new(sch->model->tokenizer))) die(1, "out of memory");
+    sch->on_logits = on_logits;
+    sch->on_token = on_token;
+    sch->on_done = on_done;
+    sch->on_step = on_step;
+    sch->ctx = &g;
+    if (streams_text(&g)) {
+        const Request *r = &sch->requests[0];
+        for (int i = 1; i < r->n_prompt; i++) utf8_fputs_sanitized(spm_stream_put(g.stream, r->tokens[i]), stdout);
+        fflush(stdout);
+    }
+    warm_up(sch, o);
+    parallel_team(run_in_team, sch);
+    print_summary(&g);
+    spm_stream_free(g.stream);
+    free(g.step_ms);
+}
+
+/* ---- --check-batch ---- */
+
+/* What one sequence produced: its tokens, and a hash of every step's logits. */
+typedef struct {
+    uint64_t *hashes;  /* (requests, max_seq_len + 1) */
+    int stride;
+} LogitHashes;
+
+static void hash_logits(void *ctx, Request *r, const float *logits) {
+    LogitHashes *h = ctx;
+    const unsigned char *bytes = (const unsigned char *)logits;
+    uint64_t x = 0xcbf29ce484222325ull;  /* FNV-1a */
+    for (size_t i = 0; i < (size_t)r->sampler.vocab_size * sizeof(float); i++) x = (x ^ bytes[i]) * 0x100000001b3ull;
+    h->hashes[(size_t)r->index * h->stride + r->generated] = x;
+}
+
+static void run_hashed(Scheduler *sch, LogitHashes *h) {
+    sch->on_logits = hash_logits;
+    sch->on_token = NULL;
+    sch->on_done = NULL;
+    sch->on_step = NULL;
+    sch->ctx = h;
+    parallel_team(run_in_team, sch);
+}
+
+/* Every sequence of the batch against the same prompt and seed run alone: the same
+ * tokens, and logits of the same bits at every step. Returns 1 when any differs. */
+static int check_batch(Scheduler *batch, const Options *o, const char *what) {
+    const Model *m = batch->model;
+    const int B = batch->n_requests, stride = m->cfg.max_seq_len + 1;
+    LogitHashes in_batch = {calloc((size_t)B * stride, sizeof(uint64_t)), stride};
+    LogitHashes alone = {calloc((size_t)B * stride, sizeof(uint64_t)), stride};
+    if (!in_batch.hashes || !alone.hashes) die(1, "out of memory");
+    run_hashed(batch, &in_batch);
+    int differ = 0;
+    char (*lines)[320] = malloc((size_t)B * sizeof *lines);
+    if (!lines) die(1, "out of memory");
+    for (int i = 0; i < B; i++) {
+        const Request *a = &batch->requests[i];
+        Scheduler solo = *batch;
+        solo.requests = prompt_requests(a->tokens, a->n_prompt, 1, a->seed, m->cfg.max_seq_len);
+        solo.requests[0].index = i;
+        solo.n_requests = 1;
+        solo.max_batch = 1;
+        run_hashed(&solo, &alone);
+        const Request *b = &solo.requests[0];
+        int same_tokens = 0;
+        while (same_tokens < a->n_tokens && same_tokens < b->n_tokens && a->tokens[same_tokens] == b->tokens[same_tokens])
+            same_tokens++;
+        int first_difference = -1;
+        const int steps = a->generated < b->generated ? a->generated : b->generated;
+        for (int s = 0; s < steps && first_difference < 0; s++)
+            if (in_batch.hashes[(size_t)i * stride + s] != alone.hashes[(size_t)i * stride + s]) first_difference = s;
+        if (first_difference < 0 && a->generated != b->generated) first_difference = steps;
+        const int identical = first_difference < 0 && a->n_tokens == b->n_tokens && same_tokens == a->n_tokens;
+        differ |= !identical;
+        snprintf(lines[i], sizeof lines[i],
+                 "check-batch variant=%s mode=%s batch=%d index=%d seed=%llu steps=%d identical_tokens=%d "
+                 "bitwise_identical=%d first_difference=%d",
+                 variant_name(&m->cfg), batch->kv ? "kv" : "no-kv", B, i, (unsigned long long)a->seed, a->generated,
+                 same_tokens - a->n_prompt, identical, first_difference);
+        free_requests(&solo);
+    }
+    int n_identical = 0;
+    for (int i = 0; i < B; i++) n_identical += strstr(lines[i], "bitwise_identical=1") != NULL;
+    printf("%s %s, %d sequences of %s\"%s\" in %d slots: %d of %d give the same tokens and bitwise the same logits as "
+           "run alone\n",
+           variant_name(&m->cfg), batch->kv ? "kv" : "no-kv", B, o->prompts_path ? "the prompts of " : "", what,
+           batch->max_batch, n_identical, B);
+    for (int i = 0; i < B; i++) puts(lines[i]);
+    free(lines);
+    free(in_batch.hashes);
+    free(alone.hashes);
+    return differ;
 }
 
 /* ---- --check-kv ---- */
@@ -248,7 +504,7 @@ static void check_kv(Engine *e, const Options *o) {
     const Model *m = e->model;
     int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));
     if (!prompt) die(1, "out of memory");
-    int n = encode_prompt(m, o->prompt, prompt, m->cfg.max_seq_len + 1);
+    int n = encode_prompt(m, o->prompt, prompt, m->cfg.max_seq_len + 1, "");
     int steps = o->steps ? o->steps : m->cfg.max_seq_len;
     int is_mla = m->cfg.variant == VARIANT_MLA;
     const MlaForm uncached_forms[2] = {MLA_EXPANDED, MLA_ABSORBED};
@@ -310,7 +566,7 @@ static void perplexity(Engine *e, const char *path) {
 
 /* ---- --info ---- */
 
-static void info(const Model *m, const KVCache *cache) {
+static void info(const Model *m, const KVPool *pool, int batch) {
     const Config *c = &m->cfg;
     size_t es = 4;  /* the cache holds fp32 */
     size_t formula = c->variant == VARIANT_MLA ? (size_t)c->n_layers * (c->kv_latent + c->rope_dim) * es
@@ -328,7 +584,12 @@ static void info(const Model *m, const KVCache *cache) {
     else
         printf("KV cache       2*L*H_kv*d_h*4 = 2*%d*%d*%d*4 = %zu bytes/token; %zu bytes at full context\n",
                c->n_layers, c->n_kv_heads, c->head_dim, formula, formula * c->max_seq_len);
-    printf("allocated      %zu bytes/token; %zu bytes (fp32)\n", kv_bytes_per_token(cache), kv_bytes_allocated(cache));
+    printf("allocated      %zu bytes/token; %zu bytes (fp32)\n", kv_bytes_per_token(pool),
+           kv_block_bytes(pool) * (size_t)pool->n_blocks);
+    printf("KV pool        %d blocks of %d tokens, %zu bytes each (%zu bytes); a contiguous cache of the full context "
+           "for %d sequence%s would take %zu bytes\n",
+           pool->n_blocks, KV_BLOCK_TOKENS, kv_block_bytes(pool), kv_block_bytes(pool) * (size_t)pool->n_blocks, batch,
+           batch > 1 ? "s" : "", kv_bytes_per_token(pool) * (size_t)c->max_seq_len * (size_t)batch);
     printf("kernels        %s\n", kernels_simd_name());
 }
 
@@ -357,43 +618,95 @@ int main(int argc, char **argv) {
     if (o.steps > m.cfg.max_seq_len)
         die(EXIT_USAGE, "-n %d is out of range (1..%d, the context)", o.steps, m.cfg.max_seq_len);
 
+    const int B = o.batch;
+    if (o.dump_path && (B > 1 || o.prompts_path))
+        die(EXIT_USAGE, "--dump-logits writes one sequence's logits: it takes no --batch or --prompts");
+    if (o.check_kv && B > 1) die(EXIT_USAGE, "--check-kv compares one sequence; --check-batch compares a batch");
+    const size_t block_bytes = kv_block_bytes_for(&m.cfg);
+    const int one_sequence = kv_blocks_for(m.cfg.max_seq_len);
+    const double pool_blocks = o.kv_mem_mb > 0.0f ? floor((double)o.kv_mem_mb * 1048576.0 / (double)block_bytes)
+                                                  : (double)(o.kv ? B : 1) * one_sequence;
+    if (pool_blocks < one_sequence)
+        die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full context (%d tokens) needs %d",
+            (double)o.kv_mem_mb, pool_blocks, block_bytes, m.cfg.max_seq_len, one_sequence);
+    if (pool_blocks > INT_MAX) die(EXIT_USAGE, "--kv-mem %g MB is more blocks than this program counts", (double)o.kv_mem_mb);
+    const long n_blocks = (long)pool_blocks;
+
     RunState state;
+    KVPool pool;
     KVCache cache;
-    int *tokens = malloc((size_t)(m.cfg.max_seq_len + 1) * sizeof(int));  /* the sequence generated */
-    if (!tokens || runstate_init(&state, &m.cfg, m.cfg.max_seq_len) != 0 || kv_init(&cache, &m.cfg, m.cfg.max_seq_len) != 0)
-        die(1, "out of memory");
+    int *tokens = malloc((size_t)(m.cfg.max_seq_len + 1) * sizeof(int));  /* the prompt */
+    float *logits = malloc((size_t)B * (size_t)m.cfg.vocab_size * sizeof(float));
+    if (!tokens || !logits || runstate_init(&state, &m.cfg, scheduler_max_tokens(&m.cfg, B)) != 0 ||
+        kv_pool_init(&pool, &m.cfg, (int)n_blocks) != 0 || kv_init(&cache, &pool, m.cfg.max_seq_len) != 0)
+        die(1, "out of memory: the KV cache pool of %ld blocks takes %zu bytes", n_blocks, (size_t)n_blocks * block_bytes);
     Engine e = {&m, &state, &cache, o.kv, o.mla_form};
 
+    int status = 0;
     if (o.info) {
-        info(&m, &cache);
+        info(&m, &pool, B);
     } else if (o.check_kv) {
         check_kv(&e, &o);
     } else if (o.ppl_path) {
         perplexity(&e, o.ppl_path);
     } else {
-        int n_prompt = encode_prompt(&m, o.prompt, tokens, m.cfg.max_seq_len + 1);
-        Sampler sampler;
-        if (sampler_init(&sampler, m.cfg.vocab_size, o.top_k, o.temperature, o.seed) != 0) die(1, "out of memory");
-        FILE *log_csv = NULL, *dump = NULL;
-        if (o.log_path) {
-            log_csv = fopen(o.log_path, "w");
-            if (!log_csv) die(1, "cannot write %s: %s", o.log_path, strerror(errno));
-            fprintf(log_csv, "step,phase,pos,n_tokens,token,ms\n");
+        Scheduler sch = {.model = &m, .state = &state, .pool = &pool, .kv = o.kv, .form = o.mla_form, .max_batch = B,
+                         .max_new = o.steps, .ignore_eos = o.ignore_eos, .top_k = o.top_k, .temperature = o.temperature,
+                         .logits = logits};
+        PromptFile file = {0};
+        const char **prompts;  /* each request's text */
+        if (o.prompts_path) {
+            if (promptfile_read(&file, o.prompts_path, err, sizeof err) != 0) die(1, "%s", err);
+            sch.n_requests = file.n_prompts;
+            if (!(sch.requests = calloc((size_t)file.n_prompts, sizeof *sch.requests))) die(1, "out of memory");
+            for (int i = 0; i < file.n_prompts; i++) {  /* every line is checked before anything runs */
+                Request *r = &sch.requests[i];
+                char where[320];
+                snprintf(where, sizeof where, "%s:%d: ", o.prompts_path, file.line_numbers[i]);
+                if (!(r->tokens = malloc((size_t)(m.cfg.max_seq_len + 1) * sizeof(int)))) die(1, "out of memory");
+                r->n_prompt = encode_prompt(&m, file.prompts[i], r->tokens, m.cfg.max_seq_len + 1, where);
+                r->index = i;
+                r->seed = o.seed + (uint64_t)i;
+            }
+            prompts = (const char **)file.prompts;
+        } else {
+            const int n_prompt = encode_prompt(&m, o.prompt, tokens, m.cfg.max_seq_len + 1, "");
+            sch.n_requests = B;
+            sch.requests = prompt_requests(tokens, n_prompt, B, o.seed, m.cfg.max_seq_len);
+            if (!(prompts = malloc((size_t)B * sizeof *prompts))) die(1, "out of memory");
+            for (int i = 0; i < B; i++) prompts[i] = o.prompt;
         }
-        if (o.dump_path && !(dump = fopen(o.dump_path, "wb"))) die(1, "cannot write %s: %s", o.dump_path, strerror(errno));
-        fprintf(stderr, "seed %llu | %s | %s | mla form %s | threads %d | top-k %d | temperature %g\n",
-                (unsigned long long)o.seed, variant_name(&m.cfg), o.kv ? "kv" : "no-kv",
-                m.cfg.variant == VARIANT_MLA ? mla_form_name(o.mla_form) : "n/a", parallel_threads(), o.top_k,
-                o.temperature);
-        Generation g = {&e, &o, &sampler, log_csv, dump, tokens, n_prompt};
-        parallel_team(generate_in_team, &g);
-        if (log_csv && fclose(log_csv) != 0) die(1, "cannot write %s", o.log_path);
-        if (dump && fclose(dump) != 0) die(1, "cannot write %s", o.dump_path);
-        sampler_free(&sampler);
+        if (o.check_batch) {
+            status = check_batch(&sch, &o, o.prompts_path ? o.prompts_path : o.prompt);
+        } else {
+            FILE *log_csv = NULL, *dump = NULL;
+            if (o.log_path) {
+                log_csv = fopen(o.log_path, "w");
+                if (!log_csv) die(1, "cannot write %s: %s", o.log_path, strerror(errno));
+                fprintf(log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
+            }
+            if (o.dump_path && !(dump = fopen(o.dump_path, "wb"))) die(1, "cannot write %s: %s", o.dump_path, strerror(errno));
+            fprintf(stderr, "seed %llu | %s | %s | mla form %s | threads %d | top-k %d | temperature %g",
+                    (unsigned long long)o.seed, variant_name(&m.cfg), o.kv ? "kv" : "no-kv",
+                    m.cfg.variant == VARIANT_MLA ? mla_form_name(o.mla_form) : "n/a", parallel_threads(), o.top_k,
+                    o.temperature);
+            if (sch.n_requests > 1 || B > 1)
+                fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", sch.n_requests, B,
+                        (unsigned long long)o.seed, (unsigned long long)(o.seed + (uint64_t)sch.n_requests - 1));
+            fputc('\n', stderr);
+            generate(&sch, &o, prompts, log_csv, dump);
+            if (log_csv && fclose(log_csv) != 0) die(1, "cannot write %s", o.log_path);
+            if (dump && fclose(dump) != 0) die(1, "cannot write %s", o.dump_path);
+        }
+        free_requests(&sch);
+        if (!o.prompts_path) free(prompts);
+        promptfile_free(&file);
     }
     kv_free(&cache);
+    kv_pool_free(&pool);
     runstate_free(&state);
     free(tokens);
+    free(logits);
     model_free(&m);
-    return 0;
+    return status;
 }

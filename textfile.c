@@ -73,16 +73,16 @@ oom:
     return -1;
 }
 
-int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
-    memset(f, 0, sizeof *f);
+/* The whole file in a new buffer (*n bytes, NUL-terminated), or -1 with the reason in err. */
+static int read_whole(const char *path, char **out, size_t *n_out, char *err, size_t errlen) {
     FILE *fp = fopen(path, "rb");
     if (!fp) return errmsg(err, errlen, -1, "cannot open %s: %s", path, strerror(errno));
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap);
     for (;;) {
         if (!buf) { fclose(fp); return errmsg(err, errlen, -1, "out of memory reading %s", path); }
-        n += fread(buf + n, 1, cap - n, fp);
-        if (n < cap) break;
+        n += fread(buf + n, 1, cap - n - 1, fp);
+        if (n < cap - 1) break;
         if (cap >= (size_t)MAX_FILE_BYTES) { free(buf); fclose(fp); return errmsg(err, errlen, -1, "%s is over 1 GiB", path); }
         char *nb = realloc(buf, cap * 2);
         if (!nb) free(buf);
@@ -91,7 +91,18 @@ int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
     }
     int bad = ferror(fp);
     fclose(fp);
-    if (bad) { free(buf); errmsg(err, errlen, -1, "cannot read %s", path); return -1; }
+    if (bad) { free(buf); return errmsg(err, errlen, -1, "cannot read %s", path); }
+    buf[n] = '\0';
+    *out = buf;
+    *n_out = n;
+    return 0;
+}
+
+int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    char *buf;
+    size_t n;
+    if (read_whole(path, &buf, &n, err, errlen) != 0) return -1;
     char inner[256];
     int rc = storyfile_parse(f, buf, n, inner, sizeof inner);
     free(buf);
@@ -102,5 +113,57 @@ int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
 void storyfile_free(StoryFile *f) {
     free(f->text);
     free(f->stories);
+    memset(f, 0, sizeof *f);
+}
+
+int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    size_t n;
+    if (read_whole(path, &f->text, &n, err, errlen) != 0) return -1;
+    if (memchr(f->text, '\0', n)) {
+        promptfile_free(f);
+        return errmsg(err, errlen, -1, "%s holds a NUL byte", path);
+    }
+    int cap = 0, line_no = 0;
+    for (char *line = f->text; line < f->text + n || line_no == 0;) {
+        line_no++;
+        char *nl = strchr(line, '\n'), *end = nl ? nl : line + strlen(line);
+        if (end > line && end[-1] == '\r') end--;
+        *end = '\0';
+        char *b = line;
+        while (b < end && is_space(*b)) b++;
+        if (b < end) {  /* a blank line holds no prompt */
+            if (!utf8_valid(line, (size_t)(end - line))) {
+                promptfile_free(f);
+                return errmsg(err, errlen, -1, "%s:%d: the prompt is not valid UTF-8 text", path, line_no);
+            }
+            if (f->n_prompts == cap) {
+                cap = cap ? 2 * cap : 64;
+                char **np = realloc(f->prompts, (size_t)cap * sizeof *np);
+                int *nl_no = realloc(f->line_numbers, (size_t)cap * sizeof *nl_no);
+                if (np) f->prompts = np;
+                if (nl_no) f->line_numbers = nl_no;
+                if (!np || !nl_no) {
+                    promptfile_free(f);
+                    return errmsg(err, errlen, -1, "out of memory reading %s", path);
+                }
+            }
+            f->prompts[f->n_prompts] = line;
+            f->line_numbers[f->n_prompts++] = line_no;
+        }
+        if (!nl) break;
+        line = nl + 1;
+    }
+    if (f->n_prompts == 0) {
+        promptfile_free(f);
+        return errmsg(err, errlen, -1, "%s holds no prompt (one prompt a line)", path);
+    }
+    return 0;
+}
+
+void promptfile_free(PromptFile *f) {
+    free(f->text);
+    free(f->prompts);
+    free(f->line_numbers);
     memset(f, 0, sizeof *f);
 }

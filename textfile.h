@@ -1,6 +1,6 @@
-/* textfile.h: reads text in the TinyStoriesV2 layout: stories separated by lines
- * that hold only <|endoftext|>. Each story is stripped of surrounding white space;
- * empty stories are dropped (as train/prepare.py does). */
+/* textfile.h: the text files ./run reads. --ppl's stories, in the TinyStoriesV2 layout
+ * (separated by lines that hold only <|endoftext|>; each stripped of surrounding white
+ * space, empty ones dropped, as train/prepare.py does), and --prompts' prompts. */
 #ifndef TEXTFILE_H
 #define TEXTFILE_H
 
@@ -18,5 +18,18 @@ int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen);
 /* From memory (copied); the same checks. */
 int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size_t errlen);
 void storyfile_free(StoryFile *f);
+
+/* A file of prompts, one a line (blank lines skipped, a trailing \r dropped). */
+typedef struct {
+    char *text;          /* the file, split in place */
+    char **prompts;      /* NUL-terminated, valid UTF-8 */
+    int *line_numbers;   /* each prompt's line, from 1 */
+    int n_prompts;
+} PromptFile;
+
+/* On failure -1 and one sentence in err naming the file (and the line): missing,
+ * unreadable, a NUL byte, a line that is not valid UTF-8, or no prompt at all. */
+int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen);
+void promptfile_free(PromptFile *f);
 
 #endif /* TEXTFILE_H */

@@ -52,7 +52,7 @@ static size_t scratch_floats(const Config *c) {
     size_t T = (size_t)c->max_seq_len, H = (size_t)c->n_heads, hd = (size_t)c->head_dim;
     size_t dc = (size_t)c->kv_latent, rd = (size_t)c->rope_dim, kv = (size_t)c->n_kv_heads * hd;
     size_t per_token = 2 * (size_t)c->dim + H * hd + H * (hd + rd) + 2 * kv + dc + rd + (dc ? 2 * H * hd : 0) +
-                       H * (dc + rd) + H * dc + 2 * (size_t)c->hidden_dim + 2 * (size_t)c->vocab_size;
+                       H * (dc + rd) + H * dc + (dc ? dc + rd : 0) + 2 * (size_t)c->hidden_dim + 2 * (size_t)c->vocab_size;
     size_t cache = (size_t)c->n_layers * T * (dc ? dc + rd : 2 * kv);
     return T * per_token + cache + T * (hd + rd);
 }
@@ -60,9 +60,15 @@ static size_t scratch_floats(const Config *c) {
 static void forward_once(const Model *m, MlaForm form, int t1) {
     const Config *c = &m->cfg;
     RunState s;
+    KVPool pool;
     KVCache cache;
     if (runstate_init(&s, c, c->max_seq_len) != 0) return;
-    if (kv_init(&cache, c, c->max_seq_len) != 0) {
+    if (kv_pool_init(&pool, c, kv_blocks_for(c->max_seq_len)) != 0) {
+        runstate_free(&s);
+        return;
+    }
+    if (kv_init(&cache, &pool, c->max_seq_len) != 0) {
+        kv_pool_free(&pool);
         runstate_free(&s);
         return;
     }
@@ -77,6 +83,7 @@ static void forward_once(const Model *m, MlaForm form, int t1) {
         free(logits);
     }
     kv_free(&cache);
+    kv_pool_free(&pool);
     runstate_free(&s);
 }
 

@@ -17,6 +17,7 @@
 typedef struct {
     Model m;
     RunState s;
+    KVPool pool;
     KVCache cache;
 } Fixture;
 
@@ -33,12 +34,14 @@ static Fixture *load_variant(Variant v, int latent) {
     assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 1234 + v + latent), 0);
     assert_int_equal(model_load(&f->m, path, err, sizeof err), 0);
     assert_int_equal(runstate_init(&f->s, &f->m.cfg, f->m.cfg.max_seq_len), 0);
-    assert_int_equal(kv_init(&f->cache, &f->m.cfg, f->m.cfg.max_seq_len), 0);
+    assert_int_equal(kv_pool_init(&f->pool, &f->m.cfg, 2 * kv_blocks_for(f->m.cfg.max_seq_len)), 0);
+    assert_int_equal(kv_init(&f->cache, &f->pool, f->m.cfg.max_seq_len), 0);
     return f;
 }
 
 static void free_fixture(Fixture *f) {
     kv_free(&f->cache);
+    kv_pool_free(&f->pool);
     runstate_free(&f->s);
     model_free(&f->m);
     free(f);
@@ -136,7 +139,12 @@ static void random_input(float *xb, int n, uint64_t seed) {
 /* Layer 0's attention for T tokens of input xb at the cache's next positions, as the
  * forward pass runs it (model.c advances the cache once every layer has run). */
 static void attention_pass(Fixture *f, const float *xb, int T, MlaForm form) {
-    attention(&f->m, &f->s.attn, &f->cache, 0, xb, f->s.heads, T, form);
+    KVCache *caches[64];
+    int pos[64];
+    for (int t = 0; t < T; t++) caches[t] = &f->cache, pos[t] = f->cache.len + t;
+    assert_int_equal(kv_reserve(&f->cache, f->cache.len + T), 0);
+    const TokenSlots slots = {T, caches, pos};
+    attention(&f->m, &f->s.attn, &slots, 0, xb, f->s.heads, form);
     f->cache.len += T;
 }
 
@@ -225,6 +233,7 @@ static void check_forward_cached_equals_uncached(Variant v, int latent) {
     }
     /* the cache has room for max_seq_len positions: a pass past it is refused, untouched */
     kv_reset(&f->cache);
+    assert_int_equal(kv_reserve(&f->cache, c->max_seq_len - 1), 0);
     f->cache.len = c->max_seq_len - 1;
     assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, 2, MLA_ABSORBED, step, 0), -1);
     assert_int_equal(f->cache.len, c->max_seq_len - 1);

@@ -10,7 +10,8 @@ import pytest
 from conftest import PROMPT, VARIANTS, read_logits, run
 
 SUMMARY = re.compile(r"summary: (\S+) (kv|no-kv) \| prefill (\d+) tokens ([\d.]+) ms \| decode (\d+) steps, "
-                     r"([\d.]+) ms/token, ([\d.]+) tokens/s \| KV cache (\d+) bytes")
+                     r"([\d.]+) ms/token, ([\d.]+) tokens/s, median step ([\d.]+) ms, mean step ([\d.]+) ms \| "
+                     r"KV cache (\d+) bytes")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -28,14 +29,19 @@ def test_generates_and_logs(small_checkpoints, variant, kv, tmp_path):
     assert m.group(1) == name and m.group(2) == ("kv" if kv else "no-kv")
     assert int(m.group(3)) == 5                    # BOS + 4 prompt tokens
     assert int(m.group(5)) == 19                   # 20 tokens: one from the prefill, 19 decode steps
-    kv_bytes = int(m.group(8))
+    kv_bytes = int(m.group(10))
     cfg = model.cfg
     per_token = (cfg.n_layers * (cfg.kv_latent + cfg.rope_dim) * 4 if cfg.kv_latent
                  else 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4)
     assert kv_bytes == (per_token * cfg.max_seq_len if kv else 0)
     assert len(re.findall(r"^\[step \d+\] pos \d+ token \d+ ms [\d.]+$", err, re.M)) == 19
     rows = log.read_text().strip().split("\n")
-    assert rows[0] == "step,phase,pos,n_tokens,token,ms" and len(rows) == 21
+    assert rows[0] == "step,phase,sequences,n_tokens,pos,token,ms" and len(rows) == 21
+    # the prefill runs the 5 prompt tokens; each later step one token with the cache, all of them without
+    cells = [r.split(",") for r in rows[1:]]
+    assert [c[1] for c in cells] == ["prefill"] + ["decode"] * 19
+    assert [int(c[3]) for c in cells] == [5] + ([1] * 19 if kv else list(range(6, 25)))
+    assert [int(c[4]) for c in cells] == list(range(4, 24)) and {c[2] for c in cells} == {"1"}
     assert p.stdout.decode().startswith(PROMPT)
     # -q keeps the summary and drops the step lines
     q = run(args + ["-q"]).stderr.decode()

@@ -416,6 +416,39 @@ static void test_dot_rows_and_weighted_sum(void **state) {
     free(p);
 }
 
+/* The paged cache's rows: the same rows copied into scattered blocks of 16 give the same
+ * scores and weighted sums, bit for bit, for any number of rows (whole blocks, a part of
+ * one, an odd count). */
+static void test_row_blocks_equal_contiguous_rows(void **state) {
+    enum { N = 70, STRIDE = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK };
+    float *rows = random_floats(N * STRIDE, 91), *q = random_floats(144, 92), *p = random_floats(N, 93);
+    float *store = random_floats((size_t)(BLOCKS + 3) * BLOCK * STRIDE, 94);  /* blocks in a scrambled order */
+    const float *blocks[BLOCKS];
+    for (int b = 0; b < BLOCKS; b++) {
+        float *dst = store + (size_t)((b * 3 + 2) % (BLOCKS + 3)) * BLOCK * STRIDE;
+        for (int r = 0; r < BLOCK && b * BLOCK + r < N; r++)
+            memcpy(dst + (size_t)r * STRIDE, rows + (size_t)(b * BLOCK + r) * STRIDE, STRIDE * sizeof(float));
+        blocks[b] = dst;
+    }
+    const RowBlocks paged = {blocks, BLOCK, STRIDE};
+    const int widths[] = {16, 32, 80, 144, 100}, counts[] = {1, 15, 16, 17, 32, 33, 70};
+    float a[N], b[N], sa[144], sb[144];
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+        for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
+            const int w = widths[i], n = counts[k];
+            dot_rows(a, q, rows, STRIDE, n, w, 0.3f);
+            dot_row_blocks(b, q, paged, n, w, 0.3f);
+            assert_memory_equal(a, b, (size_t)n * sizeof(float));
+            weighted_sum_rows(sa, p, rows, STRIDE, n, w);
+            weighted_sum_row_blocks(sb, p, paged, n, w);
+            assert_memory_equal(sa, sb, (size_t)w * sizeof(float));
+        }
+    free(rows);
+    free(q);
+    free(p);
+    free(store);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) g_tokenizer_path = argv[1];
     const struct CMUnitTest tests[] = {
@@ -429,6 +462,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_exp_nonpositive),
         cmocka_unit_test(test_rmsnorm_softmax_swiglu),
         cmocka_unit_test(test_dot_rows_and_weighted_sum),
+        cmocka_unit_test(test_row_blocks_equal_contiguous_rows),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);
 }

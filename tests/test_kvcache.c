@@ -1,9 +1,10 @@
-/* KV cache layout and accounting. */
+/* The paged KV cache: layout, accounting, block tables, sharing and copy on write. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <cmocka.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kvcache.h"
 #include "testutil.h"
@@ -15,17 +16,9 @@ static Config shipped(Variant v, int kv_heads, int latent) {
     return c;
 }
 
-/* A cache of L layers, H KV heads of D floats (or an MLA latent of width `latent` with no
- * RoPE part), for S positions. */
-static int init_shape(KVCache *cache, int L, int S, int H, int D, int latent) {
-    Config c = {.variant = latent ? VARIANT_MLA : VARIANT_MHA, .n_layers = L, .n_heads = H ? H : 1, .head_dim = D,
-                .n_kv_heads = H, .kv_latent = latent, .max_seq_len = S};
-    return kv_init(cache, &c, S);
-}
-
 /* bytes per token follow the formulas of the posts: 2*L*H_kv*d_h*4 and L*(d_c+d_R)*4 */
 static void test_bytes_per_token(void **state) {
-    KVCache c;
+    KVPool p;
     const struct { Config cfg; size_t expect; } cases[] = {
         {shipped(VARIANT_MHA, 16, 0), 2 * 4 * 16 * 32 * 4}, /* 16 KiB */
         {shipped(VARIANT_GQA, 4, 0), 2 * 4 * 4 * 32 * 4},
@@ -34,56 +27,157 @@ static void test_bytes_per_token(void **state) {
         {shipped(VARIANT_MLA, 0, 128), 4 * 144 * 4},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        assert_int_equal(kv_init(&c, &cases[i].cfg, 256), 0);
-        assert_int_equal(kv_bytes_per_token(&c), cases[i].expect);
-        assert_int_equal(kv_bytes_allocated(&c), cases[i].expect * 256);
-        kv_free(&c);
-        assert_int_equal(kv_bytes_allocated(&c), 0);
+        assert_int_equal(kv_pool_init(&p, &cases[i].cfg, 16), 0);
+        assert_int_equal(kv_bytes_per_token(&p), cases[i].expect);
+        assert_int_equal(kv_block_bytes(&p), cases[i].expect * KV_BLOCK_TOKENS);
+        assert_int_equal(kv_block_bytes_for(&cases[i].cfg), kv_block_bytes(&p));
+        kv_pool_free(&p);
     }
 }
 
-/* every (layer, head, position) has its own head_dim floats, keys and values apart */
+/* every (layer, K/V, head, position) has its own head_dim floats; a head's positions in
+ * one block are contiguous (attention streams them) */
 static void test_layout_disjoint(void **state) {
-    KVCache c;
-    const int L = 3, S = 10, H = 2, D = 4;
-    assert_int_equal(init_shape(&c, L, S, H, D, 0), 0);
+    Config c = shipped(VARIANT_GQA, 2, 0);
+    c.n_layers = 3;
+    c.head_dim = 4;
+    KVPool p;
+    KVCache s;
+    const int S = 40, L = 3, H = 2, D = 4;
+    assert_int_equal(kv_pool_init(&p, &c, kv_blocks_for(S)), 0);
+    assert_int_equal(kv_init(&s, &p, S), 0);
+    assert_int_equal(kv_reserve(&s, S), 0);
     for (int l = 0; l < L; l++)
         for (int h = 0; h < H; h++)
-            for (int p = 0; p < S; p++)
+            for (int t = 0; t < S; t++)
                 for (int d = 0; d < D; d++) {
-                    kv_key(&c, l, h, p)[d] = (float)(((l * H + h) * S + p) * D + d);
-                    kv_value(&c, l, h, p)[d] = -(float)(((l * H + h) * S + p) * D + d);
+                    kv_key(&s, l, h, t)[d] = (float)(((l * H + h) * S + t) * D + d);
+                    kv_value(&s, l, h, t)[d] = -(float)(((l * H + h) * S + t) * D + d);
                 }
     for (int l = 0; l < L; l++)
         for (int h = 0; h < H; h++)
-            for (int p = 0; p < S; p++)
+            for (int t = 0; t < S; t++)
                 for (int d = 0; d < D; d++) {
-                    assert_true(kv_key(&c, l, h, p)[d] == (float)(((l * H + h) * S + p) * D + d));
-                    assert_true(kv_value(&c, l, h, p)[d] == -(float)(((l * H + h) * S + p) * D + d));
+                    assert_true(kv_key(&s, l, h, t)[d] == (float)(((l * H + h) * S + t) * D + d));
+                    assert_true(kv_value(&s, l, h, t)[d] == -(float)(((l * H + h) * S + t) * D + d));
                 }
-    /* positions of one head are contiguous (the attention loop streams them) */
-    assert_ptr_equal(kv_key(&c, 1, 1, 3) + D, kv_key(&c, 1, 1, 4));
-    kv_free(&c);
+    assert_ptr_equal(kv_key(&s, 1, 1, 3) + D, kv_key(&s, 1, 1, 4));
+    assert_ptr_equal(kv_key(&s, 2, 0, 16) + D, kv_key(&s, 2, 0, 17));
+    kv_free(&s);
+    kv_pool_free(&p);
 }
 
-static void test_latent_layout_and_reset(void **state) {
-    KVCache c;
-    assert_int_equal(init_shape(&c, 2, 8, 0, 32, 24), 0);
-    assert_null(c.v);
-    assert_ptr_equal(kv_latent(&c, 0, 1), kv_latent(&c, 0, 0) + 24);
-    assert_ptr_equal(kv_latent(&c, 1, 0), kv_latent(&c, 0, 7) + 24);
-    c.len = 5;
-    kv_reset(&c);
-    assert_int_equal(c.len, 0);
-    kv_free(&c);
+static void test_latent_layout(void **state) {
+    Config c = shipped(VARIANT_MLA, 0, 16);
+    c.n_layers = 2;
+    c.rope_dim = 8;
+    KVPool p;
+    KVCache s;
+    assert_int_equal(kv_pool_init(&p, &c, 2), 0);
+    assert_int_equal(kv_init(&s, &p, 32), 0);
+    assert_int_equal(kv_reserve(&s, 32), 0);
+    assert_ptr_equal(kv_latent(&s, 0, 1), kv_latent(&s, 0, 0) + 24);
+    assert_ptr_equal(kv_latent(&s, 1, 0), kv_latent(&s, 0, 15) + 24);  /* the next layer of the same block */
+    kv_free(&s);
+    kv_pool_free(&p);
+}
+
+/* Blocks are taken as positions are reserved and all come back on reset; a reservation
+ * the pool or the table cannot hold is refused and changes nothing. */
+static void test_reserve_and_release(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache a, b;
+    assert_int_equal(kv_pool_init(&p, &c, 5), 0);
+    assert_int_equal(kv_init(&a, &p, 64), 0);
+    assert_int_equal(kv_init(&b, &p, 64), 0);
+    assert_int_equal(kv_reserve(&a, 17), 0);
+    assert_int_equal(a.n_blocks, 2);
+    assert_int_equal(kv_blocks_in_use(&p), 2);
+    assert_int_equal(kv_reserve(&a, 65), -1);          /* past max_len */
+    assert_int_equal(kv_reserve(&b, 64), -1);          /* 4 blocks, 3 free */
+    assert_int_equal(b.n_blocks, 0);
+    assert_int_equal(kv_blocks_in_use(&p), 2);
+    assert_int_equal(kv_reserve(&b, 48), 0);
+    assert_int_equal(p.n_free, 0);
+    assert_int_equal(p.peak_in_use, 5);
+    kv_reset(&a);
+    assert_int_equal(a.len, 0);
+    assert_int_equal(p.n_free, 2);
+    kv_free(&b);
+    assert_int_equal(p.n_free, 5);
+    assert_int_equal(p.peak_in_use, 5);
+    kv_free(&a);
+    kv_pool_free(&p);
+}
+
+/* A shared prefix holds the same blocks; the first write into a shared block copies it, so
+ * neither sequence ever sees the other's later positions. */
+static void test_share_and_copy_on_write(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache a, b;
+    assert_int_equal(kv_pool_init(&p, &c, 8), 0);
+    assert_int_equal(kv_init(&a, &p, 64), 0);
+    assert_int_equal(kv_init(&b, &p, 64), 0);
+    assert_int_equal(kv_reserve(&a, 20), 0);
+    for (int t = 0; t < 20; t++) kv_key(&a, 3, 0, t)[0] = (float)t;
+    a.len = 20;
+    kv_share_prefix(&b, &a, 18);  /* a full block and 2 positions of the second */
+    assert_int_equal(b.len, 18);
+    assert_int_equal(b.n_blocks, 2);
+    assert_int_equal(b.blocks[0], a.blocks[0]);
+    assert_int_equal(b.blocks[1], a.blocks[1]);
+    assert_int_equal(p.refs[a.blocks[1]], 2);
+    assert_int_equal(kv_blocks_in_use(&p), 2);
+    /* b writes position 18: its second block becomes its own copy, the first stays shared */
+    assert_int_equal(kv_blocks_needed(&b, 19), 1);
+    assert_int_equal(kv_reserve(&b, 19), 0);
+    assert_int_not_equal(b.blocks[1], a.blocks[1]);
+    assert_int_equal(b.blocks[0], a.blocks[0]);
+    assert_int_equal(p.refs[a.blocks[1]], 1);
+    assert_int_equal(p.refs[a.blocks[0]], 2);
+    for (int t = 0; t < 18; t++) assert_true(kv_key(&b, 3, 0, t)[0] == (float)t);  /* the copy holds the prefix */
+    kv_key(&b, 3, 0, 18)[0] = -1.0f;
+    assert_true(kv_key(&a, 3, 0, 18)[0] == 18.0f);  /* a's own position untouched */
+    /* a exclusive owner writes in place: no copy */
+    assert_int_equal(kv_blocks_needed(&a, 21), 0);
+    const int before = a.blocks[1];
+    assert_int_equal(kv_reserve(&a, 21), 0);
+    assert_int_equal(a.blocks[1], before);
+    kv_free(&b);
+    assert_int_equal(p.refs[a.blocks[0]], 1);
+    kv_free(&a);
+    assert_int_equal(p.n_free, 8);
+    kv_pool_free(&p);
+}
+
+/* A copy needs a free block: when there is none the reservation is refused, unchanged. */
+static void test_copy_needs_a_block(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache a, b;
+    assert_int_equal(kv_pool_init(&p, &c, 1), 0);
+    assert_int_equal(kv_init(&a, &p, 16), 0);
+    assert_int_equal(kv_init(&b, &p, 16), 0);
+    assert_int_equal(kv_reserve(&a, 5), 0);
+    a.len = 5;
+    kv_share_prefix(&b, &a, 4);
+    assert_int_equal(kv_reserve(&b, 5), -1);
+    assert_int_equal(b.blocks[0], a.blocks[0]);
+    assert_int_equal(p.refs[a.blocks[0]], 2);
+    kv_free(&a);
+    assert_int_equal(kv_reserve(&b, 5), 0);  /* now alone with it: in place */
+    kv_free(&b);
+    kv_pool_free(&p);
 }
 
 int main(int argc, char **argv) {
     (void)argc; (void)argv;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_bytes_per_token),
-        cmocka_unit_test(test_layout_disjoint),
-        cmocka_unit_test(test_latent_layout_and_reset),
+        cmocka_unit_test(test_bytes_per_token),        cmocka_unit_test(test_layout_disjoint),
+        cmocka_unit_test(test_latent_layout),          cmocka_unit_test(test_reserve_and_release),
+        cmocka_unit_test(test_share_and_copy_on_write), cmocka_unit_test(test_copy_needs_a_block),
     };
     return cmocka_run_group_tests_name("kvcache", tests, NULL, NULL);
 }

@@ -1,0 +1,152 @@
+"""Batched decoding on the paged KV cache: every sequence of a batch equals, bit for bit,
+the same prompt and seed run alone (--check-batch, and independently through --json);
+the prompt is computed once and its blocks shared; preemption when the pool runs short
+changes nothing; bad values are refused."""
+import json
+import os
+import re
+
+import pytest
+
+from conftest import PROMPT, ROOT, VARIANTS, run
+
+CHECK = re.compile(r"^check-batch variant=(\S+) mode=(\S+) batch=(\d+) index=(\d+) seed=(\d+) steps=(\d+) "
+                   r"identical_tokens=(\d+) bitwise_identical=([01]) first_difference=(-?\d+)$", re.M)
+POOL = re.compile(r"kv pool: (\d+)-token blocks of (\d+) bytes \| peak (\d+) of (\d+) blocks in use, (\d+) bytes \| "
+                  r"contiguous full contexts for (\d+) sequences: (\d+) bytes \| preemptions (\d+)")
+
+
+def check_batch(args):
+    p = run(args + ["--check-batch"], check=False)
+    out = p.stdout.decode()
+    rows = CHECK.findall(out)
+    return p.returncode, out, rows
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kv", [["--kv"], []])
+def test_check_batch_every_variant(small_checkpoints, variant, kv):
+    path, _ = small_checkpoints[variant]
+    code, out, rows = check_batch([path, "-p", PROMPT, "-n", 12, "--ignore-eos", "-s", 3, "--batch", 4] + kv)
+    assert code == 0, out
+    assert len(rows) == 4 and out.split("\n")[0].endswith("4 of 4 give the same tokens and bitwise the same logits "
+                                                         "as run alone")
+    assert [int(r[3]) for r in rows] == [0, 1, 2, 3] and [int(r[4]) for r in rows] == [3, 4, 5, 6]
+    assert all(r[7] == "1" and r[8] == "-1" and int(r[5]) == 12 and int(r[6]) == 12 for r in rows)
+
+
+def sequences(args):
+    """The --json lines of a run, parsed."""
+    return [json.loads(line) for line in run(args + ["--json", "-q"]).stdout.decode().splitlines()]
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla64"])
+def test_batch_equals_solo_runs(small_checkpoints, variant):
+    """Independent of --check-batch: each sequence of a sampled batch is what a solo run with
+    its seed prints, and the thread count changes nothing."""
+    path, _ = small_checkpoints[variant]
+    base = [path, "-p", PROMPT, "-n", 15, "--ignore-eos", "--kv", "-k", 20]
+    batch = sequences(base + ["-s", 40, "--batch", 3])
+    assert [s["index"] for s in batch] == [0, 1, 2] and [s["seed"] for s in batch] == [40, 41, 42]
+    for s in batch:
+        alone = sequences(base + ["-s", s["seed"]])
+        assert len(alone) == 1 and alone[0]["tokens"] == s["tokens"] and alone[0]["text"] == s["text"]
+        assert s["text"].startswith(PROMPT) and len(s["tokens"]) == 15 and s["stop"] == "steps"
+    same = lambda runs: [(s["index"], s["seed"], s["tokens"], s["text"], s["stop"]) for s in runs]  # not the timings
+    assert same(sequences(base + ["-s", 40, "--batch", 3, "--threads", 1])) == same(batch)
+    # seeds differ, so (with top-k sampling) the sequences do
+    assert len({tuple(s["tokens"]) for s in batch}) > 1
+
+
+def test_sequences_ending_at_different_steps():
+    """The shipped MQA model: stories end with EOS at different steps; each still equals its solo run."""
+    path = os.path.join(ROOT, "weights", "mqa.bin")
+    if not os.path.exists(path):
+        pytest.fail("weights/mqa.bin is missing")
+    code, out, rows = check_batch([path, "-p", PROMPT, "--kv", "--batch", 6, "-s", 11])
+    assert code == 0, out
+    assert len(rows) == 6 and all(r[7] == "1" for r in rows)
+    assert len({int(r[5]) for r in rows}) > 1, "expected the stories to end at different steps"
+    ends = [s["stop"] for s in sequences([path, "-p", PROMPT, "--kv", "--batch", 6, "-s", 11])]
+    assert "eos" in ends
+
+
+def test_prompt_computed_once_and_shared(small_checkpoints, tmp_path):
+    """B copies of a prompt of 2-3 blocks: the first step computes the prompt, the next runs
+    one token a sequence. The prompt's two full blocks stay shared; its partly filled block
+    is copied by each sequence on its first write, so at the peak the pool holds 2 + B
+    blocks, where B contiguous caches of these positions would take 3 B."""
+    path, _ = small_checkpoints["gqa"]
+    prompt = " ".join(["once"] * 36)
+    log = tmp_path / "steps.csv"
+    p = run([path, "-p", prompt, "--kv", "--batch", 4, "-n", 6, "--ignore-eos", "-s", 1, "-q", "--log", log])
+    rows = [r.split(",") for r in log.read_text().strip().split("\n")[1:]]
+    n_prompt = int(rows[0][3])
+    assert 32 < n_prompt and n_prompt + 6 - 2 < 48   # every position written lies in the first three blocks
+    assert rows[0][1] == "prefill" and rows[0][2] == "1"
+    assert rows[1][1] == "mixed" and rows[1][2] == "4" and rows[1][3] == "4"
+    # the first sequence got its first token a step before the others, and ends a step before them
+    assert all(r[1] == "decode" and r[3] == "4" for r in rows[2:-1]) and rows[-1][2:4] == ["3", "3"]
+    assert len(rows) == 7
+    m = POOL.search(p.stderr.decode())
+    assert m, p.stderr.decode()
+    assert int(m.group(3)) == 2 + 4 and int(m.group(8)) == 0
+
+
+def test_preemption_changes_nothing(small_checkpoints):
+    """A pool of one full context for 4 sequences: sequences are preempted and recomputed,
+    and every one is still bitwise its solo run."""
+    path, model = small_checkpoints["mla64"]
+    info = run([path, "--info", "--kv"]).stdout.decode()
+    block = int(re.search(r"KV pool +\d+ blocks of 16 tokens, (\d+) bytes each", info).group(1))
+    blocks = model.cfg.max_seq_len // 16
+    mb = f"{(blocks * block + block // 2) / 2**20:.6f}"
+    args = [path, "-p", PROMPT, "--kv", "--batch", 4, "--kv-mem", mb, "-n", 40, "--ignore-eos", "-s", 9]
+    p = run(args + ["-q"])
+    m = POOL.search(p.stderr.decode())
+    assert m and int(m.group(4)) == blocks and int(m.group(8)) > 0, p.stderr.decode()
+    code, out, rows = check_batch(args)
+    assert code == 0 and len(rows) == 4 and all(r[7] == "1" for r in rows), out
+
+
+def test_text_blocks_in_order(small_checkpoints):
+    path, _ = small_checkpoints["mqa"]
+    out = run([path, "-p", PROMPT, "--kv", "--batch", 3, "-n", 5, "--ignore-eos", "-s", 2, "-q"]).stdout.decode()
+    heads = re.findall(r"^\[sequence (\d+) seed (\d+) stop (\w+)\]$", out, re.M)
+    assert heads == [("0", "2", "steps"), ("1", "3", "steps"), ("2", "4", "steps")]
+    assert out.count(PROMPT) == 3
+
+
+def test_info_reports_the_pool(small_checkpoints):
+    path, model = small_checkpoints["gqa"]
+    out = run([path, "--info", "--kv", "--batch", 8]).stdout.decode()
+    m = re.search(r"KV pool +(\d+) blocks of 16 tokens, (\d+) bytes each \((\d+) bytes\); a contiguous cache of the "
+                  r"full context for 8 sequences would take (\d+) bytes", out)
+    assert m, out
+    cfg = model.cfg
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    assert int(m.group(1)) == 8 * cfg.max_seq_len // 16 and int(m.group(2)) == 16 * per_token
+    assert int(m.group(3)) == int(m.group(1)) * int(m.group(2)) and int(m.group(4)) == 8 * cfg.max_seq_len * per_token
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "0"], "--batch 0 is out of range (1..256)"),
+    (["--batch", "257"], "--batch 257 is out of range (1..256)"),
+    (["--check-batch"], "--check-batch needs --batch B"),
+    (["--kv-mem", "0"], "--kv-mem needs a size above 0 MB"),
+    (["--batch", "2", "--dump-logits", "x.bin"],
+     "--dump-logits writes one sequence's logits: it takes no --batch or --prompts"),
+    (["--batch", "2", "--check-kv"], "--check-kv compares one sequence; --check-batch compares a batch"),
+])
+def test_bad_batch_flags(small_checkpoints, args, message):
+    path, _ = small_checkpoints["gqa"]
+    p = run([path, "--kv"] + args, check=False)
+    assert p.returncode == 2 and p.stderr.decode() == f"run: {message}\n" and p.stdout == b""
+
+
+def test_kv_mem_too_small(small_checkpoints):
+    path, _ = small_checkpoints["gqa"]
+    p = run([path, "--kv", "--batch", "4", "--kv-mem", "0.001"], check=False)
+    assert p.returncode == 2 and p.stdout == b""
+    assert re.fullmatch(r"run: --kv-mem 0\.001 MB holds 0 blocks of \d+ bytes; one sequence of the full context "
+                        r"\(64 tokens\) needs 4\n", p.stderr.decode())

@@ -1,0 +1,100 @@
+"""Serving a file of prompts with continuous batching (--prompts): every prompt's output
+equals its solo run with the same seed whatever the slots and the order of admission, the
+slots stay full, and a bad file is refused, naming the line, before anything runs."""
+import json
+import re
+
+import pytest
+
+from conftest import run
+
+PROMPTS = [
+    "Once upon a time",
+    "Tom had a red ball. He liked to throw it high in the sky and catch it again and again with his",
+    "Lily",
+    "The cat sat on the mat and looked at the bird outside",
+    "One day, a little girl named Sue went to the park with her mom. They saw a big tree",
+    "Ben and Mia",
+    "Once upon a time, there was a dog",
+    "Once upon a time, there was a cat",
+]
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(PROMPTS[:3]) + "\n\n" + "\n".join(PROMPTS[3:]) + "\n")  # a blank line is skipped
+    return f
+
+
+def served(args):
+    p = run(args + ["--json"])
+    return [json.loads(line) for line in p.stdout.decode().splitlines()], p.stderr.decode()
+
+
+@pytest.mark.parametrize("variant", ["mqa", "mla128"])
+def test_each_prompt_equals_its_solo_run(small_checkpoints, prompt_file, variant):
+    path, _ = small_checkpoints[variant]
+    common = ["-n", 20, "-k", 10, "--kv"]
+    out, err = served([path, "--prompts", prompt_file, "--batch", 3, "-s", 100, "-q"] + common)
+    assert [o["index"] for o in out] == list(range(len(PROMPTS)))
+    assert [o["prompt"] for o in out] == PROMPTS and [o["seed"] for o in out] == list(range(100, 108))
+    for o in out:
+        alone, _ = served([path, "-p", o["prompt"], "-s", o["seed"], "-q"] + common)
+        assert alone[0]["tokens"] == o["tokens"] and alone[0]["text"] == o["text"], o["prompt"]
+        assert o["text"].startswith(o["prompt"]) and o["first_token_ms"] > 0
+    m = re.search(r"summary: \S+ kv \| 8 requests served through 3 slots in (\d+) steps \| (\d+) tokens in [\d.]+ ms, "
+                  r"[\d.]+ tokens/s \| time to first token median [\d.]+ ms, p95 [\d.]+ ms \| per token median "
+                  r"[\d.]+ ms, p95 [\d.]+ ms", err)
+    assert m, err
+    assert int(m.group(2)) == sum(o["generated"] for o in out)
+
+
+def test_check_batch_with_prompts(small_checkpoints, prompt_file):
+    path, _ = small_checkpoints["gqa"]
+    for kv in (["--kv"], []):
+        p = run([path, "--prompts", prompt_file, "--batch", 4, "-n", 12, "-s", 5, "--check-batch"] + kv)
+        out = p.stdout.decode()
+        assert "8 of 8 give the same tokens and bitwise the same logits as run alone" in out
+        assert out.count("bitwise_identical=1") == 8
+
+
+def test_slots_refill_as_sequences_end(small_checkpoints, prompt_file, tmp_path):
+    """With 3 slots and 8 requests, a slot freed at the end of a sequence is filled at the
+    next step: the slots stay full until the queue runs dry."""
+    path, _ = small_checkpoints["gqa"]
+    log = tmp_path / "steps.csv"
+    out, _ = served([path, "--prompts", prompt_file, "--batch", 3, "-n", 9, "--kv", "-s", 1, "-q", "--log", log])
+    rows = [r.split(",") for r in log.read_text().strip().split("\n")[1:]]
+    active = [int(r[2]) for r in rows]
+    assert max(active) == 3 and all(a >= 1 for a in active)
+    total_steps = sum(o["generated"] for o in out)          # one token a sequence a step
+    assert len(rows) < total_steps                          # batched
+    last_full = max(i for i, a in enumerate(active) if a == 3)
+    assert all(a == 3 for a in active[1:last_full + 1] if a), active  # no idle slot while requests wait
+    assert any(r[1] == "mixed" for r in rows[2:])           # a prompt admitted beside running sequences
+
+
+def bad(path, lines, message_re, tmp_path, raw=None):
+    f = tmp_path / "p.txt"
+    if raw is not None:
+        f.write_bytes(raw)
+    else:
+        f.write_text(lines)
+    p = run([path, "--prompts", f, "--kv", "--batch", 2, "-n", 3], check=False)
+    assert p.returncode == 1 and p.stdout == b"", p.stderr.decode()
+    err = p.stderr.decode()
+    assert re.fullmatch("run: " + message_re.replace("FILE", re.escape(str(f))) + "\n", err), err
+
+
+def test_bad_prompt_files(small_checkpoints, tmp_path):
+    path, _ = small_checkpoints["gqa"]
+    bad(path, "", r"FILE holds no prompt \(one prompt a line\)", tmp_path)
+    bad(path, "\n  \n", r"FILE holds no prompt \(one prompt a line\)", tmp_path)
+    bad(path, None, r"FILE:2: the prompt is not valid UTF-8 text", tmp_path, raw=b"fine\nbad \xff byte\nfine\n")
+    bad(path, "ok\nok\n" + "word " * 80 + "\n", r"FILE:3: the prompt is \d+ tokens, longer than the context \(64 tokens\)",
+        tmp_path)
+    p = run([path, "--prompts", tmp_path / "missing.txt"], check=False)
+    assert p.returncode == 1 and p.stderr.decode().startswith("run: cannot open ") and p.stdout == b""
+    p = run([path, "--prompts", tmp_path / "p.txt", "-p", "x"], check=False)
+    assert p.returncode == 2 and p.stderr.decode() == "run: -p and --prompts cannot be combined\n"
