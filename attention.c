@@ -53,16 +53,34 @@ static float score_scale(const Config *c) { return 1.0f / sqrtf((float)config_qu
 /* Query head h reads KV head h / (n_heads / n_kv_heads). */
 static int kv_head_of(const Config *c, int h) { return h / (c->n_heads / c->n_kv_heads); }
 
+/* Where a query at pos stands for RoPE: its position, or with a window its place in it. */
+static int query_place(const KVPool *pool, int pos) { return kv_window_length(pool, pos) - 1; }
+
+/* The rows a query at pos reads (KV head row `row` of layer l, oldest first) into dst as
+ * floats, one row of row_width after another: dequantized and, with a window, whose keys
+ * are stored before RoPE, the rotated part (from element rope_at; -1: none) turned by
+ * each row's place. Returns how many. */
+static int gather_rows(const Model *m, const KVCache *c, int l, int row, int pos, int rope_at, float *dst) {
+    const KVPool *p = c->pool;
+    const int n = kv_window_length(p, pos), w = p->row_width;
+    for (int i = 0; i < n; i++) {
+        float *r = dst + (size_t)i * w;
+        kv_load(p, kv_row(c, l, row, kv_window_position(p, pos, i)), r);
+        if (p->window && rope_at >= 0) rope(&m->rope, &m->cfg, r + rope_at, i);
+    }
+    return n;
+}
+
 /* ---- the specification: one query, plainly ---- */
 
 /* out[d] = sum_j p[j] rows[j][d], j < n, in weighted_sum_rows' order (kernels.h): the
  * even j and the odd j in two ascending chains, then their sum. */
-static void mix_reference(float *out, const float *p, int n, const float *const *rows, int width) {
+static void mix_reference(float *out, const float *p, int n, const float *rows, size_t stride, int width) {
     for (int d = 0; d < width; d++) {
         float even = 0.0f, odd = 0.0f;
         for (int j = 0; j < n; j++) {
-            if (j % 2 == 0) even = fmaf(p[j], rows[j][d], even);
-            else odd = fmaf(p[j], rows[j][d], odd);
+            if (j % 2 == 0) even = fmaf(p[j], rows[(size_t)j * stride + d], even);
+            else odd = fmaf(p[j], rows[(size_t)j * stride + d], odd);
         }
         out[d] = even + odd;
     }
@@ -81,17 +99,17 @@ static void matvec_reference(float *y, Mat w, int r0, int n, const float *x) {
 static void kv_heads_query_reference(const Model *m, const KVCache *cache, int l, int h, const float *q, int pos,
                                      float *out) {
     const Config *c = &m->cfg;
-    const int g = kv_head_of(c, h), hd = c->head_dim, n = pos + 1;
-    float *p = malloc((size_t)n * sizeof(float));
-    const float **values = malloc((size_t)n * sizeof *values);
-    for (int j = 0; j < n; j++) {
-        p[j] = dot(q, kv_key(cache, l, g, j), hd) * score_scale(c);
-        values[j] = kv_value(cache, l, g, j);
-    }
+    const int g = kv_head_of(c, h), hd = c->head_dim, Hkv = c->n_kv_heads;
+    float *keys = malloc((size_t)kv_window_length(cache->pool, pos) * hd * 2 * sizeof(float)), *p = NULL;
+    const int n = gather_rows(m, cache, l, g, pos, 0, keys);
+    float *values = keys + (size_t)n * hd;
+    gather_rows(m, cache, l, Hkv + g, pos, -1, values);
+    p = malloc((size_t)n * sizeof(float));
+    for (int j = 0; j < n; j++) p[j] = dot(q, keys + (size_t)j * hd, hd) * score_scale(c);
     softmax(p, n);
-    mix_reference(out, p, n, values, hd);
+    mix_reference(out, p, n, values, (size_t)hd, hd);
     free(p);
-    free(values);
+    free(keys);
 }
 
 /* MLA, expanded: head h's key of position j is [W_UK,h c_j ; k_R,j], its value W_UV,h c_j. */
@@ -99,22 +117,22 @@ static void mla_expanded_query_reference(const Model *m, const KVCache *cache, i
                                          float *out) {
     const Config *c = &m->cfg;
     const LayerWeights *w = &m->w.layers[l];
-    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, n = pos + 1;
+    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
+    float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
+    const int n = gather_rows(m, cache, l, 0, pos, dc, latents);
     float *p = malloc((size_t)n * sizeof(float)), *values = malloc((size_t)n * hd * sizeof(float));
-    const float **rows = malloc((size_t)n * sizeof *rows);
     float key[hd];
     for (int j = 0; j < n; j++) {
-        const float *latent = kv_latent(cache, l, j), *k_rope = latent + dc;
-        matvec_reference(key, w->wuk, h * hd, hd, latent);                 /* k_C,j = W_UK,h c_j */
+        const float *latent = latents + (size_t)j * lw, *k_rope = latent + dc;
+        matvec_reference(key, w->wuk, h * hd, hd, latent);                      /* k_C,j = W_UK,h c_j */
         matvec_reference(values + (size_t)j * hd, w->wuv, h * hd, hd, latent);  /* v_j = W_UV,h c_j */
-        p[j] = dot_cat(q, key, hd, q + hd, k_rope, rd) * score_scale(c);  /* [q_C ; q_R] . [k_C ; k_R] */
-        rows[j] = values + (size_t)j * hd;
+        p[j] = dot_cat(q, key, hd, q + hd, k_rope, rd) * score_scale(c);       /* [q_C ; q_R] . [k_C ; k_R] */
     }
     softmax(p, n);
-    mix_reference(out, p, n, rows, hd);
+    mix_reference(out, p, n, values, (size_t)hd, hd);
     free(p);
     free(values);
-    free(rows);
+    free(latents);
 }
 
 /* MLA, absorbed: q_lat = W_UK,h^T q_C; score_j = [q_lat ; q_R] . [c_j ; k_R,j];
@@ -123,18 +141,16 @@ static void mla_absorbed_query_reference(const Model *m, const KVCache *cache, i
                                          float *out) {
     const Config *c = &m->cfg;
     const LayerWeights *w = &m->w.layers[l];
-    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd, n = pos + 1;
+    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
     float q_abs[lw], ctx_lat[dc];
+    float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
+    const int n = gather_rows(m, cache, l, 0, pos, dc, latents);
     float *p = malloc((size_t)n * sizeof(float));
-    const float **latents = malloc((size_t)n * sizeof *latents);
     matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q);  /* q_lat = W_UK,h^T q_C */
-    memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));  /* q_R */
-    for (int j = 0; j < n; j++) {
-        latents[j] = kv_latent(cache, l, j);
-        p[j] = dot(q_abs, latents[j], lw) * score_scale(c);
-    }
+    memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));         /* q_R */
+    for (int j = 0; j < n; j++) p[j] = dot(q_abs, latents + (size_t)j * lw, lw) * score_scale(c);
     softmax(p, n);
-    mix_reference(ctx_lat, p, n, latents, dc);  /* sum_j p_j c_j */
+    mix_reference(ctx_lat, p, n, latents, (size_t)lw, dc);  /* sum_j p_j c_j */
     matvec_reference(out, mat_block(w->wuv_heads, h, hd), 0, hd, ctx_lat);
     free(p);
     free(latents);
@@ -156,13 +172,16 @@ static int mla_exp_stride(const Config *c) { return c->n_heads * c->head_dim + 1
 
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys) {
     memset(a, 0, sizeof *a);
+    a->max_keys = max_keys;
     const size_t T = (size_t)max_tokens, H = (size_t)c->n_heads, hd = (size_t)c->head_dim;
     const size_t kv = (size_t)c->n_kv_heads * hd, dc = (size_t)c->kv_latent, rd = (size_t)c->rope_dim;
     const size_t expanded = dc ? (size_t)max_keys * (size_t)mla_exp_stride(c) : 0;
     struct { float **p; size_t n; } bufs[] = {
         {&a->q, T * H * (size_t)config_query_width(c)}, {&a->k, T * kv}, {&a->v, T * kv},
-        {&a->latent, T * dc}, {&a->k_rope, T * rd}, {&a->q_abs, T * H * (dc + rd)}, {&a->ctx_lat, T * H * dc},
+        {&a->latent, T * dc}, {&a->k_rope, T * rd}, {&a->rows, T * (dc + rd)},
+        {&a->q_abs, T * H * (dc + rd)}, {&a->ctx_lat, T * H * dc},
         {&a->latents, dc ? (size_t)max_keys * (dc + rd) : 0}, {&a->k_exp, expanded}, {&a->v_exp, expanded},
+        {&a->window_rows, 2 * (size_t)max_keys * kv},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         if (bufs[i].n == 0) continue;
@@ -179,7 +198,8 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
 }
 
 void attn_scratch_free(AttnScratch *a) {
-    float *bufs[] = {a->q, a->k, a->v, a->latent, a->k_rope, a->q_abs, a->ctx_lat, a->latents, a->k_exp, a->v_exp};
+    float *bufs[] = {a->q, a->k, a->v, a->latent, a->k_rope, a->rows, a->q_abs, a->ctx_lat, a->latents, a->k_exp,
+                     a->v_exp, a->window_rows};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
     memset(a, 0, sizeof *a);
@@ -193,20 +213,23 @@ typedef struct {
     float *heads;
     int l;
     float scale;
+    int windowed;  /* the keys and values were gathered into a->window_rows / a->latents */
 } AttnPass;
 
-/* The rows of one sequence's cache for keys 0 .. n-1, block by block: `first` gives the
- * row of the block's first position. */
-typedef float *(*BlockRow)(const KVCache *c, int layer, int head, int pos);
-static RowBlocks cache_rows(const float **blocks, const KVCache *c, int layer, int head, int n, BlockRow first,
-                            size_t stride) {
-    for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = first(c, layer, head, b * KV_BLOCK_TOKENS);
-    return (RowBlocks){blocks, KV_BLOCK_TOKENS, stride};
+/* The rows of one sequence's cache for keys 0 .. n-1, block by block (pool row `row`). */
+static RowBlocks cache_rows(const void **blocks, const float **scales, const KVCache *c, int layer, int row, int n) {
+    const KVPool *p = c->pool;
+    for (int b = 0; b < kv_blocks_for(n); b++) {
+        const KVRow first = kv_row(c, layer, row, b * KV_BLOCK_TOKENS);
+        blocks[b] = first.data;
+        scales[b] = first.scales;
+    }
+    return (RowBlocks){blocks, scales, KV_BLOCK_TOKENS, (size_t)p->row_width, p->dtype, p->n_scales, p->split};
 }
 
-static float *latent_row(const KVCache *c, int layer, int head, int pos) {
-    (void)head;  /* shared by every head */
-    return kv_latent(c, layer, pos);
+/* A gathered KV head's rows: keys of KV head g, then (values) the n_kv_heads rows after. */
+static const float *window_head(const AttnPass *p, int row) {
+    return p->a->window_rows + (size_t)row * p->a->max_keys * p->m->cfg.head_dim;
 }
 
 /* -- the arithmetic of one (head h, token t) item: scores into att, then the mix of the
@@ -214,28 +237,39 @@ static float *latent_row(const KVCache *c, int layer, int head, int pos) {
 
 static void kv_heads_scores(const AttnPass *p, int h, int t, float *att) {
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim, pos = p->slots->pos[t];
+    const KVCache *cache = p->slots->cache[t];
+    const int hd = c->head_dim, g = kv_head_of(c, h), pos = p->slots->pos[t], n = kv_window_length(cache->pool, pos);
     float *q = p->a->q + ((size_t)t * c->n_heads + h) * hd;
-    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-    rope(&p->m->rope, c, q, pos);
-    dot_row_blocks(att, q, cache_rows(blocks, p->slots->cache[t], p->l, kv_head_of(c, h), pos + 1, kv_key, hd), pos + 1,
-                   hd, p->scale);
+    rope(&p->m->rope, c, q, query_place(cache->pool, pos));
+    if (p->windowed) {
+        dot_rows(att, q, window_head(p, g), (size_t)hd, n, hd, p->scale);
+    } else {
+        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        dot_row_blocks(att, q, cache_rows(blocks, scales, cache, p->l, g, n), n, hd, p->scale);
+    }
 }
 
 static void kv_heads_mix(const AttnPass *p, int h, int t, const float *att) {
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim, pos = p->slots->pos[t];
-    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-    weighted_sum_row_blocks(p->heads + ((size_t)t * c->n_heads + h) * hd, att,
-                            cache_rows(blocks, p->slots->cache[t], p->l, kv_head_of(c, h), pos + 1, kv_value, hd),
-                            pos + 1, hd);
+    const KVCache *cache = p->slots->cache[t];
+    const int hd = c->head_dim, g = kv_head_of(c, h), n = kv_window_length(cache->pool, p->slots->pos[t]);
+    float *out = p->heads + ((size_t)t * c->n_heads + h) * hd;
+    if (p->windowed) {
+        weighted_sum_rows(out, att, window_head(p, c->n_kv_heads + g), (size_t)hd, n, hd);
+    } else {
+        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        weighted_sum_row_blocks(out, att, cache_rows(blocks, scales, cache, p->l, c->n_kv_heads + g, n), n, hd);
+    }
 }
 
 /* The expanded form reads one sequence's latents, gathered into a->latents, and its keys
  * and values expanded from them into a->k_exp and a->v_exp. */
 static void mla_expanded_scores(const AttnPass *p, int h, int t, float *att) {
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, n = p->slots->pos[t] + 1;
+    const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
+    const int n = kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
     const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd);  /* [q_C ; q_R] */
     dot_rows_cat(att, n, p->scale, q, p->a->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd, q + hd,
                  p->a->latents + dc, (size_t)(dc + rd), rd);
@@ -243,30 +277,41 @@ static void mla_expanded_scores(const AttnPass *p, int h, int t, float *att) {
 
 static void mla_expanded_mix(const AttnPass *p, int h, int t, const float *att) {
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim;
+    const int hd = c->head_dim, n = kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
     weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att, p->a->v_exp + (size_t)h * hd,
-                      (size_t)mla_exp_stride(c), p->slots->pos[t] + 1, hd);
+                      (size_t)mla_exp_stride(c), n, hd);
 }
 
 static void mla_absorbed_scores(const AttnPass *p, int h, int t, float *att) {
     const Config *c = &p->m->cfg;
+    const KVCache *cache = p->slots->cache[t];
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, lw = dc + rd;
-    const int n = p->slots->pos[t] + 1;
+    const int n = kv_window_length(cache->pool, p->slots->pos[t]);
     const float *q = p->a->q + ((size_t)t * H + h) * (hd + rd);  /* [q_C ; q_R] */
     float *q_abs = p->a->q_abs + ((size_t)t * H + h) * lw;       /* [q_lat ; q_R] */
-    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
     matmul_serial(q_abs, dc, q, hd, mat_block(p->m->w.layers[p->l].wuk_t, h, dc), 1);
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
-    dot_row_blocks(att, q_abs, cache_rows(blocks, p->slots->cache[t], p->l, 0, n, latent_row, lw), n, lw, p->scale);
+    if (p->windowed) {
+        dot_rows(att, q_abs, p->a->latents, (size_t)lw, n, lw, p->scale);
+    } else {
+        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        dot_row_blocks(att, q_abs, cache_rows(blocks, scales, cache, p->l, 0, n), n, lw, p->scale);
+    }
 }
 
 static void mla_absorbed_mix(const AttnPass *p, int h, int t, const float *att) {
     const Config *c = &p->m->cfg;
-    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = p->slots->pos[t] + 1;
+    const KVCache *cache = p->slots->cache[t];
+    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = kv_window_length(cache->pool, p->slots->pos[t]);
     float *ctx_lat = p->a->ctx_lat + ((size_t)t * H + h) * dc;  /* sum_j p_j c_j */
-    const float *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-    weighted_sum_row_blocks(ctx_lat, att, cache_rows(blocks, p->slots->cache[t], p->l, 0, n, latent_row, dc + c->rope_dim),
-                            n, dc);
+    if (p->windowed) {
+        weighted_sum_rows(ctx_lat, att, p->a->latents, (size_t)(dc + c->rope_dim), n, dc);
+    } else {
+        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
+        weighted_sum_row_blocks(ctx_lat, att, cache_rows(blocks, scales, cache, p->l, 0, n), n, dc);
+    }
     matmul_serial(p->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(p->m->w.layers[p->l].wuv_heads, h, hd), 1);
 }
 
@@ -324,7 +369,7 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
         float *probs = att[(i - lo) % 2];
         const int h = items[2 * i], t = items[2 * i + 1];
         if (i + 1 < hi) qs->scores(p, items[2 * i + 2], items[2 * i + 3], att[(i + 1 - lo) % 2]);
-        softmax(probs, p->slots->pos[t] + 1);
+        softmax(probs, kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]));
         qs->mix(p, h, t, probs);
     }
 }
@@ -334,13 +379,23 @@ static void run_queries(const AttnPass *p, int t0, int t1, ScoresFn scores, MixF
     const Queries qs = {p, scores, mix, order_items(p->a->items, p->slots, t0, t1, p->m->cfg.n_heads)};
     const ParallelParts parts = {queries_part_count, queries_part_items, &qs};
     long keys = 0;
-    for (int t = t0; t < t1; t++) keys += p->slots->pos[t] + 1;
+    for (int t = t0; t < t1; t++) keys += kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
     parallel_run_parts(&parts, parallel_mode(keys * p->m->cfg.n_heads * p->m->cfg.head_dim, t1 - t0));
+}
+
+/* Runs fn over the pass's sequences, one after another: tokens [t0, t1) of one sequence. */
+static void for_each_sequence(const AttnPass *p, void (*fn)(const AttnPass *p, int t0, int t1)) {
+    const TokenSlots *slots = p->slots;
+    for (int t0 = 0, t1; t0 < slots->T; t0 = t1) {
+        for (t1 = t0 + 1; t1 < slots->T && slots->cache[t1] == slots->cache[t0];) t1++;
+        fn(p, t0, t1);
+    }
 }
 
 /* -- each variant: its projections, its cache writes, then its queries -- */
 
-/* Item tg = (t, g): token t's key for KV head g, rotated, and its value, into the cache. */
+/* Item tg = (t, g): token t's key for KV head g (rotated, unless a window rotates keys
+ * when read) and its value, into the cache. */
 static void kv_heads_store(const void *ctx, long tg) {
     const AttnPass *p = ctx;
     const Config *c = &p->m->cfg;
@@ -348,9 +403,34 @@ static void kv_heads_store(const void *ctx, long tg) {
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
     float *k = p->a->k + ((size_t)t * Hkv + g) * hd;
-    rope(&p->m->rope, c, k, pos);
-    memcpy(kv_key(cache, p->l, g, pos), k, (size_t)hd * sizeof(float));
-    memcpy(kv_value(cache, p->l, g, pos), p->a->v + ((size_t)t * Hkv + g) * hd, (size_t)hd * sizeof(float));
+    if (!cache->pool->window) rope(&p->m->rope, c, k, pos);
+    kv_store(cache->pool, kv_key(cache, p->l, g, pos), k);
+    kv_store(cache->pool, kv_value(cache, p->l, g, pos), p->a->v + ((size_t)t * Hkv + g) * hd);
+}
+
+/* Item r: gathers row r (a KV head's keys, then values) of one sequence's window. */
+typedef struct {
+    const AttnPass *p;
+    int t;  /* the sequence's last token in the pass */
+} Gather;
+
+static void gather_head(const void *ctx, long r) {
+    const Gather *g = ctx;
+    const AttnPass *p = g->p;
+    gather_rows(p->m, p->slots->cache[g->t], p->l, (int)r, p->slots->pos[g->t], r < p->m->cfg.n_kv_heads ? 0 : -1,
+                (float *)window_head(p, (int)r));
+}
+
+/* With a window: the sequence's keys and values gathered as its last token sees them
+ * (its earlier tokens in the pass see a prefix of them: a window only slides once it is
+ * full, one token a pass), then its queries. */
+static void kv_heads_window_sequence(const AttnPass *p, int t0, int t1) {
+    const Gather g = {p, t1 - 1};
+    const Config *c = &p->m->cfg;
+    parallel_for(2L * c->n_kv_heads, gather_head, &g,
+                 parallel_mode(2L * c->n_kv_heads * c->head_dim * kv_window_length(p->slots->cache[t0]->pool, p->slots->pos[t1 - 1]),
+                               t1 - t0));
+    run_queries(p, t0, t1, kv_heads_scores, kv_heads_mix);
 }
 
 static void attention_kv_heads(const AttnPass *p, const float *xb) {
@@ -365,20 +445,25 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
     };
     matmul_jobs(qkv, 3);
     parallel_for((long)T * Hkv, kv_heads_store, p, parallel_mode((long)T * Hkv * hd, T));
-    run_queries(p, 0, T, kv_heads_scores, kv_heads_mix);
+    if (p->windowed) for_each_sequence(p, kv_heads_window_sequence);
+    else run_queries(p, 0, T, kv_heads_scores, kv_heads_mix);
 }
 
-/* Item t: token t's queries get q_R rotated; [RMSNorm(c) ; RoPE(k_R)] goes into the cache. */
+/* Item t: token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R
+ * rotated unless a window rotates keys when read. */
 static void mla_store(const void *ctx, long t) {
     const AttnPass *p = ctx;
     const Config *c = &p->m->cfg;
     const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
+    const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
-    for (int h = 0; h < H; h++) rope(&p->m->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, pos);
-    float *row = kv_latent(p->slots->cache[t], p->l, pos);
+    for (int h = 0; h < H; h++)
+        rope(&p->m->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache->pool, pos));
+    float *row = p->a->rows + (size_t)t * (dc + rd);
     rmsnorm(row, p->a->latent + (size_t)t * dc, p->m->w.layers[p->l].kv_norm, dc, c->norm_eps);
     memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
-    rope(&p->m->rope, c, row + dc, pos);
+    if (!cache->pool->window) rope(&p->m->rope, c, row + dc, pos);
+    kv_store(cache->pool, kv_latent(cache, p->l, pos), row);
 }
 
 static void mla_project_and_store(const AttnPass *p, const float *xb) {
@@ -395,39 +480,44 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
     parallel_for(T, mla_store, p, parallel_mode((long)T * (H * rd + dc + rd), T));
 }
 
-/* Sequence by sequence: its latents gathered from the cache, every head's keys and values
- * expanded from them, then its tokens' queries. */
-static void attention_mla_expanded(const AttnPass *p, const float *xb) {
+/* One sequence's latents as its last token in the pass sees them, into a->latents. */
+static void mla_gather(const AttnPass *p, int t_last) {
+    gather_rows(p->m, p->slots->cache[t_last], p->l, 0, p->slots->pos[t_last], p->m->cfg.kv_latent, p->a->latents);
+}
+
+/* One sequence: its latents gathered, every head's keys and values expanded from them,
+ * then its tokens' queries. */
+static void mla_expanded_sequence(const AttnPass *p, int t0, int t1) {
     const Config *c = &p->m->cfg;
     const LayerWeights *w = &p->m->w.layers[p->l];
     AttnScratch *a = p->a;
-    const TokenSlots *slots = p->slots;
     const int lw = c->kv_latent + c->rope_dim, es = mla_exp_stride(c);
-    mla_project_and_store(p, xb);
-    for (int t0 = 0, t1; t0 < slots->T; t0 = t1) {
-        for (t1 = t0 + 1; t1 < slots->T && slots->cache[t1] == slots->cache[t0];) t1++;
-        const int n_keys = slots->pos[t1 - 1] + 1;
-        for (int j = 0; j < n_keys; j++)
-            memcpy(a->latents + (size_t)j * lw, kv_latent(slots->cache[t0], p->l, j), (size_t)lw * sizeof(float));
-        /* rows of latents are [c ; k_R]: the products read the first dc floats of each */
-        const MatmulJob expand[] = {
-            {a->k_exp, es, a->latents, lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
-            {a->v_exp, es, a->latents, lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
-        };
-        matmul_jobs(expand, 2);
-        run_queries(p, t0, t1, mla_expanded_scores, mla_expanded_mix);
-    }
+    const int n_keys = kv_window_length(p->slots->cache[t0]->pool, p->slots->pos[t1 - 1]);
+    mla_gather(p, t1 - 1);
+    /* rows of latents are [c ; k_R]: the products read the first dc floats of each */
+    const MatmulJob expand[] = {
+        {a->k_exp, es, a->latents, lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
+        {a->v_exp, es, a->latents, lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
+    };
+    matmul_jobs(expand, 2);
+    run_queries(p, t0, t1, mla_expanded_scores, mla_expanded_mix);
 }
 
-static void attention_mla_absorbed(const AttnPass *p, const float *xb) {
-    mla_project_and_store(p, xb);
-    run_queries(p, 0, p->slots->T, mla_absorbed_scores, mla_absorbed_mix);
+static void mla_absorbed_window_sequence(const AttnPass *p, int t0, int t1) {
+    mla_gather(p, t1 - 1);
+    run_queries(p, t0, t1, mla_absorbed_scores, mla_absorbed_mix);
 }
 
 void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int layer, const float *xb, float *heads,
                MlaForm form) {
-    const AttnPass p = {m, a, slots, heads, layer, score_scale(&m->cfg)};
-    if (m->cfg.variant != VARIANT_MLA) attention_kv_heads(&p, xb);
-    else if (form == MLA_ABSORBED) attention_mla_absorbed(&p, xb);
-    else attention_mla_expanded(&p, xb);
+    const int windowed = slots->T > 0 && slots->cache[0]->pool->window > 0;
+    const AttnPass p = {m, a, slots, heads, layer, score_scale(&m->cfg), windowed};
+    if (m->cfg.variant != VARIANT_MLA) {
+        attention_kv_heads(&p, xb);
+    } else {
+        mla_project_and_store(&p, xb);
+        if (form == MLA_EXPANDED) for_each_sequence(&p, mla_expanded_sequence);
+        else if (windowed) for_each_sequence(&p, mla_absorbed_window_sequence);
+        else run_queries(&p, 0, slots->T, mla_absorbed_scores, mla_absorbed_mix);
+    }
 }

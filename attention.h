@@ -31,11 +31,14 @@ typedef struct {
     float *k, *v;         /* (T, n_kv_heads*head_dim) new keys and values (MHA, GQA, MQA) */
     float *latent;        /* (T, kv_latent) new latents c, before their norm (MLA) */
     float *k_rope;        /* (T, rope_dim) new shared RoPE keys (MLA) */
+    float *rows;          /* (T, kv_latent+rope_dim) the rows the cache stores (MLA) */
     float *q_abs;         /* (T, n_heads, kv_latent+rope_dim) absorbed queries [W_UK,h^T q_C ; q_R] (MLA) */
     float *ctx_lat;       /* (T, n_heads, kv_latent) attention-weighted latents (MLA, absorbed) */
     float *latents;       /* (max_keys, kv_latent+rope_dim) one sequence's cached [c ; k_R] (MLA, expanded) */
     float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
+    float *window_rows;   /* (2*n_kv_heads, max_keys, head_dim) one sequence's window, gathered */
     int *items;           /* (n_heads*max_tokens, 2) the (head, token) order of the queries */
+    int max_keys;
 } AttnScratch;
 
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys);

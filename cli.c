@@ -26,6 +26,10 @@ void cli_usage(FILE *f) {
           "  --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
           "  --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
           "                    with seed s+i (continuous batching)\n"
+          "  --kv-dtype fp32|bf16|int8  precision of the cached keys and values (default fp32)\n"
+          "  --window W        with --kv: keep W positions a sequence, so -n may exceed the context\n"
+          "  --window-policy ring|sinks  overwrite the oldest position (ring, default), or keep the\n"
+          "                    first 4 for good and slide the rest (sinks)\n"
           "  --threads N       OpenMP threads, 1..256 (default: all cores)\n"
           "  --log FILE.csv    write the per-step latencies as CSV\n"
           "  -q                no per-step lines on stderr (the summary stays)\n"
@@ -40,6 +44,8 @@ void cli_usage(FILE *f) {
 }
 
 const char *mla_form_name(MlaForm form) { return form == MLA_ABSORBED ? "absorb" : "expand"; }
+
+const char *kv_dtype_name(DType dtype) { return dtype == DTYPE_F32 ? "fp32" : dtype == DTYPE_BF16 ? "bf16" : "int8"; }
 
 /* 0 with *out set, or 2 with the message in err. */
 static int parse_long(const char *flag, const char *s, long lo, long hi, long *out, char *err, size_t errlen) {
@@ -69,7 +75,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->top_k = 40;
     o->temperature = 1.0f;
     o->seed = (uint64_t)time(NULL);
-    int mla_given = 0;
+    int mla_given = 0, policy_given = 0;
     o->batch = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -77,13 +83,27 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         int takes_value = !strcmp(a, "-p") || !strcmp(a, "-n") || !strcmp(a, "-k") || !strcmp(a, "-t") ||
                           !strcmp(a, "-s") || !strcmp(a, "--threads") || !strcmp(a, "--log") ||
                           !strcmp(a, "--mla") || !strcmp(a, "--ppl") || !strcmp(a, "--dump-logits") ||
-                          !strcmp(a, "--batch") || !strcmp(a, "--kv-mem") || !strcmp(a, "--prompts");
+                          !strcmp(a, "--batch") || !strcmp(a, "--kv-mem") || !strcmp(a, "--prompts") ||
+                          !strcmp(a, "--kv-dtype") || !strcmp(a, "--window") || !strcmp(a, "--window-policy");
         if (takes_value && i + 1 >= argc) return errmsg(err, errlen, 2, "%s needs a value (see -h)", a);
         const char *v = takes_value ? argv[++i] : NULL;
         long n = 0;
         int rc = 0;
         if (!strcmp(a, "-p")) o->prompt = v, o->prompt_given = 1;
         else if (!strcmp(a, "--prompts")) o->prompts_path = v;
+        else if (!strcmp(a, "--kv-dtype")) {
+            if (!strcmp(v, "fp32")) o->kv_dtype = DTYPE_F32;
+            else if (!strcmp(v, "bf16")) o->kv_dtype = DTYPE_BF16;
+            else if (!strcmp(v, "int8")) o->kv_dtype = DTYPE_I8;
+            else rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16 or int8, got '%s'", v);
+        } else if (!strcmp(a, "--window")) {
+            if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n;
+        } else if (!strcmp(a, "--window-policy")) {
+            policy_given = 1;
+            if (!strcmp(v, "ring")) o->window_sinks = 0;
+            else if (!strcmp(v, "sinks")) o->window_sinks = CLI_WINDOW_SINKS;
+            else rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
+        }
         else if (!strcmp(a, "-n")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n; }
         else if (!strcmp(a, "-k")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n; }
         else if (!strcmp(a, "-t")) rc = parse_float(a, v, 0.0f, 100.0f, &o->temperature, err, errlen);
@@ -119,6 +139,11 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
      * expanded one recomputes without it */
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
     if (o->prompts_path && o->prompt_given) return errmsg(err, errlen, 2, "-p and --prompts cannot be combined");
+    if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
+    if (o->window && !o->kv && !o->ppl_path && !o->info)
+        return errmsg(err, errlen, 2, "--window needs --kv: without the cache every step recomputes the whole sequence");
+    if (o->window && o->check_kv)
+        return errmsg(err, errlen, 2, "--window cannot be checked with --check-kv: without the cache there is no window");
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;
     if (!o->checkpoint) {
         o->usage_on_error = 1;

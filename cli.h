@@ -37,6 +37,9 @@ typedef struct {
     int json;             /* one JSON object per line and sequence on stdout */
     int check_batch;
     const char *prompts_path;  /* --prompts: one prompt a line, served through `batch` slots */
+    DType kv_dtype;       /* of the cached elements: fp32, bf16 or int8 */
+    int window;           /* positions each sequence's cache keeps; 0 = the whole context */
+    int window_sinks;     /* of them, the first positions kept for good (--window-policy sinks) */
     int prompt_given;     /* -p was on the command line */
     int usage_on_error;   /* with return 2: print the usage text to stderr before the message */
 } Options;
@@ -51,6 +54,12 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen);
 
 /* The help text. */
 void cli_usage(FILE *f);
+
+/* The sink positions --window-policy sinks keeps, as StreamingLLM's default. */
+enum { CLI_WINDOW_SINKS = 4 };
+
+/* "fp32", "bf16" or "int8" */
+const char *kv_dtype_name(DType dtype);
 
 /* "absorb" or "expand", as --mla spells them */
 const char *mla_form_name(MlaForm form);

@@ -8,7 +8,7 @@
 #include "parallel.h"
 #include "simd.h"
 
-size_t dtype_size(DType dt) { return dt == DTYPE_BF16 ? 2 : 4; }
+size_t dtype_size(DType dt) { return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1; }
 
 const char *kernels_simd_name(void) { return SIMD_NAME; }
 
@@ -168,32 +168,89 @@ void dot_rows(float *out, const float *q, const float *rows, size_t stride, int 
 /* the columns of a 16-wide slice that lie in [c, width): 0 to 16 */
 static inline int slice_len(int width, int c) { return width - c < 0 ? 0 : width - c < 16 ? width - c : 16; }
 
-void dot_row_blocks(float *out, const float *q, RowBlocks rows, int n, int width, float scale) {
-    for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
-        const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
-        dot_rows(out + j0, q, rows.block[b], rows.stride, m, width, scale);
+/* Elements [col, col + n) of a stored row (n <= 16), as the floats they stand for: lane l
+ * is element col + l. For int8 each lane takes its part's scale (the parts may meet inside
+ * the 16). */
+static inline __attribute__((always_inline)) v16
+row_load(const void *row, const float *scales, int col, int n, DType dt, int split) {
+    if (dt == DTYPE_F32) return v16_load_f32((const float *)row + col, n);
+    if (dt == DTYPE_BF16) return v16_load_bf16((const bf16 *)row + col, n);
+    const v16 x = v16_load_i8((const int8_t *)row + col, n);
+    if (split >= col + 16 || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
+    if (split <= col) return v16_mul(x, v16_set1(scales[1]));
+    const v16 s0 = v16_set1(scales[0]), s1 = v16_set1(scales[1]);  /* lanes below split - col take s0 */
+    return v16_mul(x, v16_add(v16_first(s0, split - col), v16_sub(s1, v16_first(s1, split - col))));
+}
+
+static inline const float *row_scales(const RowBlocks *r, int b, int i) {
+    return r->dtype == DTYPE_I8 ? r->scales[b] + (size_t)i * r->n_scales : NULL;
+}
+
+/* out[j] = dot(q, row j as floats, width) * scale for the rows of block b, j < m: 16 rows at
+ * a time reduced side by side, the rest one by one, as dot_rows does. */
+static inline __attribute__((always_inline)) void
+dot_block_rows(float *out, const float *q, const RowBlocks *r, int b, int m, int width, float scale, DType dt) {
+    const size_t row_bytes = r->stride * dtype_size(dt);
+    const char *base = r->block[b];
+    int j = 0;
+    for (; j + 16 <= m; j += 16) {
+        v16 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) acc[i] = v16_zero();
+        for (int k = 0; k < width; k += 16) {
+            const int len = width - k < 16 ? width - k : 16;
+            const v16 qk = v16_load_f32(q + k, len);
+            for (int i = 0; i < 16; i++)
+                acc[i] = v16_fma(qk, row_load(base + (size_t)(j + i) * row_bytes, row_scales(r, b, j + i), k, len, dt,
+                                              r->split), acc[i]);
+        }
+        v16_store(out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
+    }
+    for (; j < m; j++) {
+        v16 acc = v16_zero();
+        for (int k = 0; k < width; k += 16) {
+            const int len = width - k < 16 ? width - k : 16;
+            acc = v16_fma(v16_load_f32(q + k, len), row_load(base + (size_t)j * row_bytes, row_scales(r, b, j), k, len, dt,
+                                                             r->split), acc);
+        }
+        out[j] = v16_reduce(acc) * scale;
     }
 }
 
-void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, int width) {
-    const size_t stride = rows.stride;
+void dot_row_blocks(float *out, const float *q, RowBlocks rows, int n, int width, float scale) {
+    for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
+        const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
+        switch (rows.dtype) {  /* fp32 rows take dot_rows' loops with constant widths */
+        case DTYPE_F32: dot_rows(out + j0, q, rows.block[b], rows.stride, m, width, scale); break;
+        case DTYPE_BF16: dot_block_rows(out + j0, q, &rows, b, m, width, scale, DTYPE_BF16); break;
+        case DTYPE_I8: dot_block_rows(out + j0, q, &rows, b, m, width, scale, DTYPE_I8); break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+weighted_sum_typed(float *out, const float *p, const RowBlocks *rows, int n, int width, DType dt) {
+    const size_t row_bytes = rows->stride * dtype_size(dt);
     for (int c = 0; c < width; c += 32) {  /* 32 columns per pass (two slices), each with two chains */
         const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
         v16 even0 = v16_zero(), odd0 = v16_zero(), even1 = v16_zero(), odd1 = v16_zero();
-        for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {  /* blocks start at even j */
-            const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
-            const float *row = rows.block[b] + c, *pb = p + j0;
+        for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) {  /* blocks start at even j */
+            const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
+            const char *row = rows->block[b];
+            const float *pb = p + j0;
             int j = 0;
-            for (; j + 2 <= m; j += 2, row += 2 * stride) {
+            for (; j + 2 <= m; j += 2, row += 2 * row_bytes) {
                 const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
-                even0 = v16_fma(p_even, v16_load_f32(row, len0), even0);
-                odd0 = v16_fma(p_odd, v16_load_f32(row + stride, len0), odd0);
-                even1 = v16_fma(p_even, v16_load_f32(row + 16, len1), even1);
-                odd1 = v16_fma(p_odd, v16_load_f32(row + stride + 16, len1), odd1);
+                const float *se = row_scales(rows, b, j), *so = row_scales(rows, b, j + 1);
+                even0 = v16_fma(p_even, row_load(row, se, c, len0, dt, rows->split), even0);
+                odd0 = v16_fma(p_odd, row_load(row + row_bytes, so, c, len0, dt, rows->split), odd0);
+                even1 = v16_fma(p_even, row_load(row, se, c + 16, len1, dt, rows->split), even1);
+                odd1 = v16_fma(p_odd, row_load(row + row_bytes, so, c + 16, len1, dt, rows->split), odd1);
             }
             if (j < m) {  /* an odd last row: only in the last block */
-                even0 = v16_fma(v16_set1(pb[j]), v16_load_f32(row, len0), even0);
-                even1 = v16_fma(v16_set1(pb[j]), v16_load_f32(row + 16, len1), even1);
+                const float *se = row_scales(rows, b, j);
+                even0 = v16_fma(v16_set1(pb[j]), row_load(row, se, c, len0, dt, rows->split), even0);
+                even1 = v16_fma(v16_set1(pb[j]), row_load(row, se, c + 16, len1, dt, rows->split), even1);
             }
         }
         v16_store(out + c, v16_add(even0, odd0), len0);
@@ -201,10 +258,57 @@ void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, 
     }
 }
 
+void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, int width) {
+    switch (rows.dtype) {
+    case DTYPE_F32: weighted_sum_typed(out, p, &rows, n, width, DTYPE_F32); break;
+    case DTYPE_BF16: weighted_sum_typed(out, p, &rows, n, width, DTYPE_BF16); break;
+    case DTYPE_I8: weighted_sum_typed(out, p, &rows, n, width, DTYPE_I8); break;
+    }
+}
+
+/* round to nearest even, as torch's bf16 conversion; NaN stays NaN */
+static bf16 f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return (bf16)((u >> 16) | 0x40);
+    return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void quantize_part(int8_t *dst, float *scale, const float *src, int n) {
+    float max = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < n; i++) {
+        const float a = fabsf(src[i]);
+        if (!isfinite(src[i])) finite = 0;
+        else if (a > max) max = a;
+    }
+    *scale = !finite ? NAN : max / 127.0f;
+    for (int i = 0; i < n; i++)
+        dst[i] = *scale > 0.0f ? (int8_t)fmaxf(-127.0f, fminf(127.0f, nearbyintf(src[i] / *scale))) : 0;
+}
+
+void row_quantize(void *dst, float *scales, const float *src, int n, int split, DType dtype) {
+    if (dtype == DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == DTYPE_BF16) {
+        for (int i = 0; i < n; i++) ((bf16 *)dst)[i] = f32_to_bf16(src[i]);
+    } else {
+        quantize_part(dst, &scales[0], src, split);
+        if (split < n) quantize_part((int8_t *)dst + split, &scales[1], src + split, n - split);
+    }
+}
+
+void row_dequantize(float *dst, const void *row, const float *scales, int n, int split, DType dtype) {
+    for (int c = 0; c < n; c += 16) {
+        const int len = n - c < 16 ? n - c : 16;
+        v16_store(dst + c, row_load(row, scales, c, len, dtype, split), len);
+    }
+}
+
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
-    const float *one[1] = {rows};
-    const RowBlocks all = {one, n + n % 2, stride};  /* one block holding every row */
-    weighted_sum_row_blocks(out, p, all, n, width);
+    const void *one[1] = {rows};
+    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0};  /* one block holding every row */
+    weighted_sum_typed(out, p, &all, n, width, DTYPE_F32);
 }
 
 float dot_canonical_scalar(const float *a, const float *b, int n) {

@@ -14,7 +14,8 @@
 
 #include "isa.h"
 
-typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 } DType;
+/* Weights are fp32 or bf16; the KV cache may also hold int8 with a scale per vector. */
+typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_I8 = 2 } DType;
 
 /* A weight matrix [rows][cols] in the checkpoint's dtype (a vector is rows = 1), held in
  * the packed layout that matmul streams through memory in order:
@@ -46,6 +47,14 @@ enum { MAT_GROUP_ROWS = 8 };
 enum { MAT_GROUP_ROWS = 4 };
 #endif
 enum { MAT_CHUNK_BYTES = 64 };
+
+/* Row n floats of src into dst in dtype: bf16 rounded to nearest even; int8 as
+ * round-to-nearest-even(x / scale) with scale = max|x| / 127 per part, parts [0, split) and
+ * [split, n) with their scales in scales[0] and scales[1] (split = n: one part). A zero
+ * part gets scale 0; a part holding Inf or NaN gets a NaN scale, so it reads back as NaN. */
+void row_quantize(void *dst, float *scales, const float *src, int n, int split, DType dtype);
+/* The floats a stored row stands for (row_quantize's inverse, as the kernels read it). */
+void row_dequantize(float *dst, const void *row, const float *scales, int n, int split, DType dtype);
 
 /* columns in a full chunk of a packed matrix */
 int mat_chunk_cols(DType dt);
@@ -106,15 +115,21 @@ void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *
  * chains per column: one alone waits on the FMA latency at every key. */
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width);
 
-/* n rows kept in blocks of block_rows rows (the paged KV cache): row j starts at
- * block[j / block_rows] + (j % block_rows) * stride. block_rows is even. */
+/* n rows kept in blocks of block_rows rows (the paged KV cache): row j starts at element
+ * (j % block_rows) * stride of block[j / block_rows], in dtype. An int8 row stands for
+ * the floats scale * int8 (one IEEE product each), with n_scales scales a row: element c
+ * uses the row's first scale for c < split, its second from split on; block b's rows'
+ * scales are scales[b][r * n_scales + part]. block_rows is even. */
 typedef struct {
-    const float *const *block;
+    const void *const *block;
+    const float *const *scales;  /* DTYPE_I8 only */
     int block_rows;
     size_t stride;
+    DType dtype;
+    int n_scales, split;         /* DTYPE_I8 only */
 } RowBlocks;
 /* dot_rows and weighted_sum_rows over such rows, bit for bit what they give on the same
- * rows stored contiguously. */
+ * rows stored contiguously as the floats they stand for. */
 void dot_row_blocks(float *out, const float *q, RowBlocks rows, int n, int width, float scale);
 void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, int width);
 

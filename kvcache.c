@@ -4,19 +4,44 @@
 #include <stdlib.h>
 #include <string.h>
 
-int kv_pool_init(KVPool *pool, const Config *c, int n_blocks) {
-    memset(pool, 0, sizeof *pool);
+/* Rows a layer of a block holds, and each row's width and scales. */
+static void row_shape(const Config *c, DType dtype, int *rows, int *width, int *split, int *n_scales) {
     const int is_mla = c->variant == VARIANT_MLA;
+    *rows = KV_BLOCK_TOKENS * (is_mla ? 1 : 2 * c->n_kv_heads);
+    *width = is_mla ? c->kv_latent + c->rope_dim : c->head_dim;
+    *split = is_mla ? c->kv_latent : *width;
+    *n_scales = dtype != DTYPE_I8 ? 0 : is_mla ? 2 : 1;
+}
+
+/* Bytes of one layer of one block; *scales_offset: where its scales start. */
+static size_t layer_bytes(const Config *c, DType dtype, size_t *scales_offset) {
+    int rows, width, split, n_scales;
+    row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    const size_t data = (size_t)rows * width * dtype_size(dtype);
+    *scales_offset = (data + 3) / 4 * 4;
+    return (*scales_offset + (size_t)rows * n_scales * sizeof(float) + 63) / 64 * 64;  /* layers on cache lines */
+}
+
+size_t kv_block_bytes_for(const Config *c, DType dtype) {
+    size_t offset;
+    return (size_t)c->n_layers * layer_bytes(c, dtype, &offset);
+}
+
+int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks) {
+    memset(pool, 0, sizeof *pool);
+    int rows;
+    row_shape(c, dtype, &rows, &pool->row_width, &pool->split, &pool->n_scales);
     pool->n_layers = c->n_layers;
-    pool->n_kv_heads = is_mla ? 0 : c->n_kv_heads;
+    pool->n_kv_heads = c->variant == VARIANT_MLA ? 0 : c->n_kv_heads;
     pool->head_dim = c->head_dim;
-    pool->latent_width = is_mla ? c->kv_latent + c->rope_dim : 0;
-    pool->layer_floats = (size_t)KV_BLOCK_TOKENS *
-                         (is_mla ? (size_t)pool->latent_width : 2 * (size_t)pool->n_kv_heads * pool->head_dim);
+    pool->dtype = dtype;
+    pool->row_bytes = (size_t)pool->row_width * dtype_size(dtype);
+    pool->layer_bytes = layer_bytes(c, dtype, &pool->scales_offset);
     pool->n_blocks = n_blocks;
-    pool->data = alloc_floats_touched((size_t)n_blocks * pool->n_layers * pool->layer_floats);
-    pool->refs = calloc((size_t)n_blocks, sizeof(int));
-    pool->free_blocks = malloc((size_t)n_blocks * sizeof(int));
+    const size_t bytes = (size_t)n_blocks * pool->n_layers * pool->layer_bytes;
+    pool->data = (unsigned char *)alloc_floats_touched((bytes + 3) / 4);
+    pool->refs = calloc((size_t)(n_blocks > 0 ? n_blocks : 1), sizeof(int));
+    pool->free_blocks = malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int));
     if (n_blocks < 1 || !pool->data || !pool->refs || !pool->free_blocks) {
         kv_pool_free(pool);
         return -1;
@@ -33,15 +58,18 @@ void kv_pool_free(KVPool *pool) {
     memset(pool, 0, sizeof *pool);
 }
 
-size_t kv_block_bytes_for(const Config *c) {
-    const size_t per_token = c->variant == VARIANT_MLA ? (size_t)(c->kv_latent + c->rope_dim)
-                                                       : 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    return (size_t)c->n_layers * KV_BLOCK_TOKENS * per_token * sizeof(float);
+void kv_pool_set_window(KVPool *pool, int window, int sinks) {
+    pool->window = window;
+    pool->sinks = sinks;
 }
 
-size_t kv_block_bytes(const KVPool *pool) { return (size_t)pool->n_layers * pool->layer_floats * sizeof(float); }
+size_t kv_block_bytes(const KVPool *pool) { return (size_t)pool->n_layers * pool->layer_bytes; }
 
 size_t kv_bytes_per_token(const KVPool *pool) { return kv_block_bytes(pool) / KV_BLOCK_TOKENS; }
+
+int kv_blocks_per_sequence(const KVPool *pool, int positions) {
+    return kv_blocks_for(pool->window && pool->window < positions ? pool->window : positions);
+}
 
 static int take_block(KVPool *pool) {
     const int b = pool->free_blocks[--pool->n_free];
@@ -57,7 +85,7 @@ static void release_block(KVPool *pool, int b) {
 int kv_init(KVCache *cache, KVPool *pool, int max_len) {
     memset(cache, 0, sizeof *cache);
     cache->pool = pool;
-    cache->max_blocks = kv_blocks_for(max_len);
+    cache->max_blocks = kv_blocks_per_sequence(pool, max_len);
     cache->blocks = malloc((size_t)(cache->max_blocks ? cache->max_blocks : 1) * sizeof(int));
     return cache->blocks ? 0 : -1;
 }
@@ -77,28 +105,28 @@ void kv_free(KVCache *cache) {
 /* The block holding position len is written next: a private copy is needed when it is
  * shared. */
 static int first_write_is_shared(const KVCache *cache) {
-    const int b = cache->len / KV_BLOCK_TOKENS;
+    const int b = kv_slot(cache->pool, cache->len) / KV_BLOCK_TOKENS;
     return b < cache->n_blocks && cache->pool->refs[cache->blocks[b]] > 1;
 }
 
 int kv_blocks_needed(const KVCache *cache, int new_len) {
-    const int more = kv_blocks_for(new_len) - cache->n_blocks;
+    const int more = kv_blocks_per_sequence(cache->pool, new_len) - cache->n_blocks;
     return (more > 0 ? more : 0) + (new_len > cache->len && first_write_is_shared(cache));
 }
 
 int kv_reserve(KVCache *cache, int new_len) {
     KVPool *pool = cache->pool;
-    if (kv_blocks_for(new_len) > cache->max_blocks) return -1;
-    if (kv_blocks_needed(cache, new_len) > pool->n_free) return -1;
+    const int blocks = kv_blocks_per_sequence(pool, new_len);
+    if (blocks > cache->max_blocks || kv_blocks_needed(cache, new_len) > pool->n_free) return -1;
     if (new_len > cache->len && first_write_is_shared(cache)) {
-        int *slot = &cache->blocks[cache->len / KV_BLOCK_TOKENS];
+        int *slot = &cache->blocks[kv_slot(pool, cache->len) / KV_BLOCK_TOKENS];
         const int copy = take_block(pool);
-        const size_t floats = (size_t)pool->n_layers * pool->layer_floats;
-        memcpy(pool->data + (size_t)copy * floats, pool->data + (size_t)*slot * floats, floats * sizeof(float));
+        const size_t bytes = kv_block_bytes(pool);
+        memcpy(pool->data + (size_t)copy * bytes, pool->data + (size_t)*slot * bytes, bytes);
         release_block(pool, *slot);
         *slot = copy;
     }
-    while (cache->n_blocks < kv_blocks_for(new_len)) cache->blocks[cache->n_blocks++] = take_block(pool);
+    while (cache->n_blocks < blocks) cache->blocks[cache->n_blocks++] = take_block(pool);
     return 0;
 }
 
@@ -110,4 +138,12 @@ void kv_share_prefix(KVCache *dst, const KVCache *src, int len) {
     }
     dst->n_blocks = kv_blocks_for(len);
     dst->len = len;
+}
+
+void kv_store(const KVPool *p, KVRow row, const float *src) {
+    row_quantize(row.data, row.scales, src, p->row_width, p->split, p->dtype);
+}
+
+void kv_load(const KVPool *p, KVRow row, float *dst) {
+    row_dequantize(dst, row.data, row.scales, p->row_width, p->split, p->dtype);
 }

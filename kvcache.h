@@ -2,21 +2,28 @@
  *
  * One pool of fixed-size blocks (KVPool) holds the cache of every sequence; a
  * sequence's cache (KVCache) is a block table that maps its positions to blocks.
- * A block holds KV_BLOCK_TOKENS consecutive positions of one sequence, every layer:
+ * A block holds KV_BLOCK_TOKENS slots of one sequence, every layer; per layer:
  *
- *   MHA / GQA / MQA: [layer][K, V][kv_head][KV_BLOCK_TOKENS][head_dim]   (K after RoPE)
- *   MLA:             [layer][KV_BLOCK_TOKENS][kv_latent + rope_dim]      (c ; k_R)
+ *   MHA / GQA / MQA: rows [K, V][kv_head][KV_BLOCK_TOKENS] of head_dim elements
+ *   MLA:             rows [KV_BLOCK_TOKENS] of kv_latent + rope_dim elements (c ; k_R)
  *
- * so a head's keys of one block are one contiguous run that attention streams.
- * Bytes per token: 2 * n_layers * n_kv_heads * head_dim * 4, or n_layers * (kv_latent
- * + rope_dim) * 4 for MLA (fp32).
+ * then, for int8, each row's scales (one a KV head row; two an MLA row, for c and for
+ * k_R). A head's rows of one block are one contiguous run that attention streams.
+ * Elements are fp32, bf16 or int8 (the pool's dtype): bytes per token are 2 * n_layers *
+ * n_kv_heads * head_dim * size (+ 4 per int8 row), or n_layers * (kv_latent + rope_dim) *
+ * size (+ 8) for MLA.
  *
  * Sequences may share blocks (a common prompt prefix): each block has a reference
  * count, and a sequence about to write into a shared block first copies it (copy on
  * write), so sharing never changes what another sequence reads. The cache owns its
- * positions: it holds [0, len), a forward pass appends at len and advances it
- * (model.h); kv_reserve provides the blocks beforehand. A run without the cache
- * resets it before every pass, so both modes share every line of attention code. */
+ * positions: it has seen [0, len), a forward pass appends at len and advances it
+ * (model.h); kv_reserve provides the blocks beforehand. A run without the cache resets it
+ * before every pass, so both modes share every line of attention code.
+ *
+ * A window (kv_pool_set_window) bounds what a sequence keeps: W slots, the first `sinks`
+ * positions forever and the most recent W - sinks in a ring, where the oldest position
+ * is overwritten (sinks = 0: seed 000's ring buffer; sinks > 0: StreamingLLM). Keys are
+ * then stored before RoPE and rotated by their place in the window when read. */
 #ifndef KVCACHE_H
 #define KVCACHE_H
 
@@ -31,31 +38,42 @@ enum { KV_BLOCK_TOKENS = 16 };
 
 typedef struct {
     int n_layers, n_kv_heads, head_dim;  /* 0 heads for MLA */
-    int latent_width;                    /* MLA: kv_latent + rope_dim; otherwise 0 */
-    size_t layer_floats;                 /* of one layer in one block */
+    int row_width;                       /* elements a row: head_dim, or MLA's kv_latent + rope_dim */
+    int split;                           /* int8: a row's second scale starts here (MLA's k_R); else row_width */
+    int n_scales;                        /* int8: scales a row (1 or 2); else 0 */
+    DType dtype;
+    size_t row_bytes, layer_bytes, scales_offset;  /* within one layer of a block */
+    int window, sinks;                   /* 0: no window */
     int n_blocks;
-    float *data;                         /* (n_blocks, n_layers, layer_floats) */
+    unsigned char *data;                 /* (n_blocks, n_layers, layer_bytes) */
     int *refs;                           /* (n_blocks) sequences holding each block; 0 = free */
     int *free_blocks, n_free;            /* a stack of the free block ids */
     int peak_in_use;                     /* the most blocks in use at once */
 } KVPool;
 
-/* A sequence's cache: positions [0, len) in blocks[0 .. n_blocks). */
+/* A sequence's cache: it has seen positions [0, len); blocks[0 .. n_blocks) hold them, or
+ * with a window the ones it keeps. */
 typedef struct {
     KVPool *pool;
     int *blocks;          /* (max_blocks) block table */
     int n_blocks, max_blocks;
-    int len;              /* positions held */
+    int len;              /* positions seen */
 } KVCache;
 
+/* Bytes of one block for model c with elements in dtype. */
+size_t kv_block_bytes_for(const Config *c, DType dtype);
 /* A pool of n_blocks blocks for model c. Returns -1 when out of memory. */
-int kv_pool_init(KVPool *pool, const Config *c, int n_blocks);
+int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks);
 void kv_pool_free(KVPool *pool);
+/* Bounds every sequence to `window` slots, the first `sinks` positions kept for good
+ * (0 < window, 0 <= sinks < window). Before any cache is used. */
+void kv_pool_set_window(KVPool *pool, int window, int sinks);
 size_t kv_block_bytes(const KVPool *pool);
-size_t kv_block_bytes_for(const Config *c);
 size_t kv_bytes_per_token(const KVPool *pool);
 static inline int kv_blocks_for(int positions) { return (positions + KV_BLOCK_TOKENS - 1) / KV_BLOCK_TOKENS; }
 static inline int kv_blocks_in_use(const KVPool *pool) { return pool->n_blocks - pool->n_free; }
+/* Blocks one sequence of `positions` positions holds at most. */
+int kv_blocks_per_sequence(const KVPool *pool, int positions);
 
 /* An empty cache of up to max_len positions in pool. Returns -1 when out of memory. */
 int kv_init(KVCache *cache, KVPool *pool, int max_len);
@@ -69,26 +87,45 @@ void kv_reset(KVCache *cache);
 int kv_reserve(KVCache *cache, int new_len);
 /* Blocks a reservation up to new_len would take from the pool (copies included). */
 int kv_blocks_needed(const KVCache *cache, int new_len);
-/* dst (empty, same pool) shares src's positions [0, len): it holds len positions
- * without computing them. len <= src->len. */
+/* dst (empty, same pool, no window) shares src's positions [0, len): it holds len
+ * positions without computing them. len <= src->len. */
 void kv_share_prefix(KVCache *dst, const KVCache *src, int len);
 
-/* Where one position's vectors are (the position must be reserved). */
-static inline float *kv_block_layer(const KVCache *c, int layer, int pos) {
-    const KVPool *p = c->pool;
-    return p->data + ((size_t)c->blocks[pos / KV_BLOCK_TOKENS] * p->n_layers + layer) * p->layer_floats;
+/* The slot a position lives in: itself, or with a window its sink or its place in the ring. */
+static inline int kv_slot(const KVPool *p, int pos) {
+    return !p->window || pos < p->window ? pos : p->sinks + (pos - p->sinks) % (p->window - p->sinks);
 }
-static inline float *kv_key(const KVCache *c, int layer, int head, int pos) {
-    const KVPool *p = c->pool;
-    return kv_block_layer(c, layer, pos) + ((size_t)head * KV_BLOCK_TOKENS + pos % KV_BLOCK_TOKENS) * p->head_dim;
+/* How many positions a query at pos sees (its place in the window is one less), and the
+ * i-th of them, oldest first: all of 0 .. pos, or with a full window the sinks and then
+ * the most recent window - sinks. */
+static inline int kv_window_length(const KVPool *p, int pos) { return !p->window || pos < p->window ? pos + 1 : p->window; }
+static inline int kv_window_position(const KVPool *p, int pos, int i) {
+    return !p->window || pos < p->window || i < p->sinks ? i : pos + 1 - (p->window - p->sinks) + (i - p->sinks);
 }
-static inline float *kv_value(const KVCache *c, int layer, int head, int pos) {
+
+/* One stored row: its elements (pool dtype) and, for int8, its scales. */
+typedef struct {
+    void *data;
+    float *scales;
+} KVRow;
+
+static inline KVRow kv_row(const KVCache *c, int layer, int row, int pos) {
     const KVPool *p = c->pool;
-    return kv_key(c, layer, head, pos) + (size_t)p->n_kv_heads * KV_BLOCK_TOKENS * p->head_dim;
+    const int slot = kv_slot(p, pos);
+    unsigned char *l = p->data + ((size_t)c->blocks[slot / KV_BLOCK_TOKENS] * p->n_layers + layer) * p->layer_bytes;
+    const int r = row * KV_BLOCK_TOKENS + slot % KV_BLOCK_TOKENS;
+    const KVRow out = {l + (size_t)r * p->row_bytes, p->n_scales ? (float *)(l + p->scales_offset) + (size_t)r * p->n_scales : NULL};
+    return out;
+}
+static inline KVRow kv_key(const KVCache *c, int layer, int head, int pos) { return kv_row(c, layer, head, pos); }
+static inline KVRow kv_value(const KVCache *c, int layer, int head, int pos) {
+    return kv_row(c, layer, c->pool->n_kv_heads + head, pos);
 }
 /* MLA: [c (kv_latent) ; k_R (rope_dim)] of one position */
-static inline float *kv_latent(const KVCache *c, int layer, int pos) {
-    return kv_block_layer(c, layer, pos) + (size_t)(pos % KV_BLOCK_TOKENS) * c->pool->latent_width;
-}
+static inline KVRow kv_latent(const KVCache *c, int layer, int pos) { return kv_row(c, layer, 0, pos); }
+
+/* A row in the pool's dtype from floats / back to floats (kernels.h's row_quantize). */
+void kv_store(const KVPool *p, KVRow row, const float *src);
+void kv_load(const KVPool *p, KVRow row, float *dst);
 
 #endif /* KVCACHE_H */

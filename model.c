@@ -126,6 +126,8 @@ static int place_tokens(const Model *m, RunState *s, const Batch *b) {
             for (int u = 0; u < t; u++)  /* a sequence's tokens are consecutive */
                 if (b->cache[u] == b->cache[t]) return -1;
         s->pos[t] = same ? s->pos[t - 1] + 1 : b->cache[t]->len;
+        /* past the context only through a window, which rotates by place: RoPE's tables end there */
+        if (s->pos[t] >= m->cfg.max_seq_len && !b->cache[t]->pool->window) return -1;
     }
     for (int t = 0; t < T; t++)
         if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) && kv_reserve(b->cache[t], s->pos[t] + 1) != 0) return -1;

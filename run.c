@@ -289,12 +289,20 @@ static void run_in_team(void *arg) {
 }
 
 /* B requests of one prompt, request i with seed + i. */
-static Request *prompt_requests(const int *prompt, int n_prompt, int B, uint64_t seed, int max_seq_len) {
+/* Room for a sequence's tokens: the context and one, or prompt and -n when that is more
+ * (with a window); the scheduler grows it past that when it has to. */
+static int token_room(const Model *m, int n_prompt, int steps) {
+    const int need = n_prompt + steps + 1;
+    return need > m->cfg.max_seq_len + 1 ? need : m->cfg.max_seq_len + 1;
+}
+
+static Request *prompt_requests(const int *prompt, int n_prompt, int B, uint64_t seed, int room) {
     Request *requests = calloc((size_t)B, sizeof *requests);
     if (!requests) die(1, "out of memory");
     for (int i = 0; i < B; i++) {
         Request *r = &requests[i];
-        if (!(r->tokens = malloc((size_t)(max_seq_len + 1) * sizeof(int)))) die(1, "out of memory");
+        r->cap_tokens = room;
+        if (!(r->tokens = malloc((size_t)room * sizeof(int)))) die(1, "out of memory");
         memcpy(r->tokens, prompt, (size_t)n_prompt * sizeof(int));
         r->n_prompt = n_prompt;
         r->index = i;
@@ -317,11 +325,12 @@ static void warm_up(const Scheduler *sch, const Options *o) {
     const Request *r = &sch->requests[0];
     KVCache scratch;
     const double t0 = now_ms();
+    const int n = sch->pool->window && r->n_prompt > sch->pool->window ? sch->pool->window : r->n_prompt;  /* one pass */
     if (kv_init(&scratch, sch->pool, sch->model->cfg.max_seq_len) != 0 ||
-        model_forward(sch->model, sch->state, &scratch, r->tokens, r->n_prompt, sch->form, sch->logits, 0) != 0)
+        model_forward(sch->model, sch->state, &scratch, r->tokens, n, sch->form, sch->logits, 0) != 0)
         die(1, "out of memory");
     kv_free(&scratch);
-    if (!o->quiet) fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", r->n_prompt, now_ms() - t0);
+    if (!o->quiet) fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - t0);
 }
 
 static void generate(Scheduler *sch, const Options *o, const char *const *prompts, FILE *log_csv, FILE *dump) {
@@ -373,7 +382,8 @@ static void run_hashed(Scheduler *sch, LogitHashes *h) {
  * tokens, and logits of the same bits at every step. Returns 1 when any differs. */
 static int check_batch(Scheduler *batch, const Options *o, const char *what) {
     const Model *m = batch->model;
-    const int B = batch->n_requests, stride = m->cfg.max_seq_len + 1;
+    if (batch->pool->window && !o->steps) die(EXIT_USAGE, "--check-batch with --window needs -n: a window has no end");
+    const int B = batch->n_requests, stride = (o->steps > m->cfg.max_seq_len ? o->steps : m->cfg.max_seq_len) + 1;
     LogitHashes in_batch = {calloc((size_t)B * stride, sizeof(uint64_t)), stride};
     LogitHashes alone = {calloc((size_t)B * stride, sizeof(uint64_t)), stride};
     if (!in_batch.hashes || !alone.hashes) die(1, "out of memory");
@@ -384,7 +394,7 @@ static int check_batch(Scheduler *batch, const Options *o, const char *what) {
     for (int i = 0; i < B; i++) {
         const Request *a = &batch->requests[i];
         Scheduler solo = *batch;
-        solo.requests = prompt_requests(a->tokens, a->n_prompt, 1, a->seed, m->cfg.max_seq_len);
+        solo.requests = prompt_requests(a->tokens, a->n_prompt, 1, a->seed, a->cap_tokens);
         solo.requests[0].index = i;
         solo.n_requests = 1;
         solo.max_batch = 1;
@@ -518,6 +528,53 @@ static void check_kv(Engine *e, const Options *o) {
 
 /* ---- --ppl ---- */
 
+/* -log softmax(l)[target] in double */
+static double token_nll(const float *l, int V, int target) {
+    float max = l[0];
+    for (int i = 1; i < V; i++) max = l[i] > max ? l[i] : max;
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) sum += exp((double)l[i] - max);
+    return log(sum) + max - l[target];
+}
+
+typedef struct {
+    double nll, nll_past;  /* all targets; targets at positions past the context */
+    long count, count_past;
+} NllSum;
+
+static void add_nll(NllSum *sum, double nll, int target_pos, int ctx) {
+    sum->nll += nll;
+    sum->count++;
+    if (target_pos >= ctx) sum->nll_past += nll, sum->count_past++;
+}
+
+/* A story scored in windows of the context, each from an empty cache, as train/model.py
+ * story_windows() does (the baseline past the context: restart). */
+static void score_in_windows(Engine *e, const int *ids, int n, float *logits, NllSum *sum) {
+    const Model *m = e->model;
+    const int ctx = m->cfg.max_seq_len, V = m->cfg.vocab_size;
+    for (int start = 0; start < n - 1; start += ctx) {
+        const int len = n - start < ctx + 1 ? n - start : ctx + 1;  /* inputs len-1, targets len-1 */
+        kv_reset(e->cache);
+        if (model_forward(m, e->state, e->cache, ids + start, len - 1, e->form, logits, 1) != 0) die(1, "out of memory");
+        for (int t = 0; t < len - 1; t++) add_nll(sum, token_nll(logits + (size_t)t * V, V, ids[start + t + 1]), start + t + 1, ctx);
+    }
+}
+
+/* A story scored through a windowed cache: the first window's tokens in one pass, then one
+ * token a pass, each seeing what the window keeps. */
+static void score_through_window(Engine *e, const int *ids, int n, float *logits, NllSum *sum) {
+    const Model *m = e->model;
+    const int V = m->cfg.vocab_size, first = n - 1 < e->cache->pool->window ? n - 1 : e->cache->pool->window;
+    kv_reset(e->cache);
+    if (model_forward(m, e->state, e->cache, ids, first, e->form, logits, 1) != 0) die(1, "out of memory");
+    for (int t = 0; t < first; t++) add_nll(sum, token_nll(logits + (size_t)t * V, V, ids[t + 1]), t + 1, m->cfg.max_seq_len);
+    for (int t = first; t < n - 1; t++) {
+        if (model_forward(m, e->state, e->cache, ids + t, 1, e->form, logits, 0) != 0) die(1, "out of memory");
+        add_nll(sum, token_nll(logits, V, ids[t + 1]), t + 1, m->cfg.max_seq_len);
+    }
+}
+
 static void perplexity(Engine *e, const char *path) {
     const Model *m = e->model;
     const int ctx = m->cfg.max_seq_len, V = m->cfg.vocab_size;
@@ -528,9 +585,7 @@ static void perplexity(Engine *e, const char *path) {
     int *ids = malloc((size_t)cap * sizeof(int));
     float *logits = malloc((size_t)ctx * V * sizeof(float));
     if (!ids || !logits) die(1, "out of memory");
-    double nll = 0.0;
-    long count = 0;
-    e->kv = 0;
+    NllSum sum = {0};
     for (int s = 0; s < sf.n_stories; s++) {
         const char *text = sf.stories[s];
         int n = spm_encode(m->tokenizer, text, strlen(text), 1, ids, cap - 1);
@@ -541,24 +596,15 @@ static void perplexity(Engine *e, const char *path) {
             die(1, "%s: story %d %s", path, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }
         ids[n++] = m->cfg.eos_id;
-        /* windows of the context, as train/model.py story_windows() */
-        for (int start = 0; start < n - 1; start += ctx) {
-            int len = n - start < ctx + 1 ? n - start : ctx + 1;  /* inputs len-1, targets len-1 */
-            kv_reset(e->cache);
-            model_forward(m, e->state, e->cache, ids + start, len - 1, e->form, logits, 1);
-            for (int t = 0; t < len - 1; t++) {
-                const float *l = logits + (size_t)t * V;
-                float max = l[0];
-                for (int i = 1; i < V; i++) max = l[i] > max ? l[i] : max;
-                double sum = 0.0;
-                for (int i = 0; i < V; i++) sum += exp((double)l[i] - max);
-                nll += log(sum) + max - l[ids[start + t + 1]];
-                count++;
-            }
-        }
+        if (e->cache->pool->window) score_through_window(e, ids, n, logits, &sum);
+        else score_in_windows(e, ids, n, logits, &sum);
     }
-    printf("ppl: %s | %d stories, %ld tokens | mean NLL %.4f nats/token | perplexity %.3f\n", path, sf.n_stories,
-           count, nll / count, exp(nll / count));
+    printf("ppl: %s | %d stories, %ld tokens | mean NLL %.4f nats/token | perplexity %.3f", path, sf.n_stories,
+           sum.count, sum.nll / sum.count, exp(sum.nll / sum.count));
+    if (sum.count_past)
+        printf(" | past the context (position %d on): %ld tokens, mean NLL %.4f", ctx, sum.count_past,
+               sum.nll_past / sum.count_past);
+    putchar('\n');
     storyfile_free(&sf);
     free(ids);
     free(logits);
@@ -568,9 +614,11 @@ static void perplexity(Engine *e, const char *path) {
 
 static void info(const Model *m, const KVPool *pool, int batch) {
     const Config *c = &m->cfg;
-    size_t es = 4;  /* the cache holds fp32 */
-    size_t formula = c->variant == VARIANT_MLA ? (size_t)c->n_layers * (c->kv_latent + c->rope_dim) * es
-                                               : 2 * (size_t)c->n_layers * c->n_kv_heads * c->head_dim * es;
+    const DType dt = pool->dtype;
+    const size_t es = dtype_size(dt), per_token = c->variant == VARIANT_MLA
+        ? (size_t)c->n_layers * ((c->kv_latent + c->rope_dim) * es + (dt == DTYPE_I8 ? 8 : 0))
+        : 2 * (size_t)c->n_layers * c->n_kv_heads * (c->head_dim * es + (dt == DTYPE_I8 ? 4 : 0));
+    const int kept = pool->window ? pool->window : c->max_seq_len;
     printf("variant        %s\n", variant_name(c));
     printf("dtype          %s\n", c->dtype == DTYPE_BF16 ? "bf16" : "fp32");
     printf("dim %d, layers %d, heads %d x %d, kv heads %d, latent %d, rope dim %d, hidden %d, vocab %d, context %d\n",
@@ -578,18 +626,24 @@ static void info(const Model *m, const KVPool *pool, int batch) {
            config_rope_width(c), c->hidden_dim, c->vocab_size, c->max_seq_len);
     printf("parameters     %zu (%.2f M), %zu bytes of weights\n", model_param_count(c), model_param_count(c) / 1e6,
            model_param_count(c) * dtype_size(c->dtype));
-    if (c->variant == VARIANT_MLA)
-        printf("KV cache       L*(d_c+d_R)*4 = %d*(%d+%d)*4 = %zu bytes/token; %zu bytes at full context\n",
-               c->n_layers, c->kv_latent, c->rope_dim, formula, formula * c->max_seq_len);
-    else
-        printf("KV cache       2*L*H_kv*d_h*4 = 2*%d*%d*%d*4 = %zu bytes/token; %zu bytes at full context\n",
-               c->n_layers, c->n_kv_heads, c->head_dim, formula, formula * c->max_seq_len);
-    printf("allocated      %zu bytes/token; %zu bytes (fp32)\n", kv_bytes_per_token(pool),
-           kv_block_bytes(pool) * (size_t)pool->n_blocks);
-    printf("KV pool        %d blocks of %d tokens, %zu bytes each (%zu bytes); a contiguous cache of the full context "
+    if (c->variant == VARIANT_MLA) {
+        if (dt == DTYPE_I8) printf("KV cache       L*(d_c+d_R+8) = %d*(%d+%d+8)", c->n_layers, c->kv_latent, c->rope_dim);
+        else printf("KV cache       L*(d_c+d_R)*%zu = %d*(%d+%d)*%zu", es, c->n_layers, c->kv_latent, c->rope_dim, es);
+    } else {
+        if (dt == DTYPE_I8) printf("KV cache       2*L*H_kv*(d_h+4) = 2*%d*%d*(%d+4)", c->n_layers, c->n_kv_heads, c->head_dim);
+        else printf("KV cache       2*L*H_kv*d_h*%zu = 2*%d*%d*%d*%zu", es, c->n_layers, c->n_kv_heads, c->head_dim, es);
+    }
+    printf(" = %zu bytes/token; %zu bytes at full %s (%s%s)\n", per_token, per_token * kept,
+           pool->window ? "window" : "context", kv_dtype_name(dt), dt == DTYPE_I8 ? ", a 4-byte scale a vector" : "");
+    if (pool->window)
+        printf("window         %d positions a sequence, %d of them sinks kept for good; the rest a ring\n", pool->window,
+               pool->sinks);
+    printf("allocated      %zu bytes/token; %zu bytes (%s)\n", kv_bytes_per_token(pool),
+           kv_block_bytes(pool) * (size_t)pool->n_blocks, kv_dtype_name(dt));
+    printf("KV pool        %d blocks of %d tokens, %zu bytes each (%zu bytes); a contiguous cache of the full %s "
            "for %d sequence%s would take %zu bytes\n",
-           pool->n_blocks, KV_BLOCK_TOKENS, kv_block_bytes(pool), kv_block_bytes(pool) * (size_t)pool->n_blocks, batch,
-           batch > 1 ? "s" : "", kv_bytes_per_token(pool) * (size_t)c->max_seq_len * (size_t)batch);
+           pool->n_blocks, KV_BLOCK_TOKENS, kv_block_bytes(pool), kv_block_bytes(pool) * (size_t)pool->n_blocks,
+           pool->window ? "window" : "context", batch, batch > 1 ? "s" : "", kv_bytes_per_token(pool) * (size_t)kept * (size_t)batch);
     printf("kernels        %s\n", kernels_simd_name());
 }
 
@@ -615,20 +669,26 @@ int main(int argc, char **argv) {
     char err[512];
     if (model_load(&m, o.checkpoint, err, sizeof err) != 0) die(1, "%s", err);
     if (o.top_k > m.cfg.vocab_size) die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o.top_k, m.cfg.vocab_size);
-    if (o.steps > m.cfg.max_seq_len)
-        die(EXIT_USAGE, "-n %d is out of range (1..%d, the context)", o.steps, m.cfg.max_seq_len);
+    if (o.steps > m.cfg.max_seq_len && !o.window)
+        die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o.steps, m.cfg.max_seq_len,
+            o.check_kv ? "" : "; more with --window");
+    if (o.window > m.cfg.max_seq_len)
+        die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o.window, m.cfg.max_seq_len);
+    if (o.window && o.window <= o.window_sinks)
+        die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o.window, o.window_sinks);
 
     const int B = o.batch;
     if (o.dump_path && (B > 1 || o.prompts_path))
         die(EXIT_USAGE, "--dump-logits writes one sequence's logits: it takes no --batch or --prompts");
     if (o.check_kv && B > 1) die(EXIT_USAGE, "--check-kv compares one sequence; --check-batch compares a batch");
-    const size_t block_bytes = kv_block_bytes_for(&m.cfg);
-    const int one_sequence = kv_blocks_for(m.cfg.max_seq_len);
+    const size_t block_bytes = kv_block_bytes_for(&m.cfg, o.kv_dtype);
+    const int one_sequence = kv_blocks_for(o.window ? o.window : m.cfg.max_seq_len);
     const double pool_blocks = o.kv_mem_mb > 0.0f ? floor((double)o.kv_mem_mb * 1048576.0 / (double)block_bytes)
                                                   : (double)(o.kv ? B : 1) * one_sequence;
     if (pool_blocks < one_sequence)
-        die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full context (%d tokens) needs %d",
-            (double)o.kv_mem_mb, pool_blocks, block_bytes, m.cfg.max_seq_len, one_sequence);
+        die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d",
+            (double)o.kv_mem_mb, pool_blocks, block_bytes, o.window ? "window" : "context",
+            o.window ? o.window : m.cfg.max_seq_len, one_sequence);
     if (pool_blocks > INT_MAX) die(EXIT_USAGE, "--kv-mem %g MB is more blocks than this program counts", (double)o.kv_mem_mb);
     const long n_blocks = (long)pool_blocks;
 
@@ -638,8 +698,10 @@ int main(int argc, char **argv) {
     int *tokens = malloc((size_t)(m.cfg.max_seq_len + 1) * sizeof(int));  /* the prompt */
     float *logits = malloc((size_t)B * (size_t)m.cfg.vocab_size * sizeof(float));
     if (!tokens || !logits || runstate_init(&state, &m.cfg, scheduler_max_tokens(&m.cfg, B)) != 0 ||
-        kv_pool_init(&pool, &m.cfg, (int)n_blocks) != 0 || kv_init(&cache, &pool, m.cfg.max_seq_len) != 0)
+        kv_pool_init(&pool, &m.cfg, o.kv_dtype, (int)n_blocks) != 0)
         die(1, "out of memory: the KV cache pool of %ld blocks takes %zu bytes", n_blocks, (size_t)n_blocks * block_bytes);
+    if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks);
+    if (kv_init(&cache, &pool, m.cfg.max_seq_len) != 0) die(1, "out of memory");
     Engine e = {&m, &state, &cache, o.kv, o.mla_form};
 
     int status = 0;
@@ -663,7 +725,8 @@ int main(int argc, char **argv) {
                 Request *r = &sch.requests[i];
                 char where[320];
                 snprintf(where, sizeof where, "%s:%d: ", o.prompts_path, file.line_numbers[i]);
-                if (!(r->tokens = malloc((size_t)(m.cfg.max_seq_len + 1) * sizeof(int)))) die(1, "out of memory");
+                r->cap_tokens = m.cfg.max_seq_len + 1;
+                if (!(r->tokens = malloc((size_t)r->cap_tokens * sizeof(int)))) die(1, "out of memory");
                 r->n_prompt = encode_prompt(&m, file.prompts[i], r->tokens, m.cfg.max_seq_len + 1, where);
                 r->index = i;
                 r->seed = o.seed + (uint64_t)i;
@@ -672,7 +735,7 @@ int main(int argc, char **argv) {
         } else {
             const int n_prompt = encode_prompt(&m, o.prompt, tokens, m.cfg.max_seq_len + 1, "");
             sch.n_requests = B;
-            sch.requests = prompt_requests(tokens, n_prompt, B, o.seed, m.cfg.max_seq_len);
+            sch.requests = prompt_requests(tokens, n_prompt, B, o.seed, token_room(&m, n_prompt, o.steps));
             if (!(prompts = malloc((size_t)B * sizeof *prompts))) die(1, "out of memory");
             for (int i = 0; i < B; i++) prompts[i] = o.prompt;
         }
@@ -686,13 +749,14 @@ int main(int argc, char **argv) {
                 fprintf(log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
             }
             if (o.dump_path && !(dump = fopen(o.dump_path, "wb"))) die(1, "cannot write %s: %s", o.dump_path, strerror(errno));
-            fprintf(stderr, "seed %llu | %s | %s | mla form %s | threads %d | top-k %d | temperature %g",
-                    (unsigned long long)o.seed, variant_name(&m.cfg), o.kv ? "kv" : "no-kv",
+            fprintf(stderr, "seed %llu | %s | %s %s | mla form %s | threads %d | top-k %d | temperature %g",
+                    (unsigned long long)o.seed, variant_name(&m.cfg), o.kv ? "kv" : "no-kv", kv_dtype_name(o.kv_dtype),
                     m.cfg.variant == VARIANT_MLA ? mla_form_name(o.mla_form) : "n/a", parallel_threads(), o.top_k,
                     o.temperature);
             if (sch.n_requests > 1 || B > 1)
                 fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", sch.n_requests, B,
                         (unsigned long long)o.seed, (unsigned long long)(o.seed + (uint64_t)sch.n_requests - 1));
+            if (o.window) fprintf(stderr, " | window %d, %d sinks", o.window, o.window_sinks);
             fputc('\n', stderr);
             generate(&sch, &o, prompts, log_csv, dump);
             if (log_csv && fclose(log_csv) != 0) die(1, "cannot write %s", o.log_path);

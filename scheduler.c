@@ -28,6 +28,8 @@ typedef struct {
     KVCache **caches;     /* (max_tokens) */
     int *logit_tokens;    /* (max_batch) */
     int *computed_prompt; /* (max_batch) 1 when the step computes that sequence's prompt */
+    int *sampling;        /* (max_batch) the running sequences that sample this step, in order */
+    int n_sampling;
     double start;
 } Run;
 
@@ -59,7 +61,7 @@ static int admit(Run *run) {
         Request *r = queue_front(&run->queue);
         Request *source = NULL;
         int shared = 0, pending = 0;
-        for (int i = 0; i < run->n_running; i++) {
+        for (int i = 0; i < run->n_running && !sch->pool->window; i++) {  /* a window's slots are never shared */
             Request *q = run->running[i];
             const int common = min_int(common_prefix(r, q), r->n_tokens - 1);
             if (i >= first_new) pending = common > pending ? common : pending;  /* computed this step */
@@ -112,43 +114,58 @@ typedef struct {
     int *next;
 } Sampling;
 
-static void sample_one(const void *ctx, long i) {
+static void sample_one(const void *ctx, long k) {
     const Sampling *s = ctx;
     const int V = s->run->sch->model->cfg.vocab_size;
-    s->next[i] = sampler_sample(&s->run->running[i]->sampler, s->logits + (size_t)i * V);
+    s->next[k] = sampler_sample(&s->run->running[s->run->sampling[k]]->sampler, s->logits + (size_t)k * V);
 }
 
-/* After the forward pass: each running sequence samples its next token from its row of
- * logits, and those that end leave their slot. */
-static void sample_and_retire(Run *run, int step, int n_tokens, int prefill_tokens, double step_ms) {
+/* Keeps a token sampled for r (its array grows as needed). Returns -1 when out of memory. */
+static int append_token(Request *r, int token) {
+    if (r->n_tokens == r->cap_tokens) {
+        int *grown = realloc(r->tokens, (size_t)r->cap_tokens * 2 * sizeof(int));
+        if (!grown) return -1;
+        r->tokens = grown;
+        r->cap_tokens *= 2;
+    }
+    r->tokens[r->n_tokens++] = token;
+    return 0;
+}
+
+/* After the forward pass: the sequences whose tokens are all in (run->sampling) sample
+ * their next token from their rows of logits, and those that end leave their slot. */
+static int sample_and_retire(Run *run, int step, int n_tokens, int prefill_tokens, double step_ms) {
     Scheduler *sch = run->sch;
     const Config *c = &sch->model->cfg;
-    int next[run->n_running];
+    const int S = run->n_sampling;
+    int next[S > 0 ? S : 1];
     const int fed_pos = run->running[0]->n_tokens - 1;  /* for the log of a single sequence */
-    for (int i = 0; i < run->n_running; i++)
-        if (sch->on_logits) sch->on_logits(sch->ctx, run->running[i], sch->logits + (size_t)i * c->vocab_size);
+    for (int k = 0; k < S; k++)
+        if (sch->on_logits) sch->on_logits(sch->ctx, run->running[run->sampling[k]], sch->logits + (size_t)k * c->vocab_size);
     const Sampling sampling = {run, sch->logits, next};
-    parallel_for(run->n_running, sample_one, &sampling,
-                 parallel_mode((long)run->n_running * c->vocab_size * 4, run->n_running));
+    parallel_for(S, sample_one, &sampling, parallel_mode((long)S * c->vocab_size * 4, S));
     const double elapsed = now_ms() - run->start;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        if (run->computed_prompt[i]) r->prefill_ms = step_ms;
+        if (run->computed_prompt[i]) r->prefill_ms += step_ms;
         else r->decode_ms += step_ms, r->decode_steps++;
+    }
+    for (int k = 0; k < S; k++) {
+        Request *r = run->running[run->sampling[k]];
         if (r->generated++ == 0) r->first_token_ms = elapsed;
-        if (next[i] == c->eos_id && !sch->ignore_eos) {
+        if (next[k] == c->eos_id && !sch->ignore_eos) {
             r->stop = STOP_EOS;
             continue;
         }
-        r->tokens[r->n_tokens++] = next[i];
-        if (sch->on_token) sch->on_token(sch->ctx, r, next[i]);
+        if (append_token(r, next[k]) != 0) return -1;
+        if (sch->on_token) sch->on_token(sch->ctx, r, next[k]);
         if (sch->max_new && r->generated >= sch->max_new) r->stop = STOP_STEPS;
-        else if (r->n_tokens > c->max_seq_len) r->stop = STOP_CONTEXT;  /* no position left for it */
+        else if (!sch->pool->window && r->n_tokens > c->max_seq_len) r->stop = STOP_CONTEXT;  /* no position left for it */
     }
     if (sch->on_step) {
         const Request *only = run->n_running == 1 ? run->running[0] : NULL;
-        const StepInfo info = {step, run->n_running, n_tokens, prefill_tokens, step_ms, only, only ? fed_pos : -1,
-                               only ? next[0] : -1};
+        const StepInfo info = {step, S, n_tokens, prefill_tokens, step_ms, only, only ? fed_pos : -1,
+                               only && S ? next[0] : -1};
         sch->on_step(sch->ctx, &info);
     }
     for (int i = 0; i < run->n_running;) {
@@ -161,30 +178,42 @@ static void sample_and_retire(Run *run, int step, int n_tokens, int prefill_toke
         remove_running(run, i);
         if (sch->on_done) sch->on_done(sch->ctx, r);
     }
+    return 0;
 }
 
-/* One step with the cache: every running sequence's new tokens in one forward pass. */
+/* One step with the cache: every running sequence's new tokens in one forward pass. With
+ * a window, a sequence runs at most what its window can take without sliding (one token
+ * once it is full). */
 static int step_cached(Run *run, int step) {
     Scheduler *sch = run->sch;
+    const int window = sch->pool->window;
     const double t0 = now_ms();
     admit(run);
     if (run->n_running == 0 || reserve_or_preempt(run) != 0) return -1;
     int T = 0, prefill_tokens = 0;
+    run->n_sampling = 0;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
         const int from = r->cache.len;
+        int count = r->n_tokens - from;
+        if (window && count > 1) count = min_int(count, window - from > 1 ? window - from : 1);
         run->computed_prompt[i] = r->generated == 0;
-        if (r->n_tokens - from > 1 || r->generated == 0) prefill_tokens += r->n_tokens - from;
-        for (int p = from; p < r->n_tokens; p++, T++) {
+        if (count > 1 || r->generated == 0) prefill_tokens += count;
+        for (int p = from; p < from + count; p++, T++) {
             run->ids[T] = r->tokens[p];
             run->caches[T] = &r->cache;
         }
-        run->logit_tokens[i] = T - 1;
+        if (from + count == r->n_tokens) {
+            run->logit_tokens[run->n_sampling] = T - 1;
+            run->sampling[run->n_sampling++] = i;
+        }
     }
-    const Batch batch = {T, run->ids, run->caches, run->n_running, run->logit_tokens};
+    /* a step in which every sequence is still inside its prompt samples nothing, but a pass
+     * computes at least one row of logits */
+    if (run->n_sampling == 0) run->logit_tokens[0] = T - 1;
+    const Batch batch = {T, run->ids, run->caches, run->n_sampling ? run->n_sampling : 1, run->logit_tokens};
     if (model_forward_batch(sch->model, sch->state, &batch, sch->form, sch->logits) != 0) return -1;
-    sample_and_retire(run, step, T, prefill_tokens, now_ms() - t0);
-    return 0;
+    return sample_and_retire(run, step, T, prefill_tokens, now_ms() - t0);
 }
 
 /* One step without the cache: each running sequence recomputed alone over its whole
@@ -209,14 +238,15 @@ static int step_uncached(Run *run, int step) {
         run->computed_prompt[i] = r->generated == 0;
         if (r->generated == 0) prefill_tokens += r->n_tokens;
         T += r->n_tokens;
+        run->sampling[i] = i;
     }
-    sample_and_retire(run, step, T, prefill_tokens, now_ms() - t0);
-    return 0;
+    run->n_sampling = run->n_running;
+    return sample_and_retire(run, step, T, prefill_tokens, now_ms() - t0);
 }
 
 int scheduler_run(Scheduler *sch) {
     const Config *c = &sch->model->cfg;
-    if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_for(c->max_seq_len) ||
+    if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len) ||
         sch->state->max_tokens < scheduler_max_tokens(c, sch->max_batch))
         return -1;
     Run run = {.sch = sch};
@@ -226,7 +256,9 @@ int scheduler_run(Scheduler *sch) {
     run.caches = malloc((size_t)sch->state->max_tokens * sizeof *run.caches);
     run.logit_tokens = malloc((size_t)sch->max_batch * sizeof *run.logit_tokens);
     run.computed_prompt = malloc((size_t)sch->max_batch * sizeof *run.computed_prompt);
-    int rc = run.queue.slot && run.running && run.ids && run.caches && run.logit_tokens && run.computed_prompt ? 0 : -1;
+    run.sampling = malloc((size_t)sch->max_batch * sizeof *run.sampling);
+    int rc = run.queue.slot && run.running && run.ids && run.caches && run.logit_tokens && run.computed_prompt &&
+                     run.sampling ? 0 : -1;
     for (int i = 0; rc == 0 && i < sch->n_requests; i++) {
         Request *r = &sch->requests[i];
         r->n_tokens = r->n_prompt;
@@ -234,9 +266,10 @@ int scheduler_run(Scheduler *sch) {
         r->stop = STOP_NONE;
         r->admitted = 0;
         r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
+        if (r->cap_tokens < r->n_prompt + 1) rc = -1;
         r->decode_steps = r->preemptions = 0;
         if (sampler_init(&r->sampler, c->vocab_size, sch->top_k, sch->temperature, r->seed) != 0 ||
-            kv_init(&r->cache, sch->pool, c->max_seq_len) != 0)
+            kv_init(&r->cache, sch->pool, sch->pool->window ? INT32_MAX / 2 : c->max_seq_len) != 0)
             rc = -1;
     }
     if (rc == 0) {
@@ -256,6 +289,7 @@ int scheduler_run(Scheduler *sch) {
     free(run.caches);
     free(run.logit_tokens);
     free(run.computed_prompt);
+    free(run.sampling);
     return rc;
 }
 

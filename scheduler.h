@@ -19,7 +19,11 @@
  * sequence continues with exactly the bits it would have had.
  *
  * Without the cache (kv = 0), each step recomputes each sequence alone over its whole
- * length, on a cache emptied before and after. */
+ * length, on a cache emptied before and after.
+ *
+ * With a window (kvcache.h), sequences share no blocks and run past the context; a
+ * sequence computes at most what its window holds in one step (a long prompt takes
+ * several), since a window slides only one position a pass. */
 #ifndef SCHEDULER_H
 #define SCHEDULER_H
 
@@ -35,7 +39,8 @@ typedef enum { STOP_NONE, STOP_EOS, STOP_STEPS, STOP_CONTEXT } StopReason;
 typedef struct {
     /* the request, set by the caller */
     int index;
-    int *tokens;          /* (max_seq_len + 1): the prompt, then each token sampled */
+    int *tokens;          /* (cap_tokens, malloc'd): the prompt, then each token sampled; grown as needed */
+    int cap_tokens;
     int n_prompt;
     uint64_t seed;
     /* its state */
@@ -72,7 +77,8 @@ typedef struct {
     int kv;               /* keep the cache between steps */
     MlaForm form;
     int max_batch;        /* slots */
-    int max_new;          /* tokens to sample per sequence; 0 = until EOS or the context is full */
+    int max_new;          /* tokens to sample per sequence; 0 = until EOS or the context is full (or
+                           * with a window, until EOS) */
     int ignore_eos;
     int top_k;
     float temperature;
@@ -94,9 +100,9 @@ typedef struct {
 /* The RunState a scheduler of max_batch slots needs. */
 static inline int scheduler_max_tokens(const Config *c, int max_batch) { return c->max_seq_len + max_batch; }
 
-/* Runs every request to its end. Each request's tokens and n_prompt must be set; the
- * rest of it is initialized here. Returns 0, or -1 when out of memory or when the pool
- * cannot hold one sequence of the full context. */
+/* Runs every request to its end. Each request's tokens, cap_tokens and n_prompt must be
+ * set; the rest of it is initialized here. Returns 0, or -1 when out of memory or when the
+ * pool cannot hold one sequence of the full context. */
 int scheduler_run(Scheduler *sch);
 /* Frees what scheduler_run allocated in the requests. */
 void scheduler_free_requests(Scheduler *sch);

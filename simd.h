@@ -44,6 +44,11 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+/* the first n (<= 16) int8 values, widened exactly; the rest are 0 */
+static inline v16 v16_load_i8(const int8_t *p, int n) {
+    __m128i b = n >= 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(v16_mask(n), p);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
 
 #define SIMD_PARTS 1
 enum { VP_LANES = 16 };
@@ -65,6 +70,7 @@ static inline vp vp_pairs_second(vpairs v) {
 static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { return parts[0]; }
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
 static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
 static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
 static inline v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
 static inline v16 v16_min(v16 a, v16 b) { return _mm512_min_ps(a, b); }
@@ -161,12 +167,20 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
     return v16_load_bf16(tmp, 16);
 }
 static inline v16 v16_set1(float x) { v16 v = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return v; }
+static inline v16 v16_load_i8(const int8_t *p, int n) {
+    int8_t tmp[16] = {0};
+    if (n < 16) memcpy(tmp, p, (size_t)(n > 0 ? n : 0)), p = tmp;
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return v;
+}
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
     acc.lo = _mm256_fmadd_ps(a.lo, b.lo, acc.lo);
     acc.hi = _mm256_fmadd_ps(a.hi, b.hi, acc.hi);
     return acc;
 }
 static inline v16 v16_add(v16 a, v16 b) { v16 v = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return v; }
+static inline v16 v16_sub(v16 a, v16 b) { v16 v = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; return v; }
 static inline v16 v16_mul(v16 a, v16 b) { v16 v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return v; }
 static inline v16 v16_max(v16 a, v16 b) { v16 v = {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; return v; }
 static inline v16 v16_min(v16 a, v16 b) { v16 v = {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; return v; }
@@ -259,6 +273,11 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
     for (int l = 0; l < 16 && l < n; l++) v.x[l] = bf16_to_f32(p[l]);
     return v;
 }
+static inline v16 v16_load_i8(const int8_t *p, int n) {
+    v16 v = {{0}};
+    for (int l = 0; l < 16 && l < n; l++) v.x[l] = (float)p[l];
+    return v;
+}
 #define SIMD_PARTS 1
 enum { VP_LANES = 16 };
 typedef v16 vp;
@@ -291,6 +310,7 @@ static inline float pow2i_f32(float n) {
     return f;
 }
 static inline v16 v16_add(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] + b.x[l]; return a; }
+static inline v16 v16_sub(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] - b.x[l]; return a; }
 static inline v16 v16_mul(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] * b.x[l]; return a; }
 static inline v16 v16_max(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return a; }
 static inline v16 v16_min(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] < b.x[l] ? a.x[l] : b.x[l]; return a; }

@@ -21,6 +21,15 @@ typedef struct {
     KVCache cache;
 } Fixture;
 
+/* A fresh pool of dtype (and window, sinks) for the fixture's cache. */
+static void use_cache(Fixture *f, DType dtype, int window, int sinks) {
+    if (f->cache.pool) kv_free(&f->cache);
+    if (f->pool.data) kv_pool_free(&f->pool);
+    assert_int_equal(kv_pool_init(&f->pool, &f->m.cfg, dtype, 2 * kv_blocks_for(f->m.cfg.max_seq_len)), 0);
+    if (window) kv_pool_set_window(&f->pool, window, sinks);
+    assert_int_equal(kv_init(&f->cache, &f->pool, window ? 1 << 16 : f->m.cfg.max_seq_len), 0);
+}
+
 static Fixture *load_variant(Variant v, int latent) {
     Fixture *f = calloc(1, sizeof *f);
     Config c = test_config(v, latent, 320, DTYPE_BF16);
@@ -34,8 +43,7 @@ static Fixture *load_variant(Variant v, int latent) {
     assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 1234 + v + latent), 0);
     assert_int_equal(model_load(&f->m, path, err, sizeof err), 0);
     assert_int_equal(runstate_init(&f->s, &f->m.cfg, f->m.cfg.max_seq_len), 0);
-    assert_int_equal(kv_pool_init(&f->pool, &f->m.cfg, 2 * kv_blocks_for(f->m.cfg.max_seq_len)), 0);
-    assert_int_equal(kv_init(&f->cache, &f->pool, f->m.cfg.max_seq_len), 0);
+    use_cache(f, DTYPE_F32, 0, 0);
     return f;
 }
 
@@ -67,8 +75,11 @@ static void ref_rope(double *v, int width, int pos, double theta) {
     }
 }
 
-/* Reference attention output (T, H*hd) for layer 0 from inputs xb (T, dim). */
-static double *reference_attention(const Model *m, const float *xb, int T) {
+/* Reference attention output (T, H*hd) for layer 0 from inputs xb (T, dim). With a window
+ * (window > 0) query t sees the first `sinks` positions and the most recent ones, window
+ * in all, and queries and keys are rotated by their place among them; written apart from
+ * the engine's window code, from the definition. */
+static double *reference_attention(const Model *m, const float *xb, int T, int window, int sinks) {
     const Config *c = &m->cfg;
     const LayerWeights *w = &m->w.layers[0];
     const int H = c->n_heads, hd = c->head_dim, D = c->dim;
@@ -87,8 +98,6 @@ static double *reference_attention(const Model *m, const float *xb, int T) {
             double kk[1024], vv[1024];
             ref_matvec(kk, w->wk, x);
             ref_matvec(vv, w->wv, x);
-            for (int h = 0; h < H; h++) ref_rope(qt + h * hd, hd, t, c->rope_theta);
-            for (int g = 0; g < Hkv; g++) ref_rope(kk + g * hd, hd, t, c->rope_theta);
             for (int h = 0; h < H; h++) {
                 int g = h / (H / Hkv);
                 memcpy(k + ((size_t)t * H + h) * kw, kk + g * hd, sizeof(double) * hd);
@@ -102,32 +111,41 @@ static double *reference_attention(const Model *m, const float *xb, int T) {
             double s = 1.0 / sqrt(ss / dc + c->norm_eps);
             for (int i = 0; i < dc; i++) lat[i] = lat[i] * s * mat_get(w->kv_norm, 0, i);
             ref_matvec(kr, w->wkr, x);
-            ref_rope(kr, rd, t, c->rope_theta);
             ref_matvec(kc, w->wuk, lat);
             ref_matvec(vv, w->wuv, lat);
             for (int h = 0; h < H; h++) {
-                ref_rope(qt + h * qw + hd, rd, t, c->rope_theta);
                 memcpy(k + ((size_t)t * H + h) * kw, kc + h * hd, sizeof(double) * hd);
                 memcpy(k + ((size_t)t * H + h) * kw + hd, kr, sizeof(double) * rd);
                 memcpy(v + ((size_t)t * H + h) * hd, vv + h * hd, sizeof(double) * hd);
             }
         }
     }
-    double *p = malloc(sizeof(double) * T);
+    /* the rotated part of a query and of a key: a whole head, or MLA's last rope_dim */
+    const int rot_at = is_mla ? hd : 0, rot = is_mla ? rd : hd;
+    double *p = malloc(sizeof(double) * T), qr[1024], kr_[1024];
+    int *seen = malloc(sizeof(int) * T);
     for (int h = 0; h < H; h++)
         for (int t = 0; t < T; t++) {
-            double mx = -1e300, z = 0;
-            for (int j = 0; j <= t; j++) {
-                double sc = 0;
-                for (int i = 0; i < kw; i++) sc += q[((size_t)t * H + h) * qw + i] * k[((size_t)j * H + h) * kw + i];
-                p[j] = sc / sqrt((double)kw);
-                mx = p[j] > mx ? p[j] : mx;
-            }
-            for (int j = 0; j <= t; j++) z += (p[j] = exp(p[j] - mx));
+            int n = 0;
             for (int j = 0; j <= t; j++)
-                for (int i = 0; i < hd; i++) out[((size_t)t * H + h) * hd + i] += p[j] / z * v[((size_t)j * H + h) * hd + i];
+                if (!window || t < window || j < sinks || j > t - (window - sinks)) seen[n++] = j;
+            memcpy(qr, q + ((size_t)t * H + h) * qw, sizeof(double) * qw);
+            ref_rope(qr + rot_at, rot, n - 1, c->rope_theta);  /* the query's place: the last */
+            double mx = -1e300, z = 0;
+            for (int i = 0; i < n; i++) {
+                memcpy(kr_, k + ((size_t)seen[i] * H + h) * kw, sizeof(double) * kw);
+                ref_rope(kr_ + rot_at, rot, i, c->rope_theta);
+                double sc = 0;
+                for (int e = 0; e < kw; e++) sc += qr[e] * kr_[e];
+                p[i] = sc / sqrt((double)kw);
+                mx = p[i] > mx ? p[i] : mx;
+            }
+            for (int i = 0; i < n; i++) z += (p[i] = exp(p[i] - mx));
+            for (int i = 0; i < n; i++)
+                for (int e = 0; e < hd; e++)
+                    out[((size_t)t * H + h) * hd + e] += p[i] / z * v[((size_t)seen[i] * H + h) * hd + e];
         }
-    free(x); free(q); free(k); free(v); free(p);
+    free(x); free(q); free(k); free(v); free(p); free(seen);
     return out;
 }
 
@@ -174,7 +192,7 @@ static void check_variant(Variant v, int latent, MlaForm form) {
         }
     free(one);
 
-    double *ref = reference_attention(&f->m, xb, T);
+    double *ref = reference_attention(&f->m, xb, T, 0, 0);
     double max_err = 0;
     for (int i = 0; i < T * HD; i++) max_err = fmax(max_err, fabs(whole[i] - ref[i]));
     if (max_err > 1e-4) fail_msg("%s (absorb %d): max |C - reference| = %g", variant_name(c), absorb, max_err);
@@ -195,6 +213,38 @@ static void check_variant(Variant v, int latent, MlaForm form) {
 
     free(ref);
     free(whole);
+
+    /* every cache dtype, and windows (a ring, and sinks) that fill and slide: token by
+     * token, every (query, head) equals its specification, bit for bit */
+    const struct { DType dt; int window, sinks; } caches[] = {
+        {DTYPE_BF16, 0, 0}, {DTYPE_I8, 0, 0}, {DTYPE_F32, 8, 0}, {DTYPE_F32, 8, 3}, {DTYPE_I8, 6, 2},
+    };
+    one = malloc(sizeof(float) * c->head_dim);
+    for (size_t k = 0; k < sizeof caches / sizeof caches[0]; k++) {
+        use_cache(f, caches[k].dt, caches[k].window, caches[k].sinks);
+        double *wref = caches[k].dt == DTYPE_F32 ? reference_attention(&f->m, xb, T, caches[k].window, caches[k].sinks) : NULL;
+        for (int t = 0; t < T; t++) {
+            /* a prefill of 3, then one token a pass, as the scheduler runs a window */
+            const int n = t == 0 ? 3 : 1;
+            if (t > 0 && t < 3) continue;
+            attention_pass(f, xb + (size_t)t * D, n, form);
+            for (int u = 0; u < n; u++)
+                for (int h = 0; h < c->n_heads; h++) {
+                    attention_query_reference(&f->m, &f->cache, 0, h, f->s.attn.q + ((size_t)u * c->n_heads + h) * qw,
+                                              t + u, form, one);
+                    if (memcmp(one, f->s.heads + ((size_t)u * c->n_heads + h) * c->head_dim, sizeof(float) * c->head_dim))
+                        fail_msg("%s (absorb %d, dtype %d, window %d, sinks %d): query %d head %d differs from "
+                                 "attention_query_reference", variant_name(c), absorb, (int)caches[k].dt,
+                                 caches[k].window, caches[k].sinks, t + u, h);
+                }
+            for (int i = 0; wref && i < n * HD; i++)
+                if (fabs(f->s.heads[i] - wref[(size_t)t * HD + i]) > 1e-4)
+                    fail_msg("%s (absorb %d, window %d, sinks %d): query %d: |C - reference| = %g", variant_name(c),
+                             absorb, caches[k].window, caches[k].sinks, t, fabs(f->s.heads[i] - wref[(size_t)t * HD + i]));
+        }
+        free(wref);
+    }
+    free(one);
     free(xb);
     free_fixture(f);
 }
@@ -231,12 +281,19 @@ static void check_forward_cached_equals_uncached(Variant v, int latent) {
         assert_int_equal(f->cache.len, n);
         assert_memory_equal(full, step, sizeof(float) * V);
     }
-    /* the cache has room for max_seq_len positions: a pass past it is refused, untouched */
+    /* the cache has room for max_seq_len positions: a pass past it is refused, untouched; so
+     * is a pass past the context in a cache given more room but no window */
     kv_reset(&f->cache);
     assert_int_equal(kv_reserve(&f->cache, c->max_seq_len - 1), 0);
     f->cache.len = c->max_seq_len - 1;
     assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, 2, MLA_ABSORBED, step, 0), -1);
     assert_int_equal(f->cache.len, c->max_seq_len - 1);
+    KVCache roomy;
+    assert_int_equal(kv_init(&roomy, &f->pool, 2 * c->max_seq_len), 0);
+    assert_int_equal(kv_reserve(&roomy, c->max_seq_len - 1), 0);
+    roomy.len = c->max_seq_len - 1;
+    assert_int_equal(model_forward(&f->m, &f->s, &roomy, tokens, 2, MLA_ABSORBED, step, 0), -1);
+    kv_free(&roomy);
     free(full);
     free(step);
     free_fixture(f);

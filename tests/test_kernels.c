@@ -423,14 +423,14 @@ static void test_row_blocks_equal_contiguous_rows(void **state) {
     enum { N = 70, STRIDE = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK };
     float *rows = random_floats(N * STRIDE, 91), *q = random_floats(144, 92), *p = random_floats(N, 93);
     float *store = random_floats((size_t)(BLOCKS + 3) * BLOCK * STRIDE, 94);  /* blocks in a scrambled order */
-    const float *blocks[BLOCKS];
+    const void *blocks[BLOCKS];
     for (int b = 0; b < BLOCKS; b++) {
         float *dst = store + (size_t)((b * 3 + 2) % (BLOCKS + 3)) * BLOCK * STRIDE;
         for (int r = 0; r < BLOCK && b * BLOCK + r < N; r++)
             memcpy(dst + (size_t)r * STRIDE, rows + (size_t)(b * BLOCK + r) * STRIDE, STRIDE * sizeof(float));
         blocks[b] = dst;
     }
-    const RowBlocks paged = {blocks, BLOCK, STRIDE};
+    const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0};
     const int widths[] = {16, 32, 80, 144, 100}, counts[] = {1, 15, 16, 17, 32, 33, 70};
     float a[N], b[N], sa[144], sb[144];
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
@@ -449,6 +449,84 @@ static void test_row_blocks_equal_contiguous_rows(void **state) {
     free(store);
 }
 
+/* int8: each part's scale is max|x| / 127, every element within half a step of its value;
+ * a zero part gets scale 0 and reads back as zeros; a part with Inf or NaN reads back as
+ * NaN; the two parts of a row keep their own scales. bf16 rounds to nearest even. */
+static void test_row_quantize(void **state) {
+    float x[40], back[40], scales[2];
+    int8_t q[40];
+    uint64_t seed = 5;
+    for (int i = 0; i < 40; i++) x[i] = test_uniform(&seed) * (i < 24 ? 3.0f : 0.01f);
+    row_quantize(q, scales, x, 40, 24, DTYPE_I8);
+    row_dequantize(back, q, scales, 40, 24, DTYPE_I8);
+    float max0 = 0, max1 = 0;
+    for (int i = 0; i < 40; i++) *(i < 24 ? &max0 : &max1) = fmaxf(i < 24 ? max0 : max1, fabsf(x[i]));
+    assert_true(scales[0] == max0 / 127.0f && scales[1] == max1 / 127.0f);
+    for (int i = 0; i < 40; i++) {
+        const float s = scales[i < 24 ? 0 : 1];
+        assert_true(fabsf(back[i] - x[i]) <= 0.5f * s * 1.0001f);
+        assert_true(back[i] == (float)q[i] * s);  /* the stored value is scale * int8, one product */
+    }
+    /* zeros, extremes, non-finite */
+    float zero[16] = {0}, big[16], bad[16];
+    for (int i = 0; i < 16; i++) big[i] = i % 2 ? 3e38f : -1e-40f, bad[i] = 1.0f;
+    bad[7] = INFINITY;
+    row_quantize(q, scales, zero, 16, 16, DTYPE_I8);
+    row_dequantize(back, q, scales, 16, 16, DTYPE_I8);
+    assert_true(scales[0] == 0.0f);
+    for (int i = 0; i < 16; i++) assert_true(back[i] == 0.0f && q[i] == 0);
+    row_quantize(q, scales, big, 16, 16, DTYPE_I8);
+    row_dequantize(back, q, scales, 16, 16, DTYPE_I8);
+    for (int i = 0; i < 16; i++) assert_true(i % 2 ? fabsf(back[i] - 3e38f) <= 0.5f * scales[0] : back[i] == 0.0f);
+    row_quantize(q, scales, bad, 16, 16, DTYPE_I8);
+    row_dequantize(back, q, scales, 16, 16, DTYPE_I8);
+    for (int i = 0; i < 16; i++) assert_true(isnan(back[i]));
+    /* bf16: to nearest, ties to even; NaN stays NaN */
+    const float in[4] = {1.0f + 1.0f / 256, 1.0f + 3.0f / 256, -2.5f, NAN};
+    bf16 h[4];
+    row_quantize(h, NULL, in, 4, 4, DTYPE_BF16);
+    row_dequantize(back, h, NULL, 4, 4, DTYPE_BF16);
+    assert_true(back[0] == 1.0f && back[1] == 1.0f + 4.0f / 256 && back[2] == -2.5f && isnan(back[3]));
+}
+
+/* Rows stored as bf16 or int8 (two scale parts, meeting inside a 16-lane chunk) give the
+ * scores and weighted sums of the floats they stand for, bit for bit. */
+static void test_typed_rows_equal_their_floats(void **state) {
+    enum { N = 37, W = 40, SPLIT = 24, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK };
+    float *x = random_floats(N * W, 71), *q = random_floats(W, 72), *p = random_floats(N, 73);
+    float floats[N * W], scales[N * 2];
+    int8_t i8[N * W];
+    bf16 h[N * W];
+    const DType types[] = {DTYPE_BF16, DTYPE_I8};
+    for (size_t k = 0; k < 2; k++) {
+        const DType dt = types[k];
+        void *store = dt == DTYPE_I8 ? (void *)i8 : (void *)h;
+        for (int j = 0; j < N; j++) {
+            row_quantize((char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, x + (size_t)j * W, W, SPLIT, dt);
+            row_dequantize(floats + (size_t)j * W, (char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, W, SPLIT, dt);
+        }
+        const void *blocks[BLOCKS];
+        const float *block_scales[BLOCKS];
+        for (int b = 0; b < BLOCKS; b++) {
+            blocks[b] = (char *)store + (size_t)b * BLOCK * W * dtype_size(dt);
+            block_scales[b] = scales + (size_t)b * BLOCK * 2;
+        }
+        const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dt == DTYPE_I8 ? 2 : 0, SPLIT};
+        for (int n = 1; n <= N; n += 9) {
+            float a[N], b[N], sa[W], sb[W];
+            dot_rows(a, q, floats, W, n, W, 0.7f);
+            dot_row_blocks(b, q, rows, n, W, 0.7f);
+            assert_memory_equal(a, b, (size_t)n * sizeof(float));
+            weighted_sum_rows(sa, p, floats, W, n, W);
+            weighted_sum_row_blocks(sb, p, rows, n, W);
+            assert_memory_equal(sa, sb, sizeof sa);
+        }
+    }
+    free(x);
+    free(q);
+    free(p);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) g_tokenizer_path = argv[1];
     const struct CMUnitTest tests[] = {
@@ -463,6 +541,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_rmsnorm_softmax_swiglu),
         cmocka_unit_test(test_dot_rows_and_weighted_sum),
         cmocka_unit_test(test_row_blocks_equal_contiguous_rows),
+        cmocka_unit_test(test_row_quantize),
+        cmocka_unit_test(test_typed_rows_equal_their_floats),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);
 }

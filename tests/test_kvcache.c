@@ -9,6 +9,11 @@
 #include "kvcache.h"
 #include "testutil.h"
 
+/* fp32 rows as floats */
+static float *K(const KVCache *c, int l, int h, int pos) { return kv_key(c, l, h, pos).data; }
+static float *V(const KVCache *c, int l, int h, int pos) { return kv_value(c, l, h, pos).data; }
+static float *LAT(const KVCache *c, int l, int pos) { return kv_latent(c, l, pos).data; }
+
 /* The shipped shape (4 layers, 16 heads of 32) of a variant. */
 static Config shipped(Variant v, int kv_heads, int latent) {
     Config c = {.variant = v, .n_layers = 4, .n_heads = 16, .head_dim = 32, .n_kv_heads = kv_heads,
@@ -27,10 +32,10 @@ static void test_bytes_per_token(void **state) {
         {shipped(VARIANT_MLA, 0, 128), 4 * 144 * 4},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        assert_int_equal(kv_pool_init(&p, &cases[i].cfg, 16), 0);
+        assert_int_equal(kv_pool_init(&p, &cases[i].cfg, DTYPE_F32, 16), 0);
         assert_int_equal(kv_bytes_per_token(&p), cases[i].expect);
         assert_int_equal(kv_block_bytes(&p), cases[i].expect * KV_BLOCK_TOKENS);
-        assert_int_equal(kv_block_bytes_for(&cases[i].cfg), kv_block_bytes(&p));
+        assert_int_equal(kv_block_bytes_for(&cases[i].cfg, DTYPE_F32), kv_block_bytes(&p));
         kv_pool_free(&p);
     }
 }
@@ -44,25 +49,25 @@ static void test_layout_disjoint(void **state) {
     KVPool p;
     KVCache s;
     const int S = 40, L = 3, H = 2, D = 4;
-    assert_int_equal(kv_pool_init(&p, &c, kv_blocks_for(S)), 0);
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, kv_blocks_for(S)), 0);
     assert_int_equal(kv_init(&s, &p, S), 0);
     assert_int_equal(kv_reserve(&s, S), 0);
     for (int l = 0; l < L; l++)
         for (int h = 0; h < H; h++)
             for (int t = 0; t < S; t++)
                 for (int d = 0; d < D; d++) {
-                    kv_key(&s, l, h, t)[d] = (float)(((l * H + h) * S + t) * D + d);
-                    kv_value(&s, l, h, t)[d] = -(float)(((l * H + h) * S + t) * D + d);
+                    K(&s, l, h, t)[d] = (float)(((l * H + h) * S + t) * D + d);
+                    V(&s, l, h, t)[d] = -(float)(((l * H + h) * S + t) * D + d);
                 }
     for (int l = 0; l < L; l++)
         for (int h = 0; h < H; h++)
             for (int t = 0; t < S; t++)
                 for (int d = 0; d < D; d++) {
-                    assert_true(kv_key(&s, l, h, t)[d] == (float)(((l * H + h) * S + t) * D + d));
-                    assert_true(kv_value(&s, l, h, t)[d] == -(float)(((l * H + h) * S + t) * D + d));
+                    assert_true(K(&s, l, h, t)[d] == (float)(((l * H + h) * S + t) * D + d));
+                    assert_true(V(&s, l, h, t)[d] == -(float)(((l * H + h) * S + t) * D + d));
                 }
-    assert_ptr_equal(kv_key(&s, 1, 1, 3) + D, kv_key(&s, 1, 1, 4));
-    assert_ptr_equal(kv_key(&s, 2, 0, 16) + D, kv_key(&s, 2, 0, 17));
+    assert_ptr_equal(K(&s, 1, 1, 3) + D, K(&s, 1, 1, 4));
+    assert_ptr_equal(K(&s, 2, 0, 16) + D, K(&s, 2, 0, 17));
     kv_free(&s);
     kv_pool_free(&p);
 }
@@ -73,11 +78,11 @@ static void test_latent_layout(void **state) {
     c.rope_dim = 8;
     KVPool p;
     KVCache s;
-    assert_int_equal(kv_pool_init(&p, &c, 2), 0);
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 2), 0);
     assert_int_equal(kv_init(&s, &p, 32), 0);
     assert_int_equal(kv_reserve(&s, 32), 0);
-    assert_ptr_equal(kv_latent(&s, 0, 1), kv_latent(&s, 0, 0) + 24);
-    assert_ptr_equal(kv_latent(&s, 1, 0), kv_latent(&s, 0, 15) + 24);  /* the next layer of the same block */
+    assert_ptr_equal(LAT(&s, 0, 1), LAT(&s, 0, 0) + 24);
+    assert_ptr_equal(LAT(&s, 1, 0), LAT(&s, 0, 15) + 24);  /* the next layer of the same block */
     kv_free(&s);
     kv_pool_free(&p);
 }
@@ -88,7 +93,7 @@ static void test_reserve_and_release(void **state) {
     Config c = shipped(VARIANT_MQA, 1, 0);
     KVPool p;
     KVCache a, b;
-    assert_int_equal(kv_pool_init(&p, &c, 5), 0);
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 5), 0);
     assert_int_equal(kv_init(&a, &p, 64), 0);
     assert_int_equal(kv_init(&b, &p, 64), 0);
     assert_int_equal(kv_reserve(&a, 17), 0);
@@ -117,11 +122,11 @@ static void test_share_and_copy_on_write(void **state) {
     Config c = shipped(VARIANT_MQA, 1, 0);
     KVPool p;
     KVCache a, b;
-    assert_int_equal(kv_pool_init(&p, &c, 8), 0);
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 8), 0);
     assert_int_equal(kv_init(&a, &p, 64), 0);
     assert_int_equal(kv_init(&b, &p, 64), 0);
     assert_int_equal(kv_reserve(&a, 20), 0);
-    for (int t = 0; t < 20; t++) kv_key(&a, 3, 0, t)[0] = (float)t;
+    for (int t = 0; t < 20; t++) K(&a, 3, 0, t)[0] = (float)t;
     a.len = 20;
     kv_share_prefix(&b, &a, 18);  /* a full block and 2 positions of the second */
     assert_int_equal(b.len, 18);
@@ -137,9 +142,9 @@ static void test_share_and_copy_on_write(void **state) {
     assert_int_equal(b.blocks[0], a.blocks[0]);
     assert_int_equal(p.refs[a.blocks[1]], 1);
     assert_int_equal(p.refs[a.blocks[0]], 2);
-    for (int t = 0; t < 18; t++) assert_true(kv_key(&b, 3, 0, t)[0] == (float)t);  /* the copy holds the prefix */
-    kv_key(&b, 3, 0, 18)[0] = -1.0f;
-    assert_true(kv_key(&a, 3, 0, 18)[0] == 18.0f);  /* a's own position untouched */
+    for (int t = 0; t < 18; t++) assert_true(K(&b, 3, 0, t)[0] == (float)t);  /* the copy holds the prefix */
+    K(&b, 3, 0, 18)[0] = -1.0f;
+    assert_true(K(&a, 3, 0, 18)[0] == 18.0f);  /* a's own position untouched */
     /* a exclusive owner writes in place: no copy */
     assert_int_equal(kv_blocks_needed(&a, 21), 0);
     const int before = a.blocks[1];
@@ -157,7 +162,7 @@ static void test_copy_needs_a_block(void **state) {
     Config c = shipped(VARIANT_MQA, 1, 0);
     KVPool p;
     KVCache a, b;
-    assert_int_equal(kv_pool_init(&p, &c, 1), 0);
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 1), 0);
     assert_int_equal(kv_init(&a, &p, 16), 0);
     assert_int_equal(kv_init(&b, &p, 16), 0);
     assert_int_equal(kv_reserve(&a, 5), 0);
@@ -172,12 +177,64 @@ static void test_copy_needs_a_block(void **state) {
     kv_pool_free(&p);
 }
 
+/* int8 and bf16 shrink a token's bytes as the formulas say: 2*L*H_kv*(d_h+4) and
+ * L*(d_c+d_R+8) with a 4-byte scale a vector, and half of fp32 for bf16. */
+static void test_bytes_per_token_by_dtype(void **state) {
+    const struct { Config cfg; DType dt; size_t expect; } cases[] = {
+        {shipped(VARIANT_MHA, 16, 0), DTYPE_BF16, 2 * 4 * 16 * 32 * 2},
+        {shipped(VARIANT_MHA, 16, 0), DTYPE_I8, 2 * 4 * 16 * (32 + 4)},
+        {shipped(VARIANT_MQA, 1, 0), DTYPE_I8, 2 * 4 * 1 * (32 + 4)},
+        {shipped(VARIANT_MLA, 0, 64), DTYPE_BF16, 4 * 80 * 2},
+        {shipped(VARIANT_MLA, 0, 64), DTYPE_I8, 4 * (80 + 8)},
+        {shipped(VARIANT_MLA, 0, 128), DTYPE_I8, 4 * (144 + 8)},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        KVPool p;
+        assert_int_equal(kv_pool_init(&p, &cases[i].cfg, cases[i].dt, 4), 0);
+        assert_int_equal(kv_bytes_per_token(&p), cases[i].expect);
+        kv_pool_free(&p);
+    }
+}
+
+/* A window of 8 slots: the ring overwrites the oldest position; with 3 sinks, positions
+ * 0-2 stay and the other 5 slots ring. A query sees the window oldest first. */
+static void test_window_slots_and_positions(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
+    kv_pool_set_window(&p, 8, 0);
+    const int ring[] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0};
+    for (int pos = 0; pos < 17; pos++) assert_int_equal(kv_slot(&p, pos), ring[pos]);
+    assert_int_equal(kv_window_length(&p, 5), 6);
+    assert_int_equal(kv_window_length(&p, 20), 8);
+    for (int i = 0; i < 8; i++) assert_int_equal(kv_window_position(&p, 20, i), 13 + i);  /* 13 .. 20 */
+    kv_pool_set_window(&p, 8, 3);
+    const int sinks[] = {0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3};
+    for (int pos = 0; pos < 14; pos++) assert_int_equal(kv_slot(&p, pos), sinks[pos]);
+    const int seen[] = {0, 1, 2, 16, 17, 18, 19, 20};
+    for (int i = 0; i < 8; i++) assert_int_equal(kv_window_position(&p, 20, i), seen[i]);
+    /* the position a slot holds is the one the window names */
+    for (int i = 0; i < 8; i++) {
+        const int pos = kv_window_position(&p, 20, i), slot = kv_slot(&p, pos);
+        for (int later = pos + 1; later <= 20; later++) assert_true(kv_slot(&p, later) != slot || later < 8);
+    }
+    /* a sequence keeps 8 slots' blocks (one block), however long it runs */
+    KVCache s;
+    assert_int_equal(kv_init(&s, &p, 1 << 20), 0);
+    assert_int_equal(s.max_blocks, 1);
+    assert_int_equal(kv_reserve(&s, 5000), 0);
+    assert_int_equal(s.n_blocks, 1);
+    kv_free(&s);
+    kv_pool_free(&p);
+}
+
 int main(int argc, char **argv) {
     (void)argc; (void)argv;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bytes_per_token),        cmocka_unit_test(test_layout_disjoint),
         cmocka_unit_test(test_latent_layout),          cmocka_unit_test(test_reserve_and_release),
         cmocka_unit_test(test_share_and_copy_on_write), cmocka_unit_test(test_copy_needs_a_block),
+        cmocka_unit_test(test_bytes_per_token_by_dtype), cmocka_unit_test(test_window_slots_and_positions),
     };
     return cmocka_run_group_tests_name("kvcache", tests, NULL, NULL);
 }

@@ -70,7 +70,7 @@ def test_empty_prompt_starts_from_bos(ckpt):
 
 def test_steps_bounds(ckpt):
     error([ckpt, "-n", "0"], 2, "-n 0 is out of range (1..1048576)")
-    error([ckpt, "-n", str(CONTEXT + 1)], 2, f"-n {CONTEXT + 1} is out of range (1..{CONTEXT}, the context)")
+    error([ckpt, "-n", str(CONTEXT + 1)], 2, f"-n {CONTEXT + 1} is out of range (1..{CONTEXT}, the context; more with --window)")
     error([ckpt, "-n", "1048577"], 2, "-n 1048577 is out of range (1..1048576)")
     error([ckpt, "-n", "99999999999999999999"], 2, "-n needs an integer, got '99999999999999999999'")
     error([ckpt, "--check-kv", "-n", str(CONTEXT + 1)], 2, f"-n {CONTEXT + 1} is out of range (1..{CONTEXT}, the context)")
