@@ -3,6 +3,7 @@
 #   make bench                                   every weights/*.bin, all cores, 5 C reps, 3 PyTorch reps
 #   make bench BENCH_CHECKPOINTS="weights/mha.bin weights/gqa.bin" BENCH_THREADS=1 BENCH_REPS=9
 #   make bench-quick                             every weights/*.bin, C engine only, 64 decode steps, 3 reps
+#   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)
 # BENCH_THREADS      threads for the engine, PyTorch and the roofline probe (default: empty = all cores)
@@ -24,13 +25,18 @@ _bench_knobs = --cc "$(CC)" $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THR
   $(if $(strip $(BENCH_REPS)),--reps $(BENCH_REPS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)) \
   $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
-.PHONY: bench bench-quick
+.PHONY: bench bench-quick quality
 bench: run build/roofline
 	$(PYTHON) bench/bench.py $(if $(strip $(BENCH_PT_REPS)),--pt-reps $(BENCH_PT_REPS)) $(_bench_knobs)
 
 # the C engine alone, 64 decode steps a run: every checkpoint compared in well under a minute
 bench-quick: run
 	$(PYTHON) bench/bench.py --quick $(_bench_knobs)
+
+# what --kv-dtype and --window cost in NLL and greedy agreement (bench/quality.py); no timings
+QUALITY_VALID ?= ../shared/tinystories/valid.txt
+quality: run
+	$(PYTHON) bench/quality.py --valid $(QUALITY_VALID) $(BENCH_CHECKPOINTS)
 
 # the matmul kernel alone on the model's shapes (bench/matmul.c); not part of `make bench`
 build/matmul_bench: bench/matmul.c $(B)/kernels.o $(B)/parallel.o kernels.h parallel.h

@@ -1,0 +1,171 @@
+"""What the cache's levers cost in quality, from real runs of ./run (make quality).
+
+For every checkpoint and cache dtype: the mean NLL of a validation text (--ppl, the
+same windows as training scores), its difference from fp32, and for how many greedy
+tokens from "Once upon a time" the dtype agrees with fp32. For every checkpoint and
+window policy: the NLL of long texts made of consecutive validation stories, over the
+tokens past the context, with the window sliding (ring, sinks) against restarting at the
+context (the baseline). Writes Markdown and CSV to --out.
+
+    /usr/bin/python3 bench/quality.py --valid ../shared/tinystories/valid.txt [CKPT ...]
+"""
+import argparse
+import csv
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.environ.get("RUN_BINARY") or os.path.join(ROOT, "run")
+DTYPES = ["fp32", "bf16", "int8"]
+POLICIES = [("restart", []), ("ring", ["--kv", "--window", "{ctx}"]),
+            ("sinks", ["--kv", "--window", "{ctx}", "--window-policy", "sinks"])]
+PPL = re.compile(r"ppl: .* \| (\d+) stories, (\d+) tokens \| mean NLL ([\d.]+) nats/token \| perplexity [\d.]+"
+                 r"(?: \| past the context \(position (\d+) on\): (\d+) tokens, mean NLL ([\d.]+))?")
+
+
+class QualityError(Exception):
+    pass
+
+
+def run(args):
+    p = subprocess.run([RUN] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise QualityError(f"./run {' '.join(map(str, args))}: {p.stderr.strip()}")
+    return p
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def info(ckpt):
+    out = run([ckpt, "--info"]).stdout
+    ctx = int(re.search(r"context (\d+)", out).group(1))
+    variant = re.search(r"^variant +(\S+)", out, re.M).group(1)
+    return variant, ctx
+
+
+def ppl(ckpt, text, extra):
+    m = PPL.search(run([ckpt, "--ppl", text] + extra).stdout)
+    if not m:
+        raise QualityError(f"{ckpt}: no ppl line")
+    return {"tokens": int(m.group(2)), "nll": float(m.group(3)),
+            "past_tokens": int(m.group(5) or 0), "past_nll": float(m.group(6)) if m.group(6) else None}
+
+
+def greedy_tokens(ckpt, dtype, ctx):
+    out = run([ckpt, "-p", "Once upon a time", "-k", 1, "--ignore-eos", "--kv", "--kv-dtype", dtype, "--json", "-q"])
+    return json.loads(out.stdout.splitlines()[0])["tokens"]
+
+
+def leading_agreement(a, b):
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def bytes_per_token(ckpt, dtype):
+    out = run([ckpt, "--info", "--kv", "--kv-dtype", dtype]).stdout
+    return int(re.search(r"= (\d+) bytes/token", out).group(1))
+
+
+def long_texts(valid, n_texts, per_text):
+    """Texts of per_text consecutive validation stories each, in the --ppl layout."""
+    with open(valid, encoding="utf-8") as f:
+        stories = [s.strip() for s in f.read().split("<|endoftext|>") if s.strip()]
+    texts = ["\n".join(stories[i * per_text:(i + 1) * per_text]) for i in range(n_texts)]
+    if len(texts[-1]) == 0:
+        raise QualityError(f"{valid} has fewer than {n_texts * per_text} stories")
+    fd, path = tempfile.mkstemp(suffix=".txt")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n<|endoftext|>\n".join(texts) + "\n")
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoints", nargs="*")
+    ap.add_argument("--valid", default=os.path.join(ROOT, "..", "shared", "tinystories", "valid.txt"))
+    ap.add_argument("--long-texts", type=int, default=20, help="long texts for the window table")
+    ap.add_argument("--stories-per-text", type=int, default=6)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--name", default="quality")
+    args = ap.parse_args(argv)
+    ckpts = args.checkpoints or sorted(glob.glob(os.path.join(ROOT, "weights", "*.bin")))
+    if not ckpts:
+        sys.exit("quality: no checkpoint in weights/")
+    if not os.path.isfile(args.valid):
+        sys.exit(f"quality: {args.valid} is missing")
+    try:
+        long_path = long_texts(args.valid, args.long_texts, args.stories_per_text)
+        dtype_rows, window_rows = [], []
+        for ckpt in ckpts:
+            variant, ctx = info(ckpt)
+            base_tokens = None
+            for dt in DTYPES:
+                log(f"{variant} {dt}: --ppl {args.valid}")
+                r = ppl(ckpt, args.valid, ["--kv-dtype", dt])
+                toks = greedy_tokens(ckpt, dt, ctx)
+                if dt == "fp32":
+                    base, base_tokens = r["nll"], toks
+                dtype_rows.append({"variant": variant, "dtype": dt, "bytes_per_token": bytes_per_token(ckpt, dt),
+                                   "nll": r["nll"], "delta": r["nll"] - base, "tokens": r["tokens"],
+                                   "greedy_agree": leading_agreement(toks, base_tokens), "greedy_of": len(base_tokens)})
+            for name, extra in POLICIES:
+                log(f"{variant} {name}: --ppl on {args.long_texts} long texts")
+                r = ppl(ckpt, long_path, [e.format(ctx=ctx) for e in extra])
+                window_rows.append({"variant": variant, "policy": name, "window": ctx if extra else "",
+                                    "tokens": r["tokens"], "nll": r["nll"], "past_tokens": r["past_tokens"],
+                                    "past_nll": r["past_nll"]})
+        os.unlink(long_path)
+    except QualityError as e:
+        sys.exit(f"quality: {e}")
+    write(args, dtype_rows, window_rows)
+
+
+def write(args, dtype_rows, window_rows):
+    os.makedirs(args.out, exist_ok=True)
+    md = ["# Quality of the cache's levers", "",
+          f"Real runs of `./run` on `{os.path.relpath(args.valid, ROOT)}` (bench/quality.py).", "",
+          "## Cache precision", "",
+          "Mean NLL (nats/token) of `--ppl` with `--kv-dtype`, each story scored in windows of the context; "
+          "greedy agreement: leading tokens equal to fp32's from \"Once upon a time\" (greedy, to the full context).", "",
+          "| variant | dtype | KV bytes/token | mean NLL | vs fp32 | greedy tokens equal to fp32 |",
+          "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in dtype_rows:
+        md.append(f"| {r['variant']} | {r['dtype']} | {r['bytes_per_token']:,} | {r['nll']:.4f} | {r['delta']:+.4f} | "
+                  f"{r['greedy_agree']} of {r['greedy_of']} |")
+    worst = max((r for r in dtype_rows if r["dtype"] == "int8"), key=lambda r: r["delta"])
+    md += ["", f"int8 costs at most {worst['delta']:+.4f} nats/token ({worst['variant']}).", "",
+           "## Past the context", "",
+           f"{args.long_texts} texts of {args.stories_per_text} consecutive validation stories each. *restart*: "
+           "scored in windows of the context, each from an empty cache (the models never saw more); *ring*: a "
+           "window of the context sliding one token at a time, oldest position overwritten; *sinks*: the first 4 "
+           "positions kept, the rest sliding. NLL over all tokens, and over the tokens at positions past the context.", "",
+           "| variant | policy | tokens | mean NLL | tokens past the context | their mean NLL |",
+           "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in window_rows:
+        past = f"{r['past_nll']:.4f}" if r["past_nll"] is not None else "—"
+        md.append(f"| {r['variant']} | {r['policy']} | {r['tokens']:,} | {r['nll']:.4f} | {r['past_tokens']:,} | {past} |")
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    with open(os.path.join(args.out, f"{args.name}.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["table", "variant", "setting", "quantity", "value"])
+        for r in dtype_rows:
+            for q in ("bytes_per_token", "nll", "delta", "greedy_agree", "greedy_of"):
+                w.writerow(["dtype", r["variant"], r["dtype"], q, r[q]])
+        for r in window_rows:
+            for q in ("tokens", "nll", "past_tokens", "past_nll"):
+                w.writerow(["window", r["variant"], r["policy"], q, r[q]])
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
