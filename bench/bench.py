@@ -1,23 +1,26 @@
 #!/usr/bin/env python3
 """bench/bench.py: the latency tables of the KV-cache post, for the C engine and for the
-PyTorch reference, with a roofline analysis, the KV cache sizes and the --check-kv
-determinism table.
+PyTorch reference, with a roofline analysis, the throughput of batched decoding, the KV cache
+sizes and capacities and the --check-kv determinism table.
 
     /usr/bin/python3 bench/bench.py [CHECKPOINT ...] [--threads N] [--reps R] [--pt-reps R] [--out DIR]
+                                    [--batches 1,4,16,64,256] [--capacity-mib 64,1024]
     /usr/bin/python3 bench/bench.py --quick [CHECKPOINT ...]
 
 `make bench` runs the full bench, `make bench-quick` the quick mode (bench/bench.mk; the
 knobs are BENCH_CHECKPOINTS, BENCH_THREADS, BENCH_REPS, BENCH_PT_REPS, BENCH_OUT,
-BENCH_FLAGS). bench/README.md explains every number.
+BENCH_BATCHES, BENCH_FLAGS). bench/README.md explains every number.
 
 Every checkpoint generates from "Once upon a time" greedily (-k 1), ignoring EOS, so every
 run does the same work: once without and once with the KV cache, a warm-up round and then
 --reps timed rounds; every figure is the median over the timed runs with its spread. The
 full bench generates to the full context and adds the PyTorch reference (train/model.py,
-eager, in this process), the roofline probe and --check-kv. --quick measures the C engine
-alone, 64 decode steps a run, 3 timed rounds, and prints one table.
+eager, in this process), the roofline probe and --check-kv. Then B copies of the prompt
+decode together (--kv --batch B) for the throughput table, and pools of given sizes are
+filled to count the full-context sequences they hold. --quick measures the C engine alone,
+64 decode steps a run, 3 timed rounds, batches of 1 and 16, and prints one table.
 
-Results go to DIR/<machine>.md, DIR/<machine>.csv, DIR/<machine>-steps.csv and three plots
+Results go to DIR/<machine>.md, DIR/<machine>.csv, DIR/<machine>-steps.csv and four plots
 (--quick: <machine>-quick.* in bench/results/tmp/quick), where <machine> is e.g.
 amd-epyc-2c-2t-avx512 (CPU model, physical cores, threads used, the engine's kernels).
 
