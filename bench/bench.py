@@ -734,8 +734,7 @@ def ws_probe_part(b):
     for ck in b.ok():
         for (kind, B), runs in ck.batch_runs.items():
             nbytes = batch_cost(ck, kind, B, representative(runs)["pos"])[1]
-            bw, where = batch_bandwidth(b, nbytes)
-            if where != "DRAM":
+            if batch_bandwidth(b, nbytes)[1] != "DRAM":
                 sizes.add(max(1, math.ceil(nbytes / 2**20)))
     if sizes:
         log(f"bench: working-set bandwidth probes over {', '.join(f'{m}' for m in sorted(sizes))} MiB")
