@@ -3,6 +3,7 @@
 #   make bench                                   every weights/*.bin, all cores, 5 C reps, 3 PyTorch reps
 #   make bench BENCH_CHECKPOINTS="weights/mha.bin weights/gqa.bin" BENCH_THREADS=1 BENCH_REPS=9
 #   make bench-quick                             every weights/*.bin, C engine only, 64 decode steps, 3 reps
+#   make bench BENCH_BATCHES=1,16,64             the throughput table at these batch sizes only
 #   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)
@@ -10,6 +11,7 @@
 # BENCH_REPS         timed runs of the C engine per checkpoint and mode, after a warm-up (default: empty = 5, quick 3)
 # BENCH_PT_REPS      timed runs of the PyTorch reference per checkpoint and mode, after a warm-up (default: empty = 3)
 # BENCH_OUT          where the report goes (default: empty = bench/results, quick bench/results/tmp/quick)
+# BENCH_BATCHES      batch sizes of the throughput table, e.g. 1,4,16 or none (default: empty = 1,4,16,64,256, quick 1,16)
 # BENCH_FLAGS        any further bench/bench.py flags (bench/bench.py -h)
 # An empty knob leaves bench.py's own default, which differs between the two targets.
 # Included anywhere in the main Makefile, this fragment leaves its default goal alone.
@@ -20,9 +22,11 @@ BENCH_THREADS ?=
 BENCH_REPS ?=
 BENCH_PT_REPS ?=
 BENCH_OUT ?=
+BENCH_BATCHES ?=
 BENCH_FLAGS ?=
 _bench_knobs = --cc "$(CC)" $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) \
   $(if $(strip $(BENCH_REPS)),--reps $(BENCH_REPS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)) \
+  $(if $(strip $(BENCH_BATCHES)),--batches $(BENCH_BATCHES)) \
   $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
 .PHONY: bench bench-quick quality

@@ -1,23 +1,26 @@
 #!/usr/bin/env python3
 """bench/bench.py: the latency tables of the KV-cache post, for the C engine and for the
-PyTorch reference, with a roofline analysis, the KV cache sizes and the --check-kv
-determinism table.
+PyTorch reference, with a roofline analysis, the throughput of batched decoding, the KV cache
+sizes and capacities and the --check-kv determinism table.
 
     /usr/bin/python3 bench/bench.py [CHECKPOINT ...] [--threads N] [--reps R] [--pt-reps R] [--out DIR]
+                                    [--batches 1,4,16,64,256] [--capacity-mib 64,1024]
     /usr/bin/python3 bench/bench.py --quick [CHECKPOINT ...]
 
 `make bench` runs the full bench, `make bench-quick` the quick mode (bench/bench.mk; the
 knobs are BENCH_CHECKPOINTS, BENCH_THREADS, BENCH_REPS, BENCH_PT_REPS, BENCH_OUT,
-BENCH_FLAGS). bench/README.md explains every number.
+BENCH_BATCHES, BENCH_FLAGS). bench/README.md explains every number.
 
 Every checkpoint generates from "Once upon a time" greedily (-k 1), ignoring EOS, so every
 run does the same work: once without and once with the KV cache, a warm-up round and then
 --reps timed rounds; every figure is the median over the timed runs with its spread. The
 full bench generates to the full context and adds the PyTorch reference (train/model.py,
-eager, in this process), the roofline probe and --check-kv. --quick measures the C engine
-alone, 64 decode steps a run, 3 timed rounds, and prints one table.
+eager, in this process), the roofline probe and --check-kv. Then B copies of the prompt
+decode together (--kv --batch B) for the throughput table, and pools of given sizes are
+filled to count the full-context sequences they hold. --quick measures the C engine alone,
+64 decode steps a run, 3 timed rounds, batches of 1 and 16, and prints one table.
 
-Results go to DIR/<machine>.md, DIR/<machine>.csv, DIR/<machine>-steps.csv and three plots
+Results go to DIR/<machine>.md, DIR/<machine>.csv, DIR/<machine>-steps.csv and four plots
 (--quick: <machine>-quick.* in bench/results/tmp/quick), where <machine> is e.g.
 amd-epyc-2c-2t-avx512 (CPU model, physical cores, threads used, the engine's kernels).
 
@@ -53,6 +56,16 @@ PT_TOLERANCE = 1e-4        # max |logit difference| allowed for the oneDNN Linea
 QUICK_STEPS = 64           # --quick: decode steps per run and timed rounds; five checkpoints
 QUICK_REPS = 3             # then take well under a minute on 2 idle cores
 FULL_REPS, PT_REPS = 5, 3
+MAX_BATCH = 256            # ./run --batch's limit
+BATCHES = (1, 4, 16, 64, 256)
+QUICK_BATCHES = (1, 16)
+LARGE_BATCH = 128          # from here on a run takes seconds (MHA at 256 reads ~0.5 GB a step): fewer timed runs
+LARGE_BATCH_REPS = 1
+CAPACITY_MIB = (64.0, 1024.0)
+# The kinds of throughput run: a name for the tables ("" is the engine's defaults) and the extra
+# ./run flags of every run of that kind; each kind gets its own rows, capacity and pool figures
+# (a cache dtype would be one kind per --kv-dtype value).
+BATCH_CONFIGS = (("", ()),)
 # (per-run quantity, table heading): every table cell is the median over the timed runs of one
 # of these, with its spread
 QUANTITIES = [("prefill_ms", "Prefill, ms"), ("step_ms", "Decode, ms/token (median step)"),
@@ -163,6 +176,12 @@ def cache_line(level):
     return f"{int(n) / 2**20:g} MiB (CPUID)" if n.isdigit() and int(n) > 0 else "?"
 
 
+def size_bytes(text):
+    """Bytes of a size as lscpu or cache_line write it ("48 MiB (1 instance)"), or None."""
+    m = re.match(r"\s*([\d.]+)\s*([KMG])i?B?\b", text or "")
+    return int(float(m.group(1)) * 1024 ** " KMG".index(m.group(2))) if m else None
+
+
 def mem_total():
     try:
         with open("/proc/meminfo") as f:
@@ -258,13 +277,44 @@ def parse_info(out, ckpt):
 
 
 def parse_step_log(path):
-    """The rows of a --log CSV: step,phase,pos,n_tokens,token,ms."""
+    """The rows of a --log CSV: step,phase,sequences,n_tokens,pos,token,ms (pos and token are -1
+    when more than one sequence is active)."""
     try:
         with open(path, newline="") as f:
-            return [{"step": int(r["step"]), "phase": r["phase"], "pos": int(r["pos"]), "n_tokens": int(r["n_tokens"]),
-                     "token": int(r["token"]), "ms": float(r["ms"])} for r in csv.DictReader(f)]
+            return [{"step": int(r["step"]), "phase": r["phase"], "sequences": int(r["sequences"]),
+                     "pos": int(r["pos"]), "n_tokens": int(r["n_tokens"]), "token": int(r["token"]),
+                     "ms": float(r["ms"])} for r in csv.DictReader(f)]
     except (OSError, KeyError, TypeError, ValueError) as e:
         raise BenchError(f"cannot read the step log {rel(path)}: {type(e).__name__}: {e}")
+
+
+def parse_pool_info(out, batch):
+    """The paged pool of ./run CKPT --info --kv --batch B [flags]: its block size in tokens and
+    bytes, and so the cache's bytes per token under those flags (a cache dtype changes them).
+    The contiguous size it quotes must be bytes/token x context x B."""
+    m = re.search(r"^KV pool\s+(\d+) blocks of (\d+) tokens, (\d+) bytes each \((\d+) bytes\); a contiguous cache "
+                  r"of the full context for (\d+) sequences? would take (\d+) bytes", out, re.M)
+    ctx = re.search(r"context (\d+)", out)
+    if not (m and ctx):
+        raise BenchError("cannot read the KV pool in ./run --info --kv --batch's output")
+    n_blocks, block_tokens, block_bytes, _, seqs, contiguous = map(int, m.groups())
+    per_token = block_bytes // block_tokens
+    if per_token * block_tokens != block_bytes or seqs != batch or contiguous != per_token * int(ctx.group(1)) * batch:
+        raise BenchError(f"./run --info's KV pool figures disagree: blocks of {block_tokens} tokens and {block_bytes} "
+                         f"bytes, but {contiguous} bytes for {seqs} full contexts")
+    return {"block_tokens": block_tokens, "block_bytes": block_bytes, "bytes_per_token": per_token,
+            "n_blocks": n_blocks}
+
+
+def parse_pool_line(stderr):
+    """The `kv pool: ...` line a --kv run ends with: the pool's blocks, its peak use and the
+    preemptions."""
+    m = re.search(r"^kv pool: (\d+)-token blocks of (\d+) bytes \| peak (\d+) of (\d+) blocks in use.*"
+                  r"\| preemptions (\d+)$", stderr, re.M)
+    if not m:
+        raise BenchError("cannot read the `kv pool:` line in ./run's stderr")
+    keys = ("block_tokens", "block_bytes", "peak_blocks", "n_blocks", "preemptions")
+    return dict(zip(keys, map(int, m.groups())))
 
 
 def parse_check_kv(out):
@@ -376,6 +426,9 @@ class Checkpoint:
         self.check_kv = None
         self.pt = {}
         self.part_errors = {}
+        self.pool = {}           # kind of batch run -> parse_pool_info
+        self.batch_runs = {}     # (kind, B) -> the timed runs' summaries
+        self.capacity = {}       # (kind, MiB) -> the formula's count and the measured one
 
     @property
     def name(self):
@@ -391,6 +444,8 @@ class Bench:
         self.ckpts = [Checkpoint(p) for p in paths]
         self.machine = {}
         self.roof = self.ws = None
+        self.ws_probes = {}      # MiB -> bandwidth of the working-set probe over that many MiB, bytes/s
+        self.ws_probed, self.ws_probe_error = False, None
         self.roof_error = self.pt_error = self.plot_error = None
         self.phase = "the start"
         self.interrupted = None
@@ -432,6 +487,19 @@ class Bench:
                                     ck.part_errors.get(impl, why)))
             if a.full and ck.check_kv is None:
                 out.append((f"{ck.name}: the determinism check", ck.part_errors.get("check_kv", why)))
+            bwhy = ck.part_errors.get("batch", why)
+            for kind, _ in BATCH_CONFIGS:
+                for B in a.batches:
+                    n, reps = len(ck.batch_runs.get((kind, B), ())), batch_reps(a, B)
+                    if n < reps:
+                        out.append((f"{ck.name}, {cell_mode(kind, B)}: {n} of {reps} timed batch runs",
+                                    ck.part_errors.get(("batch", kind, B), bwhy)))
+                for mib in a.capacity_mib:
+                    if (kind, mib) not in ck.capacity:
+                        out.append((f"{ck.name}: the capacity in {mib:g} MiB" + (f" ({kind})" if kind else ""),
+                                    ck.part_errors.get("capacity", bwhy)))
+        if a.full and a.batches and self.roof and not self.ws_probed:
+            out.append(("the working-set bandwidth probes of the throughput table", self.ws_probe_error or stopped))
         if self.plot_error:
             out.append(("the plots", self.plot_error))
         return out
@@ -475,6 +543,210 @@ def c_rounds(b):
                     break
                 if rep:
                     ck.runs[("c", mode)].append(s)
+
+
+# ---------------------------------------------------------------- batched decoding
+
+def batch_reps(args, batch):
+    return args.reps if batch < LARGE_BATCH else args.large_batch_reps
+
+
+def cell_mode(kind, batch):
+    """The CSV's mode of a throughput cell: B=64, and the kind of run when it is not the default."""
+    return f"B={batch}" + (f" {kind}" if kind else "")
+
+
+def step_positions(pos, batch):
+    """The positions one full step of a --batch run decodes: the first sequence is one ahead of
+    the others (see batch_steps)."""
+    return [pos] if batch == 1 else [pos + 1] + [pos] * (batch - 1)
+
+
+def batch_steps(rows, batch, ctx, what):
+    """The full decode steps of a `--kv --batch B` run of one prompt, each with the position its
+    sequences decode. Step 0 computes the prompt once; at step 1 the first sequence decodes
+    position n_prompt while the others compute their last prompt token on the shared prompt
+    blocks; so at step k >= 2 every sequence decodes one token, the first at n_prompt + k - 1
+    and the others at n_prompt + k - 2 (the position given here), and the first ends one step
+    before them. A log of any other shape (a preemption, an engine that schedules otherwise)
+    raises, since the positions and so the bytes would be wrong."""
+    n_prompt = rows[0]["n_tokens"] if rows and rows[0]["phase"] == "prefill" else None
+    if n_prompt is None or rows[0]["sequences"] != 1:
+        raise BenchError(f"{what}: the step log does not start with the prompt's prefill")
+    if batch == 1:
+        full = [(r, r["pos"]) for r in rows[1:]]
+        ok = all(r["phase"] == "decode" and r["sequences"] == 1 and p == n_prompt + r["step"] - 1 for r, p in full)
+    else:
+        full = [(r, n_prompt + r["step"] - 2) for r in rows[2:] if r["sequences"] == batch]
+        tail = rows[2 + len(full):]
+        ok = (len(rows) > 1 and rows[1]["phase"] == "mixed" and rows[1]["sequences"] == batch
+              and all(r["phase"] == "decode" and r["n_tokens"] == batch and r["step"] == i + 2
+                      for i, (r, _) in enumerate(full))
+              and len(tail) <= 1 and all(r["sequences"] == batch - 1 for r in tail))
+    if not (ok and full and full[-1][1] < ctx):
+        raise BenchError(f"{what}: the step log is not one prefill, then steps of all {batch} sequences")
+    return full
+
+
+def summarize_batch(rows, batch, ctx, expect_full, what):
+    """A throughput run's figures: the median of its full decode steps (B tokens each) and the
+    position of the step in the middle (the lower middle): the step time grows with the
+    position, so the median step is the one at the median position."""
+    full = batch_steps(rows, batch, ctx, what)
+    if len(full) != expect_full:
+        raise BenchError(f"{what}: the step log has {len(full)} steps of all {batch} sequences, expected {expect_full}")
+    ms = [r["ms"] for r, _ in full]
+    return {"step_ms": median(ms), "pos": full[(len(full) - 1) // 2][1], "rows": rows,
+            "total_ms": sum(r["ms"] for r in rows)}
+
+
+def c_batch_run(b, ck, kind, flags, batch, rep):
+    info, args = ck.info, b.args
+    what = f"--batch {batch} run" + (f" ({kind})" if kind else "")
+    path = os.path.join(b.tmpdir, f"c-{info['variant']}-batch{batch}{'-' + kind if kind else ''}-{rep}.csv")
+    n_gen = b.n_gen(info)
+    cmd = [info["checkpoint"], "-p", PROMPT, "--kv", "--batch", batch, "-n", n_gen, "-k", 1, "-s", 0, "--ignore-eos",
+           "-q", "--log", path, "--threads", args.threads] + list(flags)
+    run_engine(cmd, what)
+    rows = parse_step_log(path)
+    n_dec = min(n_gen - 1, info["context"] - rows[0]["n_tokens"])
+    s = summarize_batch(rows, batch, info["context"], n_dec - (batch > 1), what)
+    label_ = "warm-up" if rep == 0 else f"run {rep}/{batch_reps(args, batch)}"
+    log(f"  [C] {info['variant']:6s} {cell_mode(kind, batch):7s} {label_:9s} step {s['step_ms']:8.3f} ms "
+        f"(median full step), {batch * 1e3 / s['step_ms']:9.1f} tokens/s")
+    return s
+
+
+def read_pools(b, ck):
+    """Each kind's pool figures, from ./run --info --kv --batch 1 with its flags."""
+    for kind, flags in BATCH_CONFIGS:
+        out = run_engine([ck.info["checkpoint"], "--info", "--kv", "--batch", 1] + list(flags), "--info --kv").stdout
+        ck.pool[kind] = parse_pool_info(out, 1)
+
+
+def batch_rounds(b):
+    """The throughput runs in rounds, as the latency runs: a warm-up round, then timed rounds,
+    each one run of every checkpoint, kind and batch size that still wants one."""
+    args = b.args
+    for ck in b.ok():
+        try:
+            read_pools(b, ck)
+        except BenchError as e:
+            ck.part_errors["batch"] = str(e)
+            warn(f"{ck.name}: {e}")
+    rounds = max(batch_reps(args, B) for B in args.batches)
+    for rep in range(rounds + 1):
+        log(f"bench: batched decoding, {'warm-up round' if rep == 0 else f'round {rep}/{rounds}'}")
+        for ck in b.ok():
+            for kind, flags in BATCH_CONFIGS:
+                for B in args.batches:
+                    cell = ("batch", kind, B)   # a failed batch size (say, out of memory) costs that cell only
+                    if "batch" in ck.part_errors or cell in ck.part_errors or rep > batch_reps(args, B):
+                        continue
+                    b.phase = f"the batched runs' round {rep} ({ck.name}, {cell_mode(kind, B)})"
+                    try:
+                        s = c_batch_run(b, ck, kind, flags, B, rep)
+                    except BenchError as e:
+                        ck.part_errors[cell] = str(e)
+                        warn(f"{ck.name}: {e}; no more runs of {cell_mode(kind, B)}")
+                        continue
+                    if rep:
+                        ck.batch_runs.setdefault((kind, B), []).append(s)
+
+
+def capacity_formula(pool, ctx, mib):
+    """(sequences, pool blocks, blocks a sequence): how many full-context sequences a pool of mib
+    MiB holds, sized as ./run sizes it: floor(MiB x 2^20 / block bytes) blocks, of which a
+    sequence of the full context takes ceil(context / block tokens)."""
+    blocks = math.floor(mib * 2**20 / pool["block_bytes"])
+    per_seq = -(-ctx // pool["block_tokens"])
+    return blocks // per_seq, blocks, per_seq
+
+
+def capacity_run(b, ck, kind, flags, mib):
+    """The formula's count, and where it is at most the batch limit the measured one: N = count + 2
+    sequences (at most the limit) in a pool of mib MiB, sampled (top-k 40, seeds 0..N-1) so that
+    they differ and share no blocks (greedy copies would share their blocks when a preempted one
+    comes back), to the full context. The measured count is the most sequences active in a step
+    while the first admitted decode their last block, each then holding a full context's blocks;
+    the pool's preemptions keep the rest waiting."""
+    info, pool = ck.info, ck.pool[kind]
+    ctx = info["context"]
+    fits, blocks, per_seq = capacity_formula(pool, ctx, mib)
+    out = {"formula": fits, "blocks": blocks, "per_seq": per_seq}
+    if not 1 <= fits <= MAX_BATCH:
+        return out   # the engine refuses a pool short of one sequence, and runs at most MAX_BATCH
+    n = min(MAX_BATCH, fits + 2)
+    what = f"capacity run ({mib:g} MiB, {n} sequences)"
+    path = os.path.join(b.tmpdir, f"c-{info['variant']}-capacity-{mib:g}{'-' + kind if kind else ''}.csv")
+    p = run_engine([info["checkpoint"], "-p", PROMPT, "--kv", "--batch", n, "--kv-mem", f"{mib:g}", "-k", 40, "-s", 0,
+                    "--ignore-eos", "-q", "--log", path, "--threads", b.args.threads] + list(flags), what)
+    rows, engine_pool = parse_step_log(path), parse_pool_line(p.stderr)
+    n_prompt = rows[0]["n_tokens"]
+    last_block = (ctx - 1) // pool["block_tokens"] * pool["block_tokens"]
+    window = [r["sequences"] for r in rows if r["step"] >= 2 and last_block <= n_prompt + r["step"] - 2 < ctx]
+    if not window:
+        raise BenchError(f"{what}: the step log never reaches the context's last block")
+    out.update(requested=n, measured=max(window), preemptions=engine_pool["preemptions"],
+               engine_blocks=engine_pool["n_blocks"], rows=rows)
+    log(f"  [C] {info['variant']:6s} {mib:g} MiB: {fits} full-context sequences by the formula, {max(window)} of {n} "
+        f"active at the end of the context ({engine_pool['preemptions']} preemptions)")
+    return out
+
+
+def capacity_part(b):
+    for ck in b.ok():
+        for kind, flags in BATCH_CONFIGS:
+            for mib in b.args.capacity_mib:
+                if "capacity" in ck.part_errors or kind not in ck.pool:
+                    continue
+                b.phase = f"the capacity runs ({ck.name}, {mib:g} MiB)"
+                try:
+                    ck.capacity[(kind, mib)] = capacity_run(b, ck, kind, flags, mib)
+                except BenchError as e:
+                    ck.part_errors["capacity"] = str(e)
+                    warn(f"{ck.name}: {e}")
+
+
+def batch_cost(ck, kind, batch, pos):
+    """FLOPs and bytes of the full step of B sequences at pos, and its cache bytes alone."""
+    per_token = ck.pool[kind]["bytes_per_token"]
+    flops, nbytes = decode_cost_kv(ck.info, step_positions(pos, batch), per_token)
+    return flops, nbytes, nbytes - ck.info["weight_bytes"]
+
+
+def batch_bandwidth(b, nbytes):
+    """(bytes/s, where it comes from) for a step whose working set, the weights and the cache
+    rows it reads, is nbytes: the DRAM streaming bandwidth when that exceeds the last-level
+    cache, else the working-set probe over that size (None while it has not run)."""
+    llc = b.machine.get("llc_bytes")
+    if llc and nbytes > llc:
+        return float(b.roof["bandwidth_best_GBps"]) * 1e9, "DRAM"
+    mib = max(1, math.ceil(nbytes / 2**20))
+    return b.ws_probes.get(mib), f"{mib} MiB probe"
+
+
+def ws_probe_part(b):
+    """The working-set probe at the size of every throughput cell's step that fits in the
+    last-level cache (or every cell's, when the cache size is unknown)."""
+    b.phase = "the working-set bandwidth probes"
+    sizes = set()
+    for ck in b.ok():
+        for (kind, B), runs in ck.batch_runs.items():
+            nbytes = batch_cost(ck, kind, B, representative(runs)["pos"])[1]
+            if batch_bandwidth(b, nbytes)[1] != "DRAM":
+                sizes.add(max(1, math.ceil(nbytes / 2**20)))
+    if sizes:
+        log(f"bench: working-set bandwidth probes over {', '.join(f'{m}' for m in sorted(sizes))} MiB")
+    try:
+        for mib in sorted(sizes):
+            # enough passes for a best-of, about 4 GiB read at the most
+            r = roofline(b.args, mib=mib, no_peak=True, reps=max(7, min(50, 4096 // mib)))
+            b.ws_probes[mib] = float(r["bandwidth_best_GBps"]) * 1e9
+        b.ws_probed = True
+    except (BenchError, KeyError, ValueError) as e:
+        b.ws_probe_error = f"the probe failed: {e}"
+        warn(b.ws_probe_error)
 
 
 def pytorch_checkpoint(b, pt, ck):
@@ -580,6 +852,13 @@ def measure(b):
             warn(b.roof_error)
 
     c_rounds(b)
+    if args.batches:
+        batch_rounds(b)
+    if args.capacity_mib:
+        log("bench: KV cache capacity")
+        capacity_part(b)
+    if args.batches and b.roof:
+        ws_probe_part(b)
     if args.full:
         for ck in b.ok():
             b.phase = f"the determinism check ({ck.name})"
@@ -617,15 +896,32 @@ def attn_widths(c, absorbed):
     return c["head_dim"] + c["rope_dim"], c["head_dim"]
 
 
-def decode_cost_kv(c, pos):
-    """FLOPs and bytes of one cached decode step of the token at position pos (pos+1 keys).
-    MLA: the absorbed form. Bytes: every weight once (file dtype) + the cache read (fp32)."""
-    n = pos + 1
+def decode_cost_kv(c, positions, kv_bytes_per_token=None):
+    """FLOPs and bytes of one cached decode step in which each sequence decodes one token at its
+    position (pos+1 keys each): a batch shares one read of the weights, and each sequence reads
+    its own cache. MLA: the absorbed form. Bytes: every weight once (file dtype) + the cache rows
+    read (default: --info's bytes per token)."""
+    keys = sum(p + 1 for p in positions)
     kw, vw = attn_widths(c, absorbed=True)
-    flops = c["layers"] * (2 * layer_macs_per_token(c, True) + c["heads"] * 2 * (kw + vw) * n)
-    flops += 2 * c["vocab"] * c["dim"]                      # the tied head
-    nbytes = c["weight_bytes"] + n * c["kv_bytes_per_token"]
+    per_token = c["layers"] * 2 * layer_macs_per_token(c, True) + 2 * c["vocab"] * c["dim"]   # with the tied head
+    flops = len(positions) * per_token + c["layers"] * c["heads"] * 2 * (kw + vw) * keys
+    nbytes = c["weight_bytes"] + keys * (kv_bytes_per_token or c["kv_bytes_per_token"])
     return flops, nbytes
+
+
+def kv_width(c):
+    """The post's d_kv, the width one token adds to the cache per layer: H_kv x d_h for MHA, GQA
+    and MQA (d, d/G, d/h), which counts K or V once; MLA's latent d_c plus its RoPE key d_R,
+    the one vector it caches for both."""
+    return c["latent"] + c["rope_dim"] if c["is_mla"] else c["kv_heads"] * c["head_dim"]
+
+
+def post_intensity(c, b):
+    """The post's arithmetic intensity of a whole cached decode of n = context tokens at batch b,
+    Θ((b n² d + b n d²) / (b n² d_kv + n d²)) taken without constants: a shape to set beside the
+    measured intensity's growth with b, not a value to match it."""
+    n, d, dkv = c["context"], c["dim"], kv_width(c)
+    return (b * n * n * d + b * n * d * d) / (b * n * n * dkv + n * d * d)
 
 
 def decode_cost_nokv(c, T):
@@ -996,19 +1292,83 @@ def plot_decode_bars(plt, b, path):
 
 def plot_kv_cache(plt, b, path):
     """KV cache bytes against context length: --info's bytes per token, and its allocation at
-    the full context as a dot."""
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    for i, ck in enumerate(ck for ck in b.ckpts if ck.info):
+    the full context as a dot; where the paged pool was read, the 16-token blocks one sequence
+    holds as a step line, and a second panel with the pool B full contexts take against B, beside
+    the capacity table's pool sizes (where a line crosses one is how many sequences fit)."""
+    cks = [ck for ck in b.ckpts if ck.info]
+    paged = [ck for ck in cks if "" in ck.pool]
+    fig, axes = plt.subplots(1, 2 if paged else 1, figsize=(13 if paged else 8, 4.8), squeeze=False)
+    ax = axes[0][0]
+    for i, ck in enumerate(cks):
         ctx, per_token = ck.info["context"], ck.info["kv_bytes_per_token"]
         ax.plot([0, ctx], [0, per_token * ctx / 2**20], color=f"C{i}", label=f"{ck.name}: {per_token:,} bytes/token")
         ax.plot([ctx], [ck.info["kv_alloc_bytes"] / 2**20], "o", color=f"C{i}")
+        if ck in paged:
+            bt, bb = ck.pool[""]["block_tokens"], ck.pool[""]["block_bytes"]
+            ns = list(range(0, ctx + 1))
+            ax.step(ns, [-(-n // bt) * bb / 2**20 for n in ns], where="post", color=f"C{i}", lw=0.8, alpha=0.6)
     ax.set_xlabel("context length, tokens")
-    ax.set_ylabel("KV cache, MiB (fp32)")
-    ax.set_title("KV cache size against context length (dots: the allocation ./run --info reports)")
+    ax.set_ylabel("KV cache of one sequence, MiB (fp32)")
+    ax.set_title("One sequence's KV cache against context length\n(dots: ./run --info's allocation"
+                 + ("; thin steps: the pool's 16-token blocks)" if paged else ")"), fontsize=10)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if paged:
+        ax = axes[0][1]
+        bs = [2 ** k for k in range(0, int(math.log2(MAX_BATCH)) + 1)]
+        for i, ck in enumerate(cks):
+            if ck in paged:
+                pool, ctx = ck.pool[""], ck.info["context"]
+                full = -(-ctx // pool["block_tokens"]) * pool["block_bytes"]
+                ax.plot(bs, [B * full / 2**20 for B in bs], marker=".", color=f"C{i}", label=ck.name)
+        for mib in b.args.capacity_mib or CAPACITY_MIB:
+            ax.axhline(mib, color="grey", ls="--", lw=1)
+            ax.annotate(f"{mib:g} MiB pool", (1, mib), xytext=(2, 3), textcoords="offset points", fontsize=8,
+                        color="grey")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(bs, [str(B) for B in bs])
+        ax.set_xlabel("sequences of the full context, B")
+        ax.set_ylabel("KV cache pool, MiB")
+        ax.set_title("The pool B full contexts take (on or under a pool size's line: they fit)", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    save_fig(plt, fig, path)
+
+
+def plot_throughput(plt, b, path):
+    """Aggregate decode tokens/s against B, one line per variant (error bars: the fastest and the
+    slowest timed run); dashed, the roofline's bound where it was measured."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    bounds = False
+    for i, ck in enumerate(ck for ck in b.ckpts if ck.info):
+        fs = [f for f in (batch_figures(b, ck, "", B) for B in b.args.batches) if f]
+        if not fs:
+            continue
+        xs, ys = [f["batch"] for f in fs], [f["tps"]["median"] for f in fs]
+        err = [[y - f["tps"]["min"] for y, f in zip(ys, fs)], [f["tps"]["max"] - y for y, f in zip(ys, fs)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=f"C{i}", label=ck.name)
+        if all("bound" in f for f in fs):
+            ax.plot(xs, [f["batch"] / f["bound"] for f in fs], ls="--", lw=1, color=f"C{i}", alpha=0.7)
+            bounds = True
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:,.0f}")   # 20,000 rather than 2 x 10^4
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xticks(list(b.args.batches), [str(B) for B in b.args.batches])
+    ax.set_xlabel("batch size B (sequences decoded together)")
+    ax.set_ylabel("aggregate decode tokens/s (B / median full step)")
+    ax.set_title(f"Batched decoding with the KV cache ({b.machine['slug']})")
+    ax.grid(alpha=0.3, which="both")
+    handles, _ = ax.get_legend_handles_labels()
+    if bounds:
+        handles.append(Line2D([], [], color="grey", ls="--", label="roofline bound"))
+    ax.legend(handles=handles, fontsize=8)
     save_fig(plt, fig, path)
 
 
@@ -1019,7 +1379,10 @@ def plots(b):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         out = {}
-        for name, draw in (("per-step", plot_per_step), ("decode", plot_decode_bars), ("kv-cache", plot_kv_cache)):
+        draws = [("per-step", plot_per_step), ("decode", plot_decode_bars), ("kv-cache", plot_kv_cache)]
+        if any(ck.batch_runs for ck in b.ckpts):
+            draws.append(("throughput", plot_throughput))
+        for name, draw in draws:
             out[name] = os.path.join(b.args.out, f"{b.base}-{name}.png")
             draw(plt, b, out[name])
         return out
@@ -1175,7 +1538,11 @@ def write_report(b):
 
     if b.roof and b.ws:
         md += roofline_section(b, cks, add)
+    if any(ck.batch_runs for ck in cks):
+        md += throughput_section(b, cks, add, pngs)
     md += kv_section(b, cks, pngs)
+    if any(ck.capacity for ck in cks):
+        md += capacity_section(b, cks, add)
     if any(ck.check_kv for ck in cks):
         md += determinism_section(b, cks, add)
     if "per-step" in pngs:
@@ -1190,14 +1557,24 @@ def write_report(b):
     steps_path = os.path.join(out_dir, f"{base}-steps.csv")
     write_atomic(md_path, "\n".join(md))
     write_atomic(csv_path, csv_text([["section", "variant", "mode", "quantity", "value", "unit"]] + csv_rows))
-    steps = [["impl", "variant", "mode", "step", "phase", "pos", "n_tokens", "token", "ms"]]
+    steps = [["impl", "variant", "mode", "batch", "flags", "step", "phase", "sequences", "pos", "n_tokens", "token",
+              "ms"]]
+
+    def step_rows(impl, v, mode, batch, flags, r):
+        for x in r["rows"] if r else ():
+            steps.append([impl, v, mode, batch, " ".join(flags), x["step"], x["phase"], x.get("sequences", 1), x["pos"],
+                          x["n_tokens"], x["token"], f"{x['ms']:.4f}"])
     for ck in cks:
         for impl in ("c", "pytorch"):
             for mode in MODES:
-                r = representative(ck.runs[(impl, mode)])
-                for x in r["rows"] if r else ():
-                    steps.append([impl, ck.info["variant"], mode, x["step"], x["phase"], x["pos"], x["n_tokens"],
-                                  x["token"], f"{x['ms']:.4f}"])
+                step_rows(impl, ck.info["variant"], mode, 1, (), representative(ck.runs[(impl, mode)]))
+        for kind, flags in BATCH_CONFIGS:   # the throughput runs: mode "batch", one set of rows per B
+            for B in args.batches:
+                step_rows("c", ck.info["variant"], "batch", B, flags, representative(ck.batch_runs.get((kind, B))))
+            for mib in args.capacity_mib:   # and the capacity runs, with their pool size
+                c = ck.capacity.get((kind, mib), {})
+                if "rows" in c:
+                    step_rows("c", ck.info["variant"], "capacity", c["requested"], ("--kv-mem", f"{mib:g}") + flags, c)
     write_atomic(steps_path, csv_text(steps))
     return [md_path, csv_path, steps_path] + list(pngs.values())
 
@@ -1279,7 +1656,7 @@ def roofline_section(b, cks, add):
             dec = [x for x in representative(ck.runs[("c", mode)])["rows"] if x["phase"] == "decode"]
             x = dec[(len(dec) - 1) // 2]   # the step at the median position (lower middle)
             if mode == "kv":
-                flops, nbytes = decode_cost_kv(c, x["pos"])
+                flops, nbytes = decode_cost_kv(c, [x["pos"]])
                 where = f"pos {x['pos']}"
             else:
                 flops, nbytes = decode_cost_nokv(c, x["n_tokens"])
@@ -1313,7 +1690,238 @@ def roofline_section(b, cks, add):
     add("machine", "", "", "balance", f"{bal:.3f}", "FLOP/byte")
     add("machine", "", "", "bandwidth_working_set_GBps", ws["bandwidth_best_GBps"], "GB/s")
     add("machine", "", "", "bandwidth_working_set_bytes", ws["bandwidth_bytes"], "bytes")
+    add("machine", "", "", "last_level_cache_bytes", b.machine.get("llc_bytes") or "", "bytes")
     return md
+
+
+LINEAR = 0.8   # a step time that grows by at least this share of B's factor grows "in proportion to B"
+
+
+def batch_figures(b, ck, kind, batch):
+    """Every figure of one throughput cell, or None when it has no timed run."""
+    runs = ck.batch_runs.get((kind, batch))
+    if not runs:
+        return None
+    st = spread([r["step_ms"] for r in runs])
+    pos = representative(runs)["pos"]
+    flops, nbytes, kv = batch_cost(ck, kind, batch, pos)
+    t = st["median"] / 1e3
+    f = {"batch": batch, "step": st, "pos": pos, "flops": flops, "bytes": nbytes, "kv": kv, "ai": flops / nbytes,
+         "post": post_intensity(ck.info, batch),
+         "tps": {"median": batch / t, "min": batch * 1e3 / st["max"], "max": batch * 1e3 / st["min"], "n": st["n"]}}
+    if b.roof:
+        bw, where = batch_bandwidth(b, nbytes)
+        peak = float(b.roof["peak_best_GFLOPs"]) * 1e9
+        f.update(bw=bw, bw_source=where)
+        if bw:
+            mem, cpu = nbytes / bw, flops / peak
+            f.update(bound=max(mem, cpu), share=max(mem, cpu) / t,
+                     bound_by="compute" if cpu > mem else "cache" if kv > ck.info["weight_bytes"] else "weights")
+    return f
+
+
+def batch_table(b, cks, add):
+    """The throughput table's markdown rows and {(variant, kind): [figures by B]}; the CSV rows."""
+    rows, figs = [], {}
+    roof = bool(b.roof)
+    for ck in cks:
+        v = ck.info["variant"]
+        for kind, _ in BATCH_CONFIGS:
+            fs = [f for f in (batch_figures(b, ck, kind, B) for B in b.args.batches) if f]
+            figs[(v, kind)] = fs
+            one = next((f for f in fs if f["batch"] == 1), None)
+            for f in fs:
+                gain = f["tps"]["median"] / one["tps"]["median"] if one else None
+                row = [ck.name + (f" ({kind})" if kind else ""), f["batch"], f["step"]["n"], fmt_spread(f["step"]),
+                       fmt_spread(f["tps"]), f"{gain:.2f}x" if gain else "—", f["pos"], fmt(f["kv"] / 1e6),
+                       fmt(f["bytes"] / 1e6), fmt(f["flops"] / 1e6), f"{f['ai']:.2f}", f"{f['post']:.2f}"]
+                if roof:
+                    row += [f"{f['bw'] / 1e9:.1f} ({f['bw_source']})" if f.get("bw") else "—",
+                            f"{f['batch'] / f['bound']:,.0f}" if "bound" in f else "—",
+                            f"{f['share'] * 100:.0f}%" if "share" in f else "—", f.get("bound_by", "—")]
+                rows.append(row)
+                mode = cell_mode(kind, f["batch"])
+                add("batch", v, mode, "runs", f["step"]["n"], "")
+                for q, unit in (("step", "ms"), ("tps", "tokens/s")):
+                    name = "step_ms" if q == "step" else "tokens_per_s"
+                    for k in ("median", "min", "max"):
+                        add("batch", v, mode, f"{name}_{k}", f"{f[q][k]:.6g}", unit)
+                for q, val, unit in (("speedup_vs_b1", gain, "x"), ("step_pos", f["pos"], ""),
+                                     ("kv_bytes", f["kv"], "bytes"), ("weight_bytes", ck.info["weight_bytes"], "bytes"),
+                                     ("step_bytes", f["bytes"], "bytes"), ("step_flops", f["flops"], "FLOP"),
+                                     ("arithmetic_intensity", f["ai"], "FLOP/byte"),
+                                     ("post_intensity_formula", f["post"], "FLOP/byte")):
+                    if val is not None:
+                        add("batch", v, mode, q, val if isinstance(val, int) else f"{val:.6g}", unit)
+                if f.get("bw"):
+                    add("batch", v, mode, "bandwidth_GBps", f"{f['bw'] / 1e9:.6g}", "GB/s")
+                    add("batch", v, mode, "bandwidth_source", f["bw_source"], "")
+                if "bound" in f:
+                    add("batch", v, mode, "roofline_bound_ms", f"{f['bound'] * 1e3:.6g}", "ms")
+                    add("batch", v, mode, "roofline_tokens_per_s", f"{f['batch'] / f['bound']:.6g}", "tokens/s")
+                    add("batch", v, mode, "roofline_share", f"{f['share']:.6g}", "")
+                    add("batch", v, mode, "bound_by", f["bound_by"], "")
+    header = ["Attention Mechanism", "B", "timed runs", "step, ms", "tokens/s", "/ B=1", "pos", "KV read, MB",
+              "bytes read, MB", "MFLOP", "FLOP/byte", "post's Θ(AI)"]
+    if roof:
+        header += ["bandwidth, GB/s", "roofline bound, tokens/s", "share of bound", "bound by"]
+    align = ["---"] + ["---:"] * (len(header) - 1 - roof) + ["---"] * roof   # "bound by" is a word
+    return md_table(header, rows, align), figs
+
+
+def crossover_lines(b, cks, figs):
+    """For each variant, from the measurements: where the cache's bytes pass the weights', what
+    the roofline says bounds each step, and from which B the measured step time grows in
+    proportion to B."""
+    out = []
+    for ck in cks:
+        fs = figs.get((ck.info["variant"], ""))
+        if not fs:
+            continue
+        w = ck.info["weight_bytes"]
+        past = next((f for f in fs if f["kv"] > w), None)
+        if past:
+            words = (f"its cache bytes pass its weight bytes ({w / 1e6:.1f} MB) from B={past['batch']} "
+                     f"({past['kv'] / 1e6:.1f} MB of cache at position {past['pos']})")
+        else:
+            last = fs[-1]
+            per_seq = last["kv"] / last["batch"]
+            words = (f"its cache bytes stay below its weight bytes ({w / 1e6:.1f} MB) up to B={last['batch']} "
+                     f"({last['kv'] / 1e6:.1f} MB at position {last['pos']}; they would pass them from about "
+                     f"B={math.ceil(w / per_seq)})")
+        if all("bound_by" in f for f in fs):
+            groups = {}
+            for f in fs:
+                groups.setdefault(f["bound_by"], []).append(str(f["batch"]))
+            words += ("; the roofline bounds its step by " + "; by ".join(
+                f"{'the FMA rate' if k == 'compute' else 'reading the ' + k} at B = {', '.join(v)}"
+                for k, v in groups.items()))
+        pairs = [(x, y, (y["step"]["median"] / x["step"]["median"]), y["batch"] / x["batch"])
+                 for x, y in zip(fs, fs[1:])]
+        start = next((i for i in range(len(pairs)) if all(t >= LINEAR * r for _, _, t, r in pairs[i:])), None)
+        steps = ", ".join(f"x{t:.2f} from B={x['batch']} to {y['batch']} (x{r:g} sequences)" for x, y, t, r in pairs)
+        if not pairs:
+            words += "; a single batch size says nothing of how the step grows"
+        elif start is None:
+            words += (f". Measured, the step time grew less than in proportion to B all the way to B={fs[-1]['batch']}, "
+                      f"so a larger batch still bought throughput: {steps}")
+        else:
+            words += (f". Measured, the step time grows in proportion to B from B={pairs[start][0]['batch']} on: {steps}")
+        out.append(f"- **{ck.name}**: {words}.")
+    return out
+
+
+def throughput_section(b, cks, add, pngs):
+    args = b.args
+    table, figs = batch_table(b, cks, add)
+    large = [B for B in args.batches if B >= LARGE_BATCH]
+    md = ["## Batched decoding: throughput", "",
+          f"`./run CKPT -p \"{PROMPT}\" --kv --batch B -n {b.n_gen(cks[0].info)} -k 1 -s 0 --ignore-eos -q --log "
+          f"FILE.csv --threads {args.threads}`: B copies of the prompt (sequence i with seed i; greedy, so the same "
+          "tokens), decoded together on the paged KV cache"
+          + (" to the full context" if not args.steps else f", cut at {args.steps} decode steps (`--steps`)")
+          + ". Step 0 computes the prompt once; at step 1 the first sequence decodes while the others compute "
+          "their last prompt token on the shared prompt blocks; from step 2 on every step is a **full step** "
+          "of B tokens, one per sequence, and the first sequence ends one step before the others. A full step "
+          "at step k decodes position k + (prompt tokens) - 2 for all sequences but the first, which is one "
+          "ahead: **pos** is the former, at the full step in the middle of the run (the step time grows with the "
+          "position, so the median step is the one at the median position).", "",
+          "Per run: the median of its full steps' ms. **step, ms** is the median over the timed runs of that, ± "
+          "the largest distance of a run from it; **tokens/s** = B x 1000 / that median step (B tokens a step; "
+          "its spread from the fastest and slowest run); **/ B=1** is that throughput over B=1's. "
+          f"Each batch size: 1 untimed warm-up run, then {args.reps} timed runs"
+          + (f", but {args.large_batch_reps} for B = {', '.join(map(str, large))}: such a run takes seconds "
+             "(MHA at B=256 reads about half a gigabyte a step), and the bench stays bounded"
+             if large and args.large_batch_reps != args.reps else "")
+          + "; the runs go in rounds, as the latency runs do.", "",
+          "From the model's shape, for the full step at pos: **KV read** = the cache rows the B sequences "
+          "attend to, (B x (pos + 1) + 1) x the cache's bytes per token (the first sequence reads one row more); "
+          "**bytes read** = that plus every weight once, shared by the B tokens; **MFLOP** = B x the weight "
+          "FLOPs of one token (the roofline section's count, with the tied head) plus attention over each "
+          "sequence's keys; **FLOP/byte** = their quotient. **post's Θ(AI)** is the post's intensity of a "
+          "whole cached decode, (b n² d + b n d²) / (b n² d_kv + n d²) at b = B, n = the context "
+          f"({cks[0].info['context']}), d = d_model ({cks[0].info['dim']}), d_kv = d for MHA, d/G for GQA, "
+          "d/h for MQA (H_kv x head_dim: K or V counted once) and, for MLA, its latent d_c plus the RoPE key "
+          "d_R, the one vector it caches for both: a Θ() without the layers, the FFN or any constant, so "
+          "compare how it grows with B against how the measured intensity grows, not the values.", ""]
+    if b.roof:
+        bal = float(b.roof["peak_best_GFLOPs"]) / float(b.roof["bandwidth_best_GBps"])
+        md += ["Roofline: bound = max(FLOPs / FMA peak, bytes / bandwidth), **share of bound** = bound / the "
+               "median step (the aggregate throughput over the roofline's), **bound by** which term is larger "
+               "(and, for bytes, whether the cache's or the weights' are more). The bandwidth is chosen for the "
+               "step's working set, the weights plus the cache rows it reads, all of which the next step reads "
+               "again: when that exceeds the last-level cache"
+               + (f" ({b.machine['l3']})" if b.machine.get("llc_bytes") else " (not known here: every cell "
+                  "uses its probe)")
+               + f" it comes from DRAM, at the streaming bandwidth of the Roofline section "
+               f"({float(b.roof['bandwidth_best_GBps']):.1f} GB/s); otherwise the same streaming read is "
+               "probed over that many MiB (the column names the size), since a set that fits may be served from "
+               "the cache. A VM's CPUID may describe the host's cache: a probe over a size that does not really "
+               f"fit measures DRAM's bandwidth anyway. Machine balance {bal:.1f} FLOP/byte.", ""]
+    md += [table, ""] + image(pngs, "throughput", "aggregate decode throughput against the batch size")
+    lines = crossover_lines(b, cks, figs)
+    if lines:
+        md += ["### From weight-bound to cache-bound", "",
+               "A step reads the weights once for all B sequences, and each sequence's own cache; its FLOPs grow "
+               "with B. While the weights are most of the bytes and the intensity is under the machine balance, a "
+               "larger batch adds little time to a step (weight-bound); once the cache's bytes pass the weights' "
+               "the memory floor grows in proportion to B (cache-bound), and once the intensity passes the "
+               "machine balance the FMA rate sets the floor, which also grows in proportion to B. As measured "
+               f"here (\"in proportion\": the step time grows by at least {LINEAR:.0%} of B's factor between "
+               "one batch size and the next, and keeps doing so):", ""] + lines + [""]
+    return md
+
+
+def capacity_section(b, cks, add):
+    args, rows = b.args, []
+    for ck in cks:
+        for kind, _ in BATCH_CONFIGS:
+            pool = ck.pool.get(kind)
+            if not pool:
+                continue
+            row = [ck.name + (f" ({kind})" if kind else ""), f"{pool['bytes_per_token']:,}",
+                   f"{pool['block_bytes']:,}", -(-ck.info["context"] // pool["block_tokens"])]
+            for mib in args.capacity_mib:
+                c = ck.capacity.get((kind, mib))
+                mode = f"{mib:g} MiB" + (f" {kind}" if kind else "")
+                if c is None:
+                    row += ["—", "—", "—"]
+                    continue
+                f = c["formula"]
+                for q in ("formula", "blocks", "per_seq", "measured", "requested", "preemptions", "engine_blocks"):
+                    if q in c:
+                        add("capacity", ck.info["variant"], mode, q, c[q], "")
+                if "measured" in c:
+                    agree = c["measured"] == f and c["engine_blocks"] == c["blocks"]
+                    add("capacity", ck.info["variant"], mode, "agree", int(agree), "")
+                    note = f" (all {c['requested']} asked; the batch limit)" if c["requested"] == f else \
+                        f" of {c['requested']} ({c['preemptions']} preemptions)"
+                    row += [f"{f:,}", f"{c['measured']}{note}", "yes" if agree else
+                            f"no (pool {c['engine_blocks']} blocks, formula {c['blocks']})"
+                            if c["engine_blocks"] != c["blocks"] else "no"]
+                elif f > MAX_BATCH:
+                    row += [f"{f:,}", f"≥ {MAX_BATCH} (the batch limit; not run)", "—"]
+                else:
+                    row += [f"{f:,}", "— (under one sequence: the engine refuses such a pool)", "—"]
+            rows.append(row)
+    header = ["Attention Mechanism", "KV bytes/token", "block, bytes", "blocks a full sequence"]
+    for mib in args.capacity_mib:
+        header += [f"{mib:g} MiB: formula", f"{mib:g} MiB: measured", "agree"]
+    ctx = cks[0].info["context"]
+    return ["## KV cache capacity", "",
+            f"How many sequences of the full {ctx}-token context fit in a KV cache pool of a given size. "
+            "**Formula**: the pool holds floor(MiB x 2^20 / block bytes) blocks of 16 tokens (the block bytes "
+            "from `./run --info --kv`), and a sequence of the full context takes ceil(context / 16) of them. "
+            "**Measured**: `./run CKPT -p \"" + PROMPT + "\" --kv --batch N --kv-mem MiB -k 40 -s 0 --ignore-eos` "
+            f"with N = the formula's count + 2 (at most {MAX_BATCH}, the engine's batch limit), where the formula "
+            f"gives at most {MAX_BATCH}: the pool preempts the latest admitted sequence when it runs short, and the "
+            "figure is the most sequences active in one step (the log's `sequences`) while the first ones admitted "
+            "decode the last 16-token block of the context, each then holding a full context's blocks. The runs "
+            "sample (top-k 40, seeds 0..N-1) rather than decode greedily: greedy copies of one prompt are "
+            "identical, and a preempted copy that comes back shares every block of a running one, so more of "
+            "them than the formula's count run at once. 'agree': the measured count and the engine's block count "
+            "(its `kv pool:` line) equal the formula's.", "",
+            md_table(header, rows), ""]
 
 
 def kv_section(b, cks, pngs):
@@ -1380,6 +1988,15 @@ def parse_args(argv):
     ap.add_argument("--pt-budget", type=float, default=120.0,
                     help="seconds a plain eager PyTorch run may take before auto switches (default 120)")
     ap.add_argument("--skip-pytorch", action="store_true", help="measure the C engine only")
+    ap.add_argument("--batches", default=None, metavar="B,B,...",
+                    help="batch sizes of the throughput table, 1..256, or none (default "
+                         f"{','.join(map(str, BATCHES))}; --quick: {','.join(map(str, QUICK_BATCHES))})")
+    ap.add_argument("--large-batch-reps", type=int, default=LARGE_BATCH_REPS,
+                    help=f"timed runs of a batch size from {LARGE_BATCH} on, after a warm-up (default "
+                         f"{LARGE_BATCH_REPS}: such a run takes seconds); smaller ones get --reps")
+    ap.add_argument("--capacity-mib", default=None, metavar="M,M,...",
+                    help="KV pool sizes of the capacity table, MiB, or none (default "
+                         f"{','.join(f'{m:g}' for m in CAPACITY_MIB)}; --quick: none)")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"), help="the compiler, for the report")
     # for testing the script itself: a cheaper roofline probe, a shorter look at the load before
     ap.add_argument("--roofline-mib", type=int, default=None, help=argparse.SUPPRESS)
@@ -1402,7 +2019,30 @@ def parse_args(argv):
             ap.error(f"--{name.replace('_', '-')} must be at least 2: a spread needs two timed runs")
     if args.steps is not None and args.steps < 1:
         ap.error("--steps must be at least 1")
+    args.batches = number_list(ap, "--batches", args.batches, QUICK_BATCHES if args.quick else BATCHES, int,
+                               lambda x: 1 <= x <= MAX_BATCH, f"a whole number from 1 to {MAX_BATCH}")
+    args.capacity_mib = number_list(ap, "--capacity-mib", args.capacity_mib, () if args.quick else CAPACITY_MIB,
+                                    float, lambda x: 0 < x <= 1048576, "a size in MiB above 0, at most 1048576")
+    if args.large_batch_reps < 1:
+        ap.error("--large-batch-reps must be at least 1")
+    if args.steps == 1 and any(B > 1 for B in args.batches):
+        ap.error("--steps must be at least 2 with a batch above 1: its first decode step is the mixed one")
     return args
+
+
+def number_list(ap, flag, text, default, kind, ok, what):
+    """A flag's comma-separated numbers, sorted and without repeats ("none": no numbers)."""
+    if text is None:
+        return tuple(default)
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        vals = sorted({kind(x) for x in text.split(",")})
+    except ValueError:
+        vals = None
+    if not vals or not all(ok(v) for v in vals):
+        ap.error(f"{flag} takes {what}, comma-separated, or none: {text!r}")
+    return tuple(vals)
 
 
 # OpenMP threads pinned one per core, for the engine, the roofline probe and PyTorch (set
@@ -1432,7 +2072,7 @@ def survey(b):
     """The machine, and how busy other processes keep it over 2 s (--load-seconds) before the bench starts."""
     args, m = b.args, b.machine
     m.update(cpu=cpu_model(), cpu_detail=cpu_detail(), cores=physical_cores(), logical=logical_cpus(),
-             mem=mem_total(), l2=cache_line("L2"), l3=cache_line("L3"),
+             mem=mem_total(), l2=cache_line("L2"), l3=cache_line("L3"), llc_bytes=size_bytes(cache_line("L3")),
              compiler=(sh([args.cc, "--version"]).splitlines() or ["?"])[0], git=git_describe(),
              date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
              load_start=os.getloadavg()[0])

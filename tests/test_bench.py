@@ -17,7 +17,8 @@ MHA = os.path.join(ROOT, "weights", "mha.bin")
 GQA = os.path.join(ROOT, "weights", "gqa.bin")
 MLA64 = os.path.join(ROOT, "weights", "mla64.bin")
 STEPS = 3   # decode steps per run
-FULL_SHORT = ["--steps", str(STEPS), "--reps", "2", "--pt-reps", "2", "--roofline-mib", "16", "--roofline-reps", "1"]
+FULL_SHORT = ["--steps", str(STEPS), "--reps", "2", "--pt-reps", "2", "--roofline-mib", "16", "--roofline-reps", "1",
+              "--batches", "none", "--capacity-mib", "none"]   # the batch sections: tests/test_bench_batch.py
 QUANTITIES = ("prefill_ms", "step_ms", "tokens_per_s", "mean_step_ms")
 SPREAD = re.compile(r"^\d[\d,.]* ± \d[\d,.]*$")   # a cell: median ± spread
 
@@ -166,10 +167,12 @@ def test_quick_mode(tmp_path):
     assert val(vals, "report", "", "", "status") == "complete"
     # the C engine alone: no section of a part that did not run, not even a row of the machine table
     heads = [x for x in md.splitlines() if x.startswith("## ")]
-    assert heads == ["## Machine", "## Method", "## C engine", "## KV cache size", "## Per-step latency"]
-    assert "PyTorch |" not in md and "roofline probe)" not in md
+    assert heads == ["## Machine", "## Method", "## C engine", "## Batched decoding: throughput", "## KV cache size",
+                     "## Per-step latency"]
+    assert "PyTorch |" not in md and "roofline probe)" not in md and "share of bound" not in md
     assert not any(r["impl"] == "pytorch" for r in steps)
-    assert len(pngs) == 3
+    assert {r["batch"] for r in steps if r["mode"] == "batch"} == {"1", "16"}
+    assert len(pngs) == 4
     # one table on stdout: variant, mode, timed runs, every figure a median with its spread
     table = [x for x in p.stdout.splitlines() if x.startswith("| ")]
     assert table[0].split("|")[1:5] == [" Attention Mechanism ", " mode ", " timed runs ", " Prefill, ms "]
@@ -185,9 +188,11 @@ def test_quick_mode_defaults():
     import bench as b
     q = b.parse_args(["--quick"])
     assert (q.steps, q.reps, q.pytorch, q.full) == (64, 3, False, False)
+    assert (q.batches, q.capacity_mib) == ((1, 16), ())   # a small throughput table, no capacity runs
     assert q.out == os.path.join(ROOT, "bench", "results", "tmp", "quick")
     f = b.parse_args([])
     assert (f.steps, f.reps, f.pt_reps, f.pytorch, f.full) == (None, 5, 3, True, True)
+    assert (f.batches, f.large_batch_reps, f.capacity_mib) == ((1, 4, 16, 64, 256), 1, (64.0, 1024.0))
     assert f.out == os.path.join(ROOT, "bench", "results")
 
 
