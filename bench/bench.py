@@ -62,10 +62,13 @@ QUICK_BATCHES = (1, 16)
 LARGE_BATCH = 128          # from here on a run takes seconds (MHA at 256 reads ~0.5 GB a step): fewer timed runs
 LARGE_BATCH_REPS = 1
 CAPACITY_MIB = (64.0, 1024.0)
-# The kinds of throughput run: a name for the tables ("" is the engine's defaults) and the extra
-# ./run flags of every run of that kind; each kind gets its own rows, capacity and pool figures
-# (a cache dtype would be one kind per --kv-dtype value).
-BATCH_CONFIGS = (("", ()),)
+# The kinds of throughput run: a name for the tables ("" is the engine's defaults), the extra
+# ./run flags of every run of that kind, and the batch sizes and capacities in MiB it runs (None:
+# all of --batches / --capacity-mib). The cache dtypes run the batch sizes issue 24 compares.
+BATCH_CONFIGS = (("", (), None, None),
+                 ("bf16", ("--kv-dtype", "bf16"), (1, 64), (64.0,)),
+                 ("int8", ("--kv-dtype", "int8"), (1, 64), (64.0,)))
+DEFAULT_KIND = BATCH_CONFIGS[:1]   # the throughput and capacity tables, the plots, the crossings
 # (per-run quantity, table heading): every table cell is the median over the timed runs of one
 # of these, with its spread
 QUANTITIES = [("prefill_ms", "Prefill, ms"), ("step_ms", "Decode, ms/token (median step)"),
@@ -488,13 +491,13 @@ class Bench:
             if a.full and ck.check_kv is None:
                 out.append((f"{ck.name}: the determinism check", ck.part_errors.get("check_kv", why)))
             bwhy = ck.part_errors.get("batch", why)
-            for kind, _ in BATCH_CONFIGS:
-                for B in a.batches:
+            for kind, _, batches, mibs in BATCH_CONFIGS:
+                for B in kind_values(a.batches, batches):
                     n, reps = len(ck.batch_runs.get((kind, B), ())), batch_reps(a, B)
                     if n < reps:
                         out.append((f"{ck.name}, {cell_mode(kind, B)}: {n} of {reps} timed batch runs",
                                     ck.part_errors.get(("batch", kind, B), bwhy)))
-                for mib in a.capacity_mib:
+                for mib in kind_values(a.capacity_mib, mibs):
                     if (kind, mib) not in ck.capacity:
                         out.append((f"{ck.name}: the capacity in {mib:g} MiB" + (f" ({kind})" if kind else ""),
                                     ck.part_errors.get("capacity", bwhy)))
@@ -546,6 +549,11 @@ def c_rounds(b):
 
 
 # ---------------------------------------------------------------- batched decoding
+
+def kind_values(given, kinds_own):
+    """The batch sizes (or capacities) of a kind of run: those given that the kind runs."""
+    return [x for x in given if kinds_own is None or x in kinds_own]
+
 
 def batch_reps(args, batch):
     return args.reps if batch < LARGE_BATCH else args.large_batch_reps
@@ -619,7 +627,7 @@ def c_batch_run(b, ck, kind, flags, batch, rep):
 
 def read_pools(b, ck):
     """Each kind's pool figures, from ./run --info --kv --batch 1 with its flags."""
-    for kind, flags in BATCH_CONFIGS:
+    for kind, flags, _, _ in BATCH_CONFIGS:
         out = run_engine([ck.info["checkpoint"], "--info", "--kv", "--batch", 1] + list(flags), "--info --kv").stdout
         ck.pool[kind] = parse_pool_info(out, 1)
 
@@ -638,8 +646,8 @@ def batch_rounds(b):
     for rep in range(rounds + 1):
         log(f"bench: batched decoding, {'warm-up round' if rep == 0 else f'round {rep}/{rounds}'}")
         for ck in b.ok():
-            for kind, flags in BATCH_CONFIGS:
-                for B in args.batches:
+            for kind, flags, batches, _ in BATCH_CONFIGS:
+                for B in kind_values(args.batches, batches):
                     cell = ("batch", kind, B)   # a failed batch size (say, out of memory) costs that cell only
                     if "batch" in ck.part_errors or cell in ck.part_errors or rep > batch_reps(args, B):
                         continue
@@ -696,8 +704,8 @@ def capacity_run(b, ck, kind, flags, mib):
 
 def capacity_part(b):
     for ck in b.ok():
-        for kind, flags in BATCH_CONFIGS:
-            for mib in b.args.capacity_mib:
+        for kind, flags, _, mibs in BATCH_CONFIGS:
+            for mib in kind_values(b.args.capacity_mib, mibs):
                 if "capacity" in ck.part_errors or kind not in ck.pool:
                     continue
                 b.phase = f"the capacity runs ({ck.name}, {mib:g} MiB)"
@@ -1543,6 +1551,8 @@ def write_report(b):
     md += kv_section(b, cks, pngs)
     if any(ck.capacity for ck in cks):
         md += capacity_section(b, cks, add)
+    if len(BATCH_CONFIGS) > 1 and any(ck.pool for ck in cks):
+        md += dtype_section(b, cks, add)
     if any(ck.check_kv for ck in cks):
         md += determinism_section(b, cks, add)
     if "per-step" in pngs:
@@ -1568,10 +1578,10 @@ def write_report(b):
         for impl in ("c", "pytorch"):
             for mode in MODES:
                 step_rows(impl, ck.info["variant"], mode, 1, (), representative(ck.runs[(impl, mode)]))
-        for kind, flags in BATCH_CONFIGS:   # the throughput runs: mode "batch", one set of rows per B
-            for B in args.batches:
+        for kind, flags, batches, mibs in BATCH_CONFIGS:   # the throughput runs: mode "batch", rows per B
+            for B in kind_values(args.batches, batches):
                 step_rows("c", ck.info["variant"], "batch", B, flags, representative(ck.batch_runs.get((kind, B))))
-            for mib in args.capacity_mib:   # and the capacity runs, with their pool size
+            for mib in kind_values(args.capacity_mib, mibs):   # and the capacity runs, with their pool size
                 c = ck.capacity.get((kind, mib), {})
                 if "rows" in c:
                     step_rows("c", ck.info["variant"], "capacity", c["requested"], ("--kv-mem", f"{mib:g}") + flags, c)
@@ -1726,7 +1736,7 @@ def batch_table(b, cks, add):
     roof = bool(b.roof)
     for ck in cks:
         v = ck.info["variant"]
-        for kind, _ in BATCH_CONFIGS:
+        for kind, _, _, _ in DEFAULT_KIND:
             fs = [f for f in (batch_figures(b, ck, kind, B) for B in b.args.batches) if f]
             figs[(v, kind)] = fs
             one = next((f for f in fs if f["batch"] == 1), None)
@@ -1875,7 +1885,7 @@ def throughput_section(b, cks, add, pngs):
 def capacity_section(b, cks, add):
     args, rows = b.args, []
     for ck in cks:
-        for kind, _ in BATCH_CONFIGS:
+        for kind, _, _, _ in DEFAULT_KIND:
             pool = ck.pool.get(kind)
             if not pool:
                 continue
@@ -1921,6 +1931,39 @@ def capacity_section(b, cks, add):
             "identical, and a preempted copy that comes back shares every block of a running one, so more of "
             "them than the formula's count run at once. 'agree': the measured count and the engine's block count "
             "(its `kv pool:` line) equal the formula's.", "",
+            md_table(header, rows), ""]
+
+
+def dtype_section(b, cks, add):
+    """Speed and memory by --kv-dtype: bytes per token, full-context sequences in a pool of the
+    kind's capacities, and decode tokens/s at its batch sizes (the same runs as the tables above)."""
+    args, rows = b.args, []
+    batches = [B for B in args.batches if all(B in kind_values(args.batches, own) for _, _, own, _ in BATCH_CONFIGS)]
+    mibs = [m for m in args.capacity_mib if all(m in kind_values(args.capacity_mib, own) for _, _, _, own in BATCH_CONFIGS)]
+    for ck in cks:
+        v = ck.info["variant"]
+        for kind, _, _, _ in BATCH_CONFIGS:
+            pool = ck.pool.get(kind)
+            if not pool:
+                continue
+            dtype = kind or "fp32"
+            row = [ck.name, dtype, f"{pool['bytes_per_token']:,}"]
+            for mib in mibs:
+                c = ck.capacity.get((kind, mib))
+                row.append(f"{c['formula']:,}" + (f" ({c['measured']} measured)" if "measured" in c else "") if c else "—")
+            for B in batches:
+                f = batch_figures(b, ck, kind, B)
+                row.append(fmt_spread(f["tps"]) if f else "—")
+                if f:
+                    add("dtype", v, f"B={B} {dtype}", "tokens_per_s_median", f"{f['tps']['median']:.6g}", "tokens/s")
+            add("dtype", v, dtype, "kv_bytes_per_token", pool["bytes_per_token"], "bytes")
+            rows.append(row)
+    header = ["Attention Mechanism", "--kv-dtype", "KV bytes/token"] + \
+        [f"full-context sequences in {m:g} MiB" for m in mibs] + [f"tokens/s at B={B}" for B in batches]
+    return ["## KV cache precision: speed and memory", "",
+            "The same runs as the throughput and capacity tables, with `--kv-dtype bf16` and `int8` beside the "
+            "default fp32. int8 stores a 4-byte scale beside every cached vector (a key or value head of one token; "
+            "an MLA latent and its RoPE key). What each dtype costs in quality: `make quality`.", "",
             md_table(header, rows), ""]
 
 

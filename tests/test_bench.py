@@ -168,6 +168,7 @@ def test_quick_mode(tmp_path):
     # the C engine alone: no section of a part that did not run, not even a row of the machine table
     heads = [x for x in md.splitlines() if x.startswith("## ")]
     assert heads == ["## Machine", "## Method", "## C engine", "## Batched decoding: throughput", "## KV cache size",
+                     "## KV cache precision: speed and memory",
                      "## Per-step latency"]
     assert "PyTorch |" not in md and "roofline probe)" not in md and "share of bound" not in md
     assert not any(r["impl"] == "pytorch" for r in steps)

@@ -85,7 +85,8 @@ def test_sections_and_plots(batch_report):
     assert val(r["vals"], "report", "", "", "status") == "complete"
     heads = [x for x in md.splitlines() if x.startswith("## ")]
     assert heads == ["## Machine", "## Method", "## C engine", "## Roofline", "## Batched decoding: throughput",
-                     "## KV cache size", "## KV cache capacity", "## Determinism: with and without the cache",
+                     "## KV cache size", "## KV cache capacity", "## KV cache precision: speed and memory",
+                     "## Determinism: with and without the cache",
                      "## Per-step latency"]
     assert "### From weight-bound to cache-bound" in md
     assert f"{slug}-throughput.png" in r["pngs"] and f"]({slug}-throughput.png)" in md
@@ -124,7 +125,8 @@ def test_bytes_flops_and_intensity_from_the_shape(batch_report):
         s = shape(path)
         for B in BATCHES:
             mode = f"B={B}"
-            rows = [x for x in r["steps"] if x["variant"] == v and x["mode"] == "batch" and x["batch"] == str(B)]
+            rows = [x for x in r["steps"] if x["variant"] == v and x["mode"] == "batch" and x["batch"] == str(B)
+                        and x["flags"] == ""]
             assert rows[0]["phase"] == "prefill" and int(rows[0]["sequences"]) == 1
             n_prompt = int(rows[0]["n_tokens"])
             mid = full_steps(rows, B)[(STEPS - (B > 1) - 1) // 2]   # the full step in the middle
@@ -168,6 +170,30 @@ def test_roofline_bound_and_bandwidth_choice(batch_report):
                                                                  else "weights")
 
 
+def test_dtype_table(batch_report):
+    """Bytes per token for each --kv-dtype from the shape alone (int8: a 4-byte scale beside every
+    cached vector), and tokens/s at B=1 (the only batch size of this run the dtypes share) from
+    runs made with the dtype's flag; fp32's are the throughput table's own."""
+    r = batch_report
+    rows = table_rows(r["md"], "## KV cache precision: speed and memory")
+    assert [x[1] for x in rows] == ["fp32", "bf16", "int8"] * len(VARIANTS)
+    for name, path in r["names"].items():
+        s = shape(path)
+        for dtype, size in (("fp32", 4), ("bf16", 2), ("int8", 1)):
+            scale = 4 if dtype == "int8" else 0
+            want = s["L"] * ((s["dc"] + s["rd"]) * size + 2 * scale) if s["dc"] else \
+                2 * s["L"] * s["Hkv"] * (s["hd"] * size + scale)
+            assert int(val(r["vals"], "dtype", name, dtype, "kv_bytes_per_token")) == want, (name, dtype)
+            flags = "" if dtype == "fp32" else f"--kv-dtype {dtype}"
+            steps = [float(x["ms"]) for x in r["steps"] if x["variant"] == name and x["mode"] == "batch"
+                     and x["batch"] == "1" and x["flags"] == flags and x["phase"] == "decode"]
+            assert steps
+            tps = val(r["vals"], "dtype", name, f"B=1 {dtype}", "tokens_per_s_median")
+            assert float(tps) > 0
+            if dtype == "fp32":   # the same runs as the throughput table's
+                assert tps == val(r["vals"], "batch", name, "B=1", "tokens_per_s_median")
+
+
 def test_capacity_formula_and_measurement(batch_report):
     """Full-context sequences in a pool: floor(MiB x 2^20 / (16 x bytes/token)) blocks, ceil(context
     / 16) a sequence; in the small pool the engine's preemptions leave exactly that many running at
@@ -202,7 +228,8 @@ def test_step_rows_and_paragraph(batch_report):
     r = batch_report
     for v, path in r["names"].items():
         for B in BATCHES:
-            rows = [x for x in r["steps"] if x["variant"] == v and x["mode"] == "batch" and x["batch"] == str(B)]
+            rows = [x for x in r["steps"] if x["variant"] == v and x["mode"] == "batch" and x["batch"] == str(B)
+                        and x["flags"] == ""]
             want = ["prefill"] + (["decode"] * STEPS if B == 1 else ["mixed"] + ["decode"] * STEPS)
             assert [x["phase"] for x in rows] == want
             assert [int(x["sequences"]) for x in rows[1:]] == ([1] * STEPS if B == 1 else [B] * STEPS + [B - 1])
