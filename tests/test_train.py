@@ -4,11 +4,13 @@ into an existing --out refused, a --resume of another run refused, Ctrl-C and SI
 leaving a last.pt to resume from, the validation's progress bar, warmup as a fraction.
 Tiny models (--small, --ctx 32, batches of 4) on token files made in tmp_path."""
 import argparse
+import csv
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -233,6 +235,32 @@ def test_ctrl_c_and_sigterm_save_last_pt(data, tmp_path):
     assert_one_line_error(p, "stopped at step", "last.pt saved")
     ck = torch.load(out / "last.pt")
     assert ck["step"] >= step and len(ck["sittings"]) == 2 and ck["sittings"][1]["first_step"] == step
+
+
+def test_a_validation_cut_short_runs_on_resume(data, tmp_path):
+    """A stop that lands during a validation loses it; --resume runs it before the next step,
+    so the loss curve keeps a point at every eval_tokens. The stop is staged: last.pt is
+    edited to say the validation at its step never finished."""
+    out = tmp_path / "mha"
+    args = ["--variant", "mha", *TINY, "--steps", 10 ** 6, "--save-minutes", 10 ** 6, "--data", data, "--out", out]
+    proc, _ = start(args + ["--eval-tokens", 10 ** 12])
+    stop(proc, signal.SIGINT)
+    ck = torch.load(out / "last.pt")
+    step = ck["step"]
+    assert ck["evals_done"] == 0
+    ck["evals_done"] = -1   # the validation at token 0 on a grid of one step: cut short
+    torch.save(ck, out / "last.pt")
+    proc, first = start(args + ["--eval-tokens", 10 ** 12, "--resume"])
+    assert f"resumed at step {step:,}" in first, first + proc.stderr.read()
+    deadline = time.time() + 240
+    rows = []
+    while time.time() < deadline and not rows:
+        with open(out / "log.csv") as f:
+            rows = [r for r in csv.DictReader(f) if r["val_loss"]]
+        time.sleep(0.2)
+    stop(proc, signal.SIGTERM)
+    assert len(rows) == 1 and int(rows[0]["step"]) == step, rows
+    assert torch.load(out / "last.pt")["evals_done"] == 0
 
 
 def test_warmup_is_a_fraction_of_the_run(data, tmp_path):

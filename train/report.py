@@ -94,7 +94,11 @@ def main():
     out.append(f"## {name}.bin\n")
     out.append("| | |\n|---|---|")
     out.append(f"| machine | {machine()} |")
-    out.append(f"| training | {float(last['minutes']):.1f} minutes (`--minutes` budget), {int(last['step']):,} steps of 16x256 tokens |")
+    budget = best.get("budget_steps")
+    sittings = len(best.get("sittings", [])) or 1
+    out.append(f"| training | {int(last['step']):,} steps of 16x256 tokens"
+               + (f" (a budget of {budget:,} steps)" if budget else "")
+               + f", {float(last['minutes']):.1f} minutes in {sittings} sitting{'s' if sittings > 1 else ''} |")
     out.append(f"| tokens seen | {int(last['tokens']):,} ({int(last['tokens']) / train_tokens:.2f} epochs of {train_tokens:,}) |")
     out.append(f"| best validation loss | {best['best_val']:.4f} nats/token (PyTorch, {best.get('precision', args.precision)}), at step {best['step']:,} "
                f"({best['tokens']:,} tokens, {best['elapsed'] / 60:.1f} min) |")

@@ -270,6 +270,7 @@ def main():
                               lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
 
     step, tokens_seen, elapsed, best_val, sittings = 0, 0, 0.0, float("inf"), []
+    evals_done = 0  # validations on the eval_tokens grid so far: one cut short by a stop runs on resume
     precision = "bf16" if args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16()) else "fp32"
     stop.arm()  # from here on a stop waits for a safe point and saves last.pt
     os.makedirs(out, exist_ok=True)  # only now, so that a refused run leaves no folder behind
@@ -285,6 +286,7 @@ def main():
         step, tokens_seen, elapsed, best_val = ck["step"], ck["tokens"], ck["elapsed"], ck["best_val"]
         rng.bit_generator.state = ck["rng"]
         sittings = ck.get("sittings", [])
+        evals_done = ck.get("evals_done", tokens_seen // args.eval_tokens)
         started = ck.get("precision_name")
         if started and args.precision == "auto":
             precision = started
@@ -306,7 +308,7 @@ def main():
         torch.save({"model": model.state_dict(), "config": cfg.__dict__, "step": step, "tokens": tokens_seen,
                     "elapsed": elapsed, "best_val": best_val, "kind": kind, "budget_steps": args.steps,
                     "precision": "bf16 autocast" if bf16 else "fp32", "precision_name": precision,
-                    "sittings": sittings,
+                    "sittings": sittings, "evals_done": evals_done,
                     **({"optim": optim.state_dict(), "rng": rng.bit_generator.state} if kind == "last" else {})},
                    path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -318,8 +320,9 @@ def main():
                     f"{'' if val_loss is None else f'{val_loss:.4f}'}\n")
 
     def validate(final=False):
-        nonlocal best_val
+        nonlocal best_val, evals_done
         val = evaluate(model, val_batches, bf16, leave=final, check=stop.check)
+        evals_done = tokens_seen // args.eval_tokens
         if val < best_val:
             best_val = val
             save(os.path.join(out, "best.pt"), "best")
@@ -339,6 +342,8 @@ def main():
         smooth, lr, val = None, args.lr, float("nan")
         t_sitting = time.time()
         last_log = last_save = elapsed
+        if step < args.steps and tokens_seen // args.eval_tokens > evals_done:
+            val = validate()   # the last sitting stopped during this validation
         while step < args.steps:
             stop.check()
             lr = lr_at(step, args)
@@ -365,7 +370,7 @@ def main():
             if elapsed - last_log >= 30:
                 log(smooth, None)
                 last_log = elapsed
-            if tokens_seen // args.eval_tokens > (tokens_seen - B * T) // args.eval_tokens and step < args.steps:
+            if tokens_seen // args.eval_tokens > evals_done and step < args.steps:
                 val = validate()
                 last_save = elapsed
             elif elapsed - last_save >= args.save_minutes * 60:
