@@ -713,7 +713,7 @@ int main(int argc, char **argv) {
         perplexity(&e, o.ppl_path);
     } else {
         Scheduler sch = {.model = &m, .state = &state, .pool = &pool, .kv = o.kv, .form = o.mla_form, .max_batch = B,
-                         .max_new = o.steps, .ignore_eos = o.ignore_eos, .top_k = o.top_k, .temperature = o.temperature,
+                         .max_new = o.steps, .ignore_eos = o.ignore_eos, .top_k = o.top_k, .top_p = 1.0f, .temperature = o.temperature,
                          .logits = logits};
         PromptFile file = {0};
         const char **prompts;  /* each request's text */

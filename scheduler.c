@@ -268,7 +268,7 @@ int scheduler_run(Scheduler *sch) {
         r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
         if (r->cap_tokens < r->n_prompt + 1) rc = -1;
         r->decode_steps = r->preemptions = 0;
-        if (sampler_init(&r->sampler, c->vocab_size, sch->top_k, sch->temperature, r->seed) != 0 ||
+        if (sampler_init(&r->sampler, c->vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0 ||
             kv_init(&r->cache, sch->pool, sch->pool->window ? INT32_MAX / 2 : c->max_seq_len) != 0)
             rc = -1;
     }

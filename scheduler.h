@@ -81,6 +81,7 @@ typedef struct {
                            * with a window, until EOS) */
     int ignore_eos;
     int top_k;
+    float top_p;
     float temperature;
     Request *requests;    /* admitted in this order */
     int n_requests;
