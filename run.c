@@ -4,6 +4,7 @@
  *   ./run weights/gqa.bin -p "Once upon a time" --kv
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "loader.h"
@@ -24,6 +26,7 @@
 #include "textfile.h"
 #include "timer.h"
 #include "utf8.h"
+#include "version.h"
 
 #define EXIT_USAGE 2
 
@@ -647,6 +650,29 @@ static void info(const Model *m, const KVPool *pool, int batch) {
     printf("kernels        %s\n", kernels_simd_name());
 }
 
+/* ---- the standard streams and the prompt ---- */
+
+/* A closed standard descriptor would be handed to the next file opened (the checkpoint, a
+ * log), and the story or a message would land in that file: a closed stdout is refused,
+ * a closed stdin or stderr gets /dev/null. */
+static void check_standard_streams(const Options *o) {
+    if (fcntl(STDOUT_FILENO, F_GETFD) < 0) die(1, "cannot write standard output: it is closed");
+    if (fcntl(STDIN_FILENO, F_GETFD) < 0) {
+        if (o->prompt_path && !strcmp(o->prompt_path, "-")) die(1, "cannot read the prompt: standard input is closed");
+        if (open("/dev/null", O_RDONLY) != STDIN_FILENO) die(1, "cannot open /dev/null: %s", strerror(errno));
+    }
+    if (fcntl(STDERR_FILENO, F_GETFD) < 0 && open("/dev/null", O_WRONLY) != STDERR_FILENO) exit(1);
+}
+
+/* The prompt of -f FILE or -p - (standard input), without its trailing line breaks. */
+static char *read_prompt(const char *path) {
+    char err[512], *text;
+    if (textfile_read_text(strcmp(path, "-") ? path : "/dev/stdin", &text, err, sizeof err) != 0) die(1, "%s", err);
+    size_t n = strlen(text);
+    while (n > 0 && (text[n - 1] == '\n' || text[n - 1] == '\r')) text[--n] = '\0';
+    return text;
+}
+
 int main(int argc, char **argv) {
     Options o;
     size_t errlen = 256;  /* room for the longest message with every argument in it */
@@ -654,15 +680,19 @@ int main(int argc, char **argv) {
     char *usage_err = malloc(errlen);
     if (!usage_err) die(1, "out of memory");
     int rc = cli_parse(&o, argc, argv, usage_err, errlen);
-    if (rc == 1) {
-        cli_usage(stdout);
+    if (rc == CLI_HELP || rc == CLI_VERSION) {
+        if (rc == CLI_HELP) cli_usage(stdout);
+        else printf("run %s (commit %s)\n", RUN_VERSION, build_commit());
         exit(0);
     }
-    if (rc != 0) {
+    if (rc != CLI_RUN) {
         if (o.usage_on_error) cli_usage(stderr);
         die(EXIT_USAGE, "%s", usage_err);
     }
     free(usage_err);
+    check_standard_streams(&o);
+    char *prompt_text = o.prompt_path ? read_prompt(o.prompt_path) : NULL;
+    if (prompt_text) o.prompt = prompt_text;
     if (o.threads > 0) parallel_set_threads(o.threads);
 
     Model m;
@@ -680,7 +710,6 @@ int main(int argc, char **argv) {
     const int B = o.batch;
     if (o.dump_path && (B > 1 || o.prompts_path))
         die(EXIT_USAGE, "--dump-logits writes one sequence's logits: it takes no --batch or --prompts");
-    if (o.check_kv && B > 1) die(EXIT_USAGE, "--check-kv compares one sequence; --check-batch compares a batch");
     const size_t block_bytes = kv_block_bytes_for(&m.cfg, o.kv_dtype);
     const int one_sequence = kv_blocks_for(o.window ? o.window : m.cfg.max_seq_len);
     const double pool_blocks = o.kv_mem_mb > 0.0f ? floor((double)o.kv_mem_mb * 1048576.0 / (double)block_bytes)
@@ -713,7 +742,8 @@ int main(int argc, char **argv) {
         perplexity(&e, o.ppl_path);
     } else {
         Scheduler sch = {.model = &m, .state = &state, .pool = &pool, .kv = o.kv, .form = o.mla_form, .max_batch = B,
-                         .max_new = o.steps, .ignore_eos = o.ignore_eos, .top_k = o.top_k, .top_p = 1.0f, .temperature = o.temperature,
+                         .max_new = o.steps, .ignore_eos = o.ignore_eos, .top_k = o.top_k, .top_p = o.top_p,
+                         .temperature = o.temperature,
                          .logits = logits};
         PromptFile file = {0};
         const char **prompts;  /* each request's text */
@@ -749,10 +779,10 @@ int main(int argc, char **argv) {
                 fprintf(log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
             }
             if (o.dump_path && !(dump = fopen(o.dump_path, "wb"))) die(1, "cannot write %s: %s", o.dump_path, strerror(errno));
-            fprintf(stderr, "seed %llu | %s | %s %s | mla form %s | threads %d | top-k %d | temperature %g",
+            fprintf(stderr, "seed %llu | %s | %s %s | mla form %s | threads %d | top-k %d | top-p %g | temperature %g",
                     (unsigned long long)o.seed, variant_name(&m.cfg), o.kv ? "kv" : "no-kv", kv_dtype_name(o.kv_dtype),
                     m.cfg.variant == VARIANT_MLA ? mla_form_name(o.mla_form) : "n/a", parallel_threads(), o.top_k,
-                    o.temperature);
+                    o.top_p, o.temperature);
             if (sch.n_requests > 1 || B > 1)
                 fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", sch.n_requests, B,
                         (unsigned long long)o.seed, (unsigned long long)(o.seed + (uint64_t)sch.n_requests - 1));
@@ -772,5 +802,6 @@ int main(int argc, char **argv) {
     free(tokens);
     free(logits);
     model_free(&m);
+    free(prompt_text);
     return status;
 }

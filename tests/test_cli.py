@@ -3,11 +3,12 @@ and without the cache, bitwise cache and thread invariance, --check-kv, --info, 
 and one clear error line for every bad input."""
 import os
 import re
+import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import PROMPT, VARIANTS, read_logits, run
+from conftest import PROMPT, ROOT, RUN, VARIANTS, read_logits, run
 
 SUMMARY = re.compile(r"summary: (\S+) (kv|no-kv) \| prefill (\d+) tokens ([\d.]+) ms \| decode (\d+) steps, "
                      r"([\d.]+) ms/token, ([\d.]+) tokens/s, median step ([\d.]+) ms, mean step ([\d.]+) ms \| "
@@ -137,6 +138,50 @@ def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
                 count += len(y)
     assert int(m.group(1)) == 3 and int(m.group(2)) == count
     assert abs(float(m.group(3)) - total / count) < 1e-4
+
+
+# ---- the command line: long names, --flag=value, the prompt from a file or stdin, --version ----
+
+def test_long_flags_mean_the_short_ones(small_checkpoints):
+    path, _ = small_checkpoints["gqa"]
+    short = run([path, "-p", PROMPT, "-n", 9, "-k", 5, "-t", 0.7, "-s", 11, "-q", "--ignore-eos"])
+    long = run(["--prompt=" + PROMPT, "--n-predict", 9, "--top-k=5", "--temp=0.7", "--seed", 11, "--quiet",
+                "--ignore-eos", "--", path])
+    assert short.stdout == long.stdout and short.stdout.startswith(PROMPT.encode())
+    assert b"top-k 5 | top-p 1 | temperature 0.7" in long.stderr
+    # top-p narrows what is drawn: 0 keeps the most likely token only, as greedy does
+    greedy = run([path, "-p", PROMPT, "-n", 9, "-k", 1, "-q", "--ignore-eos"]).stdout
+    nucleus = run([path, "-p", PROMPT, "-n", 9, "--top-p", 0, "-t", 1.5, "-s", 4, "-q", "--ignore-eos"]).stdout
+    assert nucleus == greedy
+
+
+def test_prompt_from_a_file_and_from_stdin(small_checkpoints, tmp_path):
+    path, _ = small_checkpoints["mqa"]
+    args = ["-n", 6, "-k", 1, "-q", "--ignore-eos"]
+    want = run([path, "-p", PROMPT] + args).stdout
+    text = tmp_path / "prompt.txt"
+    text.write_text(PROMPT + "\n\n")                     # trailing line breaks are dropped
+    assert run([path, "-f", text] + args).stdout == want
+    assert run([path, "--file=" + str(text)] + args).stdout == want
+    p = subprocess.run([RUN, path, "-p", "-"] + [str(a) for a in args], input=(PROMPT + "\r\n").encode(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    assert p.returncode == 0 and p.stdout == want, p.stderr
+    (tmp_path / "bad.txt").write_bytes(b"Once \xff upon")
+    expect_error([path, "-f", tmp_path / "bad.txt"], 1, f"{tmp_path / 'bad.txt'} is not valid UTF-8 text")
+    (tmp_path / "nul.txt").write_bytes(b"Once\0upon")
+    expect_error([path, "-f", tmp_path / "nul.txt"], 1, "holds a NUL byte")
+    expect_error([path, "-f", tmp_path / "missing.txt"], 1, "cannot open")
+    expect_error([path, "-f", text, "-p", "x"], 2, "-p and -f cannot be combined")
+
+
+def test_version_names_the_commit():
+    p = run(["--version"])
+    m = re.fullmatch(r"run (\d+\.\d+\.\d+) \(commit (\S+)\)\n", p.stdout.decode())
+    assert m, p.stdout
+    git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL)
+    head = git.stdout.decode().strip() if git.returncode == 0 else "unknown"
+    assert m.group(2) in (head, head + "-dirty"), (m.group(2), head)
 
 
 # ---- bad input: one line on stderr, a non-zero exit, nothing on stdout ----
