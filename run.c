@@ -4,6 +4,7 @@
  *   ./run weights/gqa.bin -p "Once upon a time" --kv
  */
 #include <errno.h>
+#include <sys/stat.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
@@ -80,7 +81,7 @@ static int encode_prompt(const Model *m, const char *prompt, int *tokens, int ma
 /* ---- generation: one sequence or many (scheduler.h) ---- */
 
 static const char *stop_name(StopReason r) {
-    return r == STOP_EOS ? "eos" : r == STOP_CONTEXT ? "context full" : r == STOP_STEPS ? "steps" : "running";
+    return r == STOP_EOS ? "eos" : r == STOP_CONTEXT ? "context full" : r == STOP_STEPS ? "steps" : "interrupted";
 }
 
 typedef struct {
@@ -95,7 +96,29 @@ typedef struct {
     double *step_ms;         /* (steps so far) */
     int n_steps, cap_steps;
     int first_step_tokens;
+    int step_lines;          /* the warm-up and each step on stderr */
+    int one_terminal;        /* stdout and stderr are the same terminal */
+    int mid_line;            /* the text on stdout does not end with a newline */
 } Generation;
+
+/* 1 when stdout and stderr are one terminal, where step lines would cut the story up. */
+static int one_terminal(void) {
+    struct stat out, err;
+    return isatty(STDOUT_FILENO) && isatty(STDERR_FILENO) && fstat(STDOUT_FILENO, &out) == 0 &&
+           fstat(STDERR_FILENO, &err) == 0 && out.st_rdev == err.st_rdev;
+}
+
+/* Story text on stdout, at once (sanitized for the terminal). */
+static void print_text(Generation *g, const char *text) {
+    utf8_fputs_sanitized(text, stdout);
+    fflush(stdout);
+    if (*text) g->mid_line = text[strlen(text) - 1] != '\n';
+}
+
+/* Before a line on stderr: on the story's terminal it starts a line of its own. */
+static void start_stderr_line(Generation *g) {
+    if (g->one_terminal && g->mid_line) fputc('\n', stderr), g->mid_line = 0;
+}
 
 /* The text of tokens[1 ..) (after BOS) as stdout shows it: sanitized, in a new buffer. */
 static char *sequence_text(const Model *m, const Request *r, size_t *len) {
@@ -145,17 +168,14 @@ static void on_logits(void *ctx, Request *r, const float *logits) {
 static void on_token(void *ctx, Request *r, int token) {
     Generation *g = ctx;
     (void)r;
-    if (!streams_text(g)) return;
-    utf8_fputs_sanitized(spm_stream_put(g->stream, token), stdout);
-    fflush(stdout);
+    if (streams_text(g)) print_text(g, spm_stream_put(g->stream, token));
 }
 
 static void on_done(void *ctx, Request *r) {
     Generation *g = ctx;
     if (streams_text(g)) {
-        utf8_fputs_sanitized(spm_stream_flush(g->stream), stdout);
-        fputc('\n', stdout);
-        fflush(stdout);
+        print_text(g, spm_stream_flush(g->stream));
+        if (g->mid_line || !g->one_terminal) print_text(g, "\n");  /* after a step line the terminal is at a line start */
         (void)r;
         return;
     }
@@ -176,7 +196,8 @@ static void on_step(void *ctx, const StepInfo *st) {
     }
     g->step_ms[g->n_steps++] = st->ms;
     if (st->step == 0) g->first_step_tokens = st->n_tokens;
-    if (!g->o->quiet) {
+    if (g->step_lines) {
+        start_stderr_line(g);
         if (st->only && st->step == 0) fprintf(stderr, "[prefill] tokens %d next %d ms %.3f\n", st->n_tokens, st->next_token, st->ms);
         else if (st->only) fprintf(stderr, "[step %d] pos %d token %d ms %.3f\n", st->step, st->pos, st->next_token, st->ms);
         else fprintf(stderr, "[step %d] sequences %d tokens %d ms %.3f\n", st->step, st->sequences, st->n_tokens, st->ms);
@@ -202,85 +223,102 @@ static double percentile(double *v, int n, double q) {
     return lo + 1 < n ? v[lo] + (rank - lo) * (v[lo + 1] - v[lo]) : v[lo];
 }
 
-static void print_pool(const Generation *g) {
+/* A run's figures, for the summary and its JSON form. The first step is the prefill,
+ * every later step decodes; with --prompts, latencies are per request. */
+typedef struct {
+    int sequences, prefill_tokens, decode_steps, decode_tokens, stops[4];  /* stops by StopReason; NONE: interrupted */
+    double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token, tokens_per_s, per_sequence_ms_per_token;
+    long served_tokens;                      /* --prompts: every token sampled */
+    double ttft50, ttft95, token50, token95; /* --prompts: time to first token, per-token latency */
+    size_t kv_bytes;
+} Figures;
+
+static Figures figures_of(const Generation *g) {
     const Scheduler *sch = g->sch;
+    const int n = sch->n_requests;
+    Figures f = {.sequences = n, .prefill_tokens = g->first_step_tokens, .decode_steps = g->n_steps > 0 ? g->n_steps - 1 : 0,
+                 .prefill_ms = g->n_steps ? g->step_ms[0] : 0.0,
+                 .kv_bytes = sch->kv ? kv_block_bytes(sch->pool) * (size_t)sch->pool->n_blocks : 0};
+    double *ttft = malloc((size_t)n * sizeof *ttft), *per_token = malloc((size_t)n * sizeof *per_token);
+    double *steps = malloc((size_t)(f.decode_steps + 1) * sizeof *steps);
+    if (!ttft || !per_token || !steps) die(1, "out of memory");
+    int n_per_token = 0;
+    for (int i = 0; i < n; i++) {
+        const Request *r = &sch->requests[i];
+        f.decode_tokens += r->generated > 0 ? r->generated - 1 : 0;
+        f.served_tokens += r->generated;
+        f.stops[r->stop]++;
+        f.per_sequence_ms_per_token += r->decode_steps ? r->decode_ms / r->decode_steps / n : 0.0;
+        ttft[i] = r->first_token_ms;
+        if (r->decode_steps) per_token[n_per_token++] = r->decode_ms / r->decode_steps;
+    }
+    for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[i + 1];
+    f.step_median_ms = percentile(steps, f.decode_steps, 0.5);
+    f.step_mean_ms = f.decode_steps ? f.decode_ms / f.decode_steps : 0.0;
+    f.ms_per_token = f.decode_tokens ? f.decode_ms / f.decode_tokens : 0.0;
+    f.tokens_per_s = g->serving ? (sch->total_ms > 0 ? 1000.0 * f.served_tokens / sch->total_ms : 0.0)
+                                : (f.decode_ms > 0 ? 1000.0 * f.decode_tokens / f.decode_ms : 0.0);
+    f.ttft50 = percentile(ttft, n, 0.5), f.ttft95 = percentile(ttft, n, 0.95);
+    f.token50 = percentile(per_token, n_per_token, 0.5), f.token95 = percentile(per_token, n_per_token, 0.95);
+    free(ttft);
+    free(per_token);
+    free(steps);
+    return f;
+}
+
+static void print_stops(FILE *out, const int *stops) {
+    fprintf(out, "stops: eos %d, steps %d, context full %d", stops[STOP_EOS], stops[STOP_STEPS], stops[STOP_CONTEXT]);
+    if (stops[STOP_NONE]) fprintf(out, ", interrupted %d", stops[STOP_NONE]);
+}
+
+/* The summary line, and with the cache for more than one sequence (or -v) the pool's line.
+ * --prompts: requests served, throughput, time to first token and per-token latency
+ * (each request's decode time over its decode steps), median and 95th percentile. */
+static void write_summary(FILE *out, const Generation *g, const Figures *f) {
+    const Scheduler *sch = g->sch;
+    fprintf(out, "summary: %s %s", variant_name(&g->model->cfg), sch->kv ? "kv" : "no-kv");
+    if (g->serving) {
+        fprintf(out, " | %d requests served through %d slots in %d steps | %ld tokens in %.1f ms, %.1f tokens/s | time to "
+                "first token median %.3f ms, p95 %.3f ms | per token median %.3f ms, p95 %.3f ms",
+                f->sequences, sch->max_batch, sch->steps, f->served_tokens, sch->total_ms, f->tokens_per_s, f->ttft50,
+                f->ttft95, f->token50, f->token95);
+    } else {
+        if (f->sequences > 1) fprintf(out, " | %d sequences", f->sequences);
+        fprintf(out, " | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s, median step %.3f ms, "
+                "mean step %.3f ms", f->prefill_tokens, f->prefill_ms, f->decode_steps, f->ms_per_token, f->tokens_per_s,
+                f->step_median_ms, f->step_mean_ms);
+        if (f->sequences > 1) fprintf(out, " | per sequence %.3f ms/token", f->per_sequence_ms_per_token);
+    }
+    fprintf(out, " | KV cache %zu bytes%s | ", f->kv_bytes, sch->kv || g->serving ? "" : " (recomputed every step)");
+    if (f->sequences == 1 && !g->serving) fprintf(out, "stop: %s\n", stop_name(sch->requests[0].stop));
+    else print_stops(out, f->stops), fputc('\n', out);
+    if (!sch->kv || (f->sequences == 1 && !g->o->verbose)) return;
     const KVPool *pool = sch->pool;
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
-    fprintf(stderr, "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
+    fprintf(out, "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
             "full contexts for %d sequences: %zu bytes | preemptions %d\n",
             KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->peak_in_use, pool->n_blocks,
             kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, sch->preemptions);
 }
 
-/* --prompts: requests served, throughput, time to first token and per-token latency
- * (each request's decode time over its decode steps), median and 95th percentile. */
-static void print_serving_summary(const Generation *g) {
-    const Scheduler *sch = g->sch;
-    const int n = sch->n_requests;
-    double *ttft = malloc((size_t)n * sizeof *ttft), *per_token = malloc((size_t)n * sizeof *per_token);
-    if (!ttft || !per_token) die(1, "out of memory");
-    long tokens = 0;
-    int n_per_token = 0, stops[4] = {0};
-    for (int i = 0; i < n; i++) {
-        const Request *r = &sch->requests[i];
-        tokens += r->generated;
-        stops[r->stop]++;
-        ttft[i] = r->first_token_ms;
-        if (r->decode_steps) per_token[n_per_token++] = r->decode_ms / r->decode_steps;
-    }
-    const double ttft50 = percentile(ttft, n, 0.5), ttft95 = percentile(ttft, n, 0.95);
-    const double tok50 = percentile(per_token, n_per_token, 0.5), tok95 = percentile(per_token, n_per_token, 0.95);
-    fprintf(stderr, "summary: %s %s | %d requests served through %d slots in %d steps | %ld tokens in %.1f ms, "
-            "%.1f tokens/s | time to first token median %.3f ms, p95 %.3f ms | per token median %.3f ms, p95 %.3f ms "
-            "| KV cache %zu bytes | stops: eos %d, steps %d, context full %d\n",
-            variant_name(&g->model->cfg), sch->kv ? "kv" : "no-kv", n, sch->max_batch, sch->steps, tokens,
-            sch->total_ms, sch->total_ms > 0 ? 1000.0 * tokens / sch->total_ms : 0.0, ttft50, ttft95, tok50, tok95,
-            sch->kv ? kv_block_bytes(sch->pool) * (size_t)sch->pool->n_blocks : (size_t)0, stops[STOP_EOS],
-            stops[STOP_STEPS], stops[STOP_CONTEXT]);
-    if (sch->kv) print_pool(g);
-    free(ttft);
-    free(per_token);
-}
-
-/* The summary line (and the pool's line with the cache): the first step is the prefill,
- * every later step decodes. */
-static void print_summary(const Generation *g) {
-    if (g->serving) {
-        print_serving_summary(g);
-        return;
-    }
-    const Scheduler *sch = g->sch;
-    const KVPool *pool = sch->pool;
-    const int B = sch->n_requests;
-    int decode_tokens = 0, stops[4] = {0};
-    double per_sequence = 0.0;
-    for (int i = 0; i < B; i++) {
-        const Request *r = &sch->requests[i];
-        decode_tokens += r->generated - 1;
-        stops[r->stop]++;
-        per_sequence += r->decode_steps ? r->decode_ms / r->decode_steps / B : 0.0;
-    }
-    const int decode_steps = g->n_steps - 1;
-    double decode_ms = 0.0;
-    for (int i = 1; i < g->n_steps; i++) decode_ms += g->step_ms[i];
-    double *sorted = malloc((size_t)(decode_steps > 0 ? decode_steps : 1) * sizeof *sorted);
-    if (!sorted) die(1, "out of memory");
-    memcpy(sorted, g->step_ms + 1, (size_t)(decode_steps > 0 ? decode_steps : 0) * sizeof *sorted);
-    const double med = percentile(sorted, decode_steps > 0 ? decode_steps : 0, 0.5);
-    free(sorted);
-    const double per_token = decode_tokens ? decode_ms / decode_tokens : 0.0;
-    fprintf(stderr, "summary: %s %s", variant_name(&g->model->cfg), sch->kv ? "kv" : "no-kv");
-    if (B > 1) fprintf(stderr, " | %d sequences", B);
-    fprintf(stderr, " | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s, median step %.3f ms, "
-            "mean step %.3f ms",
-            g->first_step_tokens, g->n_steps ? g->step_ms[0] : 0.0, decode_steps, per_token,
-            decode_ms > 0 ? 1000.0 * decode_tokens / decode_ms : 0.0, med, decode_steps ? decode_ms / decode_steps : 0.0);
-    if (B > 1) fprintf(stderr, " | per sequence %.3f ms/token", per_sequence);
-    fprintf(stderr, " | KV cache %zu bytes%s", sch->kv ? kv_block_bytes(pool) * (size_t)pool->n_blocks : (size_t)0,
-            sch->kv ? "" : " (recomputed every step)");
-    if (B == 1) fprintf(stderr, " | stop: %s\n", stop_name(sch->requests[0].stop));
-    else fprintf(stderr, " | stops: eos %d, steps %d, context full %d\n", stops[STOP_EOS], stops[STOP_STEPS], stops[STOP_CONTEXT]);
-    if (sch->kv) print_pool(g);
+/* The summary on stderr: one line a part in a file or pipe; on a terminal each " | "
+ * starts an indented line, so that nothing wraps in the middle of a figure. */
+static void print_summary(const Generation *g, const Figures *f) {
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    if (!mem) die(1, "out of memory");
+    write_summary(mem, g, f);
+    if (fclose(mem) != 0) die(1, "out of memory");
+    if (!isatty(STDERR_FILENO)) fputs(text, stderr);
+    else
+        for (const char *s = text; *s;) {
+            const char *bar = strstr(s, " | ");
+            if (!bar) { fputs(s, stderr); break; }
+            fprintf(stderr, "%.*s\n  ", (int)(bar - s), s);
+            s = bar + 3;
+        }
+    free(text);
 }
 
 /* scheduler_run inside one team (parallel.h), so that every forward pass of the run uses
@@ -324,7 +362,7 @@ static void free_requests(Scheduler *sch) {
  * empty cache. A process's first forward runs cold (its weights come from DRAM); that is
  * a cost of loading, so the timed prefill runs warm, like every decode step. The
  * arithmetic is batch-invariant, so the prefill's logits are the same bits either way. */
-static void warm_up(const Scheduler *sch, const Options *o) {
+static void warm_up(const Scheduler *sch, Generation *g) {
     const Request *r = &sch->requests[0];
     KVCache scratch;
     const double t0 = now_ms();
@@ -333,11 +371,18 @@ static void warm_up(const Scheduler *sch, const Options *o) {
         model_forward(sch->model, sch->state, &scratch, r->tokens, n, sch->form, sch->logits, 0) != 0)
         die(1, "out of memory");
     kv_free(&scratch);
-    if (!o->quiet) fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - t0);
+    if (g->step_lines) {
+        start_stderr_line(g);
+        fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - t0);
+    }
 }
 
 static void generate(Scheduler *sch, const Options *o, const char *const *prompts, FILE *log_csv, FILE *dump) {
-    Generation g = {o, sch->model, sch, prompts, o->prompts_path != NULL, log_csv, dump, NULL, 0, NULL, 0, 0, 0};
+    Generation g = {.o = o, .model = sch->model, .sch = sch, .prompts = prompts, .serving = o->prompts_path != NULL,
+                    .log_csv = log_csv, .dump = dump, .one_terminal = one_terminal()};
+    /* Step lines go to stderr when asked for, or when it is not the terminal the story is
+     * on (a file, a pipe, a terminal of its own): there they do not cut the story up. */
+    g.step_lines = !o->quiet && (o->verbose || !g.one_terminal);
     if (!(g.stream = spm_stream_new(sch->model->tokenizer))) die(1, "out of memory");
     sch->on_logits = on_logits;
     sch->on_token = on_token;
@@ -346,12 +391,13 @@ static void generate(Scheduler *sch, const Options *o, const char *const *prompt
     sch->ctx = &g;
     if (streams_text(&g)) {
         const Request *r = &sch->requests[0];
-        for (int i = 1; i < r->n_prompt; i++) utf8_fputs_sanitized(spm_stream_put(g.stream, r->tokens[i]), stdout);
-        fflush(stdout);
+        for (int i = 1; i < r->n_prompt; i++) print_text(&g, spm_stream_put(g.stream, r->tokens[i]));
     }
-    warm_up(sch, o);
+    warm_up(sch, &g);
     parallel_team(run_in_team, sch);
-    print_summary(&g);
+    if (g.one_terminal && streams_text(&g)) fputc('\n', stderr);  /* a blank line between the story and the summary */
+    const Figures f = figures_of(&g);
+    print_summary(&g, &f);
     spm_stream_free(g.stream);
     free(g.step_ms);
 }

@@ -140,6 +140,74 @@ def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
     assert abs(float(m.group(3)) - total / count) < 1e-4
 
 
+# ---- the screen: on one terminal the story reads as text; step lines elsewhere or with -v ----
+
+def on_terminal(args, stderr_on_terminal=True, stdout_on_terminal=True):
+    """Runs ./run with stdout and/or stderr on a pseudo-terminal; returns (terminal text,
+    stdout pipe, stderr pipe), the terminal's \\r\\n as \\n."""
+    import pty
+    master, slave = pty.openpty()
+    p = subprocess.Popen([RUN] + [str(a) for a in args], stdin=subprocess.DEVNULL,
+                         stdout=slave if stdout_on_terminal else subprocess.PIPE,
+                         stderr=slave if stderr_on_terminal else subprocess.PIPE)
+    os.close(slave)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:             # EIO: the terminal's last writer has gone
+            break
+        if not chunk:
+            break
+        screen += chunk
+    out, err = p.communicate(timeout=120)
+    os.close(master)
+    assert p.returncode == 0, (screen, err)
+    return screen.decode().replace("\r\n", "\n"), out, err
+
+
+def test_one_terminal_shows_the_story_then_the_summary(small_checkpoints):
+    path, _ = small_checkpoints["gqa"]
+    args = [path, "-p", PROMPT, "-n", 12, "-s", 5, "--ignore-eos", "--kv"]
+    story = run(args + ["-q"]).stdout.decode()      # stdout in a pipe: the story alone
+    screen, _, _ = on_terminal(args)
+    assert "[step" not in screen and "[prefill]" not in screen and "[warm-up]" not in screen
+    seed_line, rest = screen.split("\n", 1)
+    assert seed_line.startswith("seed 5 | ")
+    assert rest.startswith(story + "\nsummary: ")     # the story, a blank line, the summary
+    summary = rest[len(story) + 1:].split("\n")
+    # on a terminal each part of the summary line starts a line of its own
+    assert summary[0] == "summary: gqa kv" and summary[1].startswith("  prefill 5 tokens ")
+    assert summary[2].startswith("  decode 11 steps, ") and "median step" in summary[2]
+
+
+def test_step_lines_elsewhere_or_when_asked(small_checkpoints):
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
+    path, _ = small_checkpoints["gqa"]
+    args = [path, "-p", PROMPT, "-n", 12, "-k", 1, "--ignore-eos", "--kv"]
+    # stderr not on the terminal stdout is on: the step lines go there
+    _, _, err = on_terminal(args, stderr_on_terminal=False)
+    assert len(re.findall(rb"^\[step \d+\]", err, re.M)) == 11
+    _, out, _ = on_terminal(args, stdout_on_terminal=False)
+    assert out.startswith(PROMPT.encode())
+    # -v on one terminal: each step line on a line of its own, after its token's text
+    screen, _, _ = on_terminal(args + ["-v"])
+    lines = screen.split("\n")
+    steps = [i for i, l in enumerate(lines) if re.match(r"\[(prefill|step \d+)\] ", l)]
+    assert len(steps) == 12
+    checked = 0
+    for i in steps:
+        token = int(re.search(r"(?:token|next) (\d+) ms", lines[i]).group(1))
+        piece = sp.id_to_piece(token)
+        if sp.is_byte(token) or sp.is_control(token):
+            continue
+        assert lines[i - 1].endswith(piece.replace("\u2581", " ")), (lines[i - 1], piece)
+        checked += 1
+    assert checked >= 6
+
+
 # ---- the command line: long names, --flag=value, the prompt from a file or stdin, --version ----
 
 def test_long_flags_mean_the_short_ones(small_checkpoints):
