@@ -260,10 +260,8 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
     if (o->prompts_path && o->prompt_given) return errmsg(err, errlen, 2, "-p and --prompts cannot be combined");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
-    if (o->window && !o->kv && !o->ppl_path && !o->info)
+    if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
         return errmsg(err, errlen, 2, "--window needs --kv: without the cache every step recomputes the whole sequence");
-    if (o->window && o->check_kv)
-        return errmsg(err, errlen, 2, "--window cannot be checked with --check-kv: without the cache there is no window");
     /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
      * expanded one recomputes without it */
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;

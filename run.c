@@ -52,12 +52,19 @@ typedef struct {
 } Engine;
 
 /* The logits after tokens[0..n): with the cache, the forward pass runs the tokens the
- * cache does not hold yet; without it, the whole sequence on an emptied cache. */
+ * cache does not hold yet; without it, the whole sequence on an emptied cache. A window
+ * takes at most what it holds without sliding in one pass, then one token a pass, as
+ * the scheduler feeds it. */
 static void engine_step(Engine *e, const int *tokens, int n, float *logits) {
     if (!e->kv) kv_reset(e->cache);
-    const int from = e->cache->len;
-    if (model_forward(e->model, e->state, e->cache, tokens + from, n - from, e->form, logits, 0) != 0)
-        die(1, "internal error: a forward pass of %d tokens at position %d does not fit", n - from, from);
+    const int window = e->cache->pool->window;
+    while (e->cache->len < n) {
+        const int from = e->cache->len;
+        int count = n - from;
+        if (window && count > 1) count = window - from > 1 ? (count < window - from ? count : window - from) : 1;
+        if (model_forward(e->model, e->state, e->cache, tokens + from, count, e->form, logits, 0) != 0)
+            die(1, "internal error: a forward pass of %d tokens at position %d does not fit", count, from);
+    }
 }
 
 /* What a negative spm_encode result means, after "the prompt" or "story N". */
@@ -506,73 +513,111 @@ static GreedyRun greedy_run(Engine *e, const int *prompt, int n_prompt, int step
     return r;
 }
 
-/* Greedy with the cache (form_cached) against greedy without it (form_uncached); prints one
- * line for people and returns the machine-readable one in line. Returns 1 when they differ. */
-static int check_kv_pair(Engine *e, const Options *o, const int *prompt, int n_prompt, int steps, MlaForm form_cached,
-                         MlaForm form_uncached, char *line, size_t linelen) {
+/* Greedy with the cache against greedy without it, step by step while both runs have seen
+ * the same tokens. */
+typedef struct {
+    char a[32], b[32];     /* the runs' names: kv[-form], no-kv[-form] */
+    int same_form;         /* the same arithmetic: the logits should be the same bits */
+    int steps;             /* compared */
+    int identical_tokens, divergent_step, token_a, token_b;  /* -1: none */
+    int first_bitwise_difference;                             /* -1: none */
+    double max_abs_logit_diff;
+} KvComparison;
+
+/* The comparison fails on different tokens, and for the same form on different logits. */
+static int comparison_fails(const KvComparison *c) {
+    return c->divergent_step >= 0 || (c->same_form && c->first_bitwise_difference >= 0);
+}
+
+/* e->cache is used with the cache; uncached (a cache without a window) without it. */
+static KvComparison check_kv_pair(Engine *e, KVCache *uncached, const Options *o, const int *prompt, int n_prompt,
+                                  int steps, MlaForm form_cached, MlaForm form_uncached) {
     const Model *m = e->model;
     const int V = m->cfg.vocab_size;
     const int is_mla = m->cfg.variant == VARIANT_MLA;
-    char name_a[32], name_b[32];
-    snprintf(name_a, sizeof name_a, is_mla ? "kv-%s" : "kv", mla_form_name(form_cached));
-    snprintf(name_b, sizeof name_b, is_mla ? "no-kv-%s" : "no-kv", mla_form_name(form_uncached));
+    KvComparison c = {.same_form = form_cached == form_uncached, .divergent_step = -1, .token_a = -1, .token_b = -1,
+                      .first_bitwise_difference = -1};
+    snprintf(c.a, sizeof c.a, is_mla ? "kv-%s" : "kv", mla_form_name(form_cached));
+    snprintf(c.b, sizeof c.b, is_mla ? "no-kv-%s" : "no-kv", mla_form_name(form_uncached));
 
+    KVCache *cached = e->cache;
     e->kv = 1;
     e->form = form_cached;
     GreedyRun a = greedy_run(e, prompt, n_prompt, steps, o->ignore_eos);
     e->kv = 0;
     e->form = form_uncached;
+    e->cache = uncached;
     GreedyRun b = greedy_run(e, prompt, n_prompt, steps, o->ignore_eos);
+    e->cache = cached;
 
-    /* compare step by step while both runs have seen the same tokens */
-    int n = a.steps < b.steps ? a.steps : b.steps, diverge = -1, first_bit_diff = -1;
-    double max_diff = 0.0;
-    for (int s = 0; s < n; s++) {
+    c.steps = a.steps < b.steps ? a.steps : b.steps;
+    for (int s = 0; s < c.steps; s++) {
         const float *la = a.logits + (size_t)s * V, *lb = b.logits + (size_t)s * V;
-        if (first_bit_diff < 0 && memcmp(la, lb, (size_t)V * sizeof(float)) != 0) first_bit_diff = s;
+        if (c.first_bitwise_difference < 0 && memcmp(la, lb, (size_t)V * sizeof(float)) != 0) c.first_bitwise_difference = s;
         for (int i = 0; i < V; i++) {
             double d = fabs((double)la[i] - (double)lb[i]);
-            if (d > max_diff) max_diff = d;
+            if (d > c.max_abs_logit_diff) c.max_abs_logit_diff = d;
         }
-        if (sampler_argmax(la, V) != sampler_argmax(lb, V)) { diverge = s; break; }
+        if (sampler_argmax(la, V) != sampler_argmax(lb, V)) { c.divergent_step = s; break; }
     }
-    if (diverge < 0 && a.steps != b.steps) diverge = n;  /* one run stopped at EOS, the other did not */
-    int same = diverge < 0 ? n : diverge;
-    int ta = diverge >= 0 && diverge < a.steps ? sampler_argmax(a.logits + (size_t)diverge * V, V) : -1;
-    int tb = diverge >= 0 && diverge < b.steps ? sampler_argmax(b.logits + (size_t)diverge * V, V) : -1;
-    printf("%s: %s vs %s: ", variant_name(&m->cfg), name_a, name_b);
-    if (diverge < 0) printf("identical for %d tokens", n);
-    else printf("identical for %d tokens, then step %d diverges: %s gives token %d, %s gives token %d",
-                same, diverge, name_a, ta, name_b, tb);
-    printf("; logits %s; max |logit difference| %.3g\n", first_bit_diff < 0 ? "bitwise identical" : "not bitwise identical",
-           max_diff);
-    snprintf(line, linelen,
-             "check-kv variant=%s a=%s b=%s steps=%d identical_tokens=%d first_divergent_step=%d token_a=%d token_b=%d "
-             "bitwise_identical=%d first_bitwise_difference=%d max_abs_logit_diff=%.6g",
-             variant_name(&m->cfg), name_a, name_b, n, same, diverge, ta, tb, first_bit_diff < 0, first_bit_diff, max_diff);
+    if (c.divergent_step < 0 && a.steps != b.steps) c.divergent_step = c.steps;  /* one stopped at EOS, the other not */
+    const int d = c.divergent_step;
+    c.identical_tokens = d < 0 ? c.steps : d;
+    if (d >= 0 && d < a.steps) c.token_a = sampler_argmax(a.logits + (size_t)d * V, V);
+    if (d >= 0 && d < b.steps) c.token_b = sampler_argmax(b.logits + (size_t)d * V, V);
     free(a.tokens);
     free(a.logits);
     free(b.tokens);
     free(b.logits);
-    return diverge >= 0 || first_bit_diff >= 0;
+    return c;
 }
 
-/* For MLA two comparisons: absorbed with the cache against expanded without it (the
- * KV-cache post's setup), and against absorbed without it (the same arithmetic). */
-static void check_kv(Engine *e, const Options *o) {
+/* One line for people, then the machine-readable key=value lines (or one JSON object).
+ * For MLA two comparisons: absorbed with the cache against expanded without it (the
+ * KV-cache post's setup), and against absorbed without it (the same arithmetic). With a
+ * window the cached run keeps only the window and the uncached one recomputes the whole
+ * sequence: they agree until the window is full. Returns 1 when a comparison fails. */
+static int check_kv(Engine *e, const Options *o) {
     const Model *m = e->model;
+    const KVPool *pool = e->cache->pool;
     int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));
     if (!prompt) die(1, "out of memory");
-    int n = encode_prompt(m, o->prompt, prompt, m->cfg.max_seq_len + 1, "");
-    int steps = o->steps ? o->steps : m->cfg.max_seq_len;
-    int is_mla = m->cfg.variant == VARIANT_MLA;
+    const int n = encode_prompt(m, o->prompt, prompt, m->cfg.max_seq_len + 1, "");
+    const int steps = o->steps ? o->steps : m->cfg.max_seq_len;
+    KVPool whole;  /* without the window */
+    KVCache uncached;
+    if (kv_pool_init(&whole, &m->cfg, pool->dtype, kv_blocks_for(m->cfg.max_seq_len)) != 0 ||
+        kv_init(&uncached, &whole, m->cfg.max_seq_len) != 0)
+        die(1, "out of memory");
     const MlaForm uncached_forms[2] = {MLA_EXPANDED, MLA_ABSORBED};
-    char lines[2][512];
-    int n_pairs = is_mla ? 2 : 1;
-    for (int i = 0; i < n_pairs; i++)
-        check_kv_pair(e, o, prompt, n, steps, MLA_ABSORBED, uncached_forms[i], lines[i], sizeof lines[i]);
-    for (int i = 0; i < n_pairs; i++) puts(lines[i]);
+    const int n_pairs = m->cfg.variant == VARIANT_MLA ? 2 : 1;
+    KvComparison c[2];
+    int fails = 0;
+    for (int i = 0; i < n_pairs; i++) {
+        c[i] = check_kv_pair(e, &uncached, o, prompt, n, steps, MLA_ABSORBED, uncached_forms[i]);
+        fails |= comparison_fails(&c[i]);
+    }
+    char window[32] = "";
+    if (pool->window) snprintf(window, sizeof window, " (window %d)", pool->window);
+    for (int i = 0; i < n_pairs && !o->json; i++) {
+        printf("%s: %s%s vs %s: identical for %d tokens", variant_name(&m->cfg), c[i].a, window, c[i].b,
+               c[i].identical_tokens);
+        if (c[i].divergent_step >= 0)
+            printf(", then step %d diverges: %s gives token %d, %s gives token %d", c[i].divergent_step, c[i].a,
+                   c[i].token_a, c[i].b, c[i].token_b);
+        printf("; logits %s; max |logit difference| %.3g\n",
+               c[i].first_bitwise_difference < 0 ? "bitwise identical" : "not bitwise identical", c[i].max_abs_logit_diff);
+    }
+    for (int i = 0; i < n_pairs && !o->json; i++)
+        printf("check-kv variant=%s a=%s b=%s window=%d steps=%d identical_tokens=%d first_divergent_step=%d token_a=%d "
+               "token_b=%d bitwise_identical=%d first_bitwise_difference=%d max_abs_logit_diff=%.6g\n",
+               variant_name(&m->cfg), c[i].a, c[i].b, pool->window, c[i].steps, c[i].identical_tokens,
+               c[i].divergent_step, c[i].token_a, c[i].token_b, c[i].first_bitwise_difference < 0,
+               c[i].first_bitwise_difference, c[i].max_abs_logit_diff);
+    kv_free(&uncached);
+    kv_pool_free(&whole);
     free(prompt);
+    return fails;
 }
 
 /* ---- --ppl ---- */
@@ -745,7 +790,7 @@ int main(int argc, char **argv) {
     char err[512];
     if (model_load(&m, o.checkpoint, err, sizeof err) != 0) die(1, "%s", err);
     if (o.top_k > m.cfg.vocab_size) die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o.top_k, m.cfg.vocab_size);
-    if (o.steps > m.cfg.max_seq_len && !o.window)
+    if (o.steps > m.cfg.max_seq_len && (!o.window || o.check_kv))
         die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o.steps, m.cfg.max_seq_len,
             o.check_kv ? "" : "; more with --window");
     if (o.window > m.cfg.max_seq_len)
@@ -783,7 +828,7 @@ int main(int argc, char **argv) {
     if (o.info) {
         info(&m, &pool, B);
     } else if (o.check_kv) {
-        check_kv(&e, &o);
+        status = check_kv(&e, &o);
     } else if (o.ppl_path) {
         perplexity(&e, o.ppl_path);
     } else {

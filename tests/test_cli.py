@@ -102,6 +102,40 @@ def test_check_kv(small_checkpoints, variant):
     assert out[-len(machine):] == machine   # the machine-readable lines come last
 
 
+def check_kv_lines(out):
+    return [dict(kv.split("=", 1) for kv in l.split()[1:]) for l in out.splitlines() if l.startswith("check-kv ")]
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla64"])
+def test_check_kv_fails_when_a_window_changes_the_logits(small_checkpoints, variant, tmp_path):
+    """A window of 16 keeps the cached run's keys and values of 16 positions; the uncached
+    run recomputes all of them. BOS + 4 prompt tokens: step s computes position 4 + s, and
+    position 16 is the first that sees one position less, so the logits first differ at
+    step 12 (also in --dump-logits, below), and --check-kv exits 1. A window the run never
+    fills changes nothing: exit 0."""
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    path, _ = small_checkpoints[variant]
+    n_prompt = 1 + len(spm.SentencePieceProcessor(model_file=TOKENIZER).encode(PROMPT))
+    window, first = 16, 16 - (n_prompt - 1)
+    args = [path, "--check-kv", "-p", PROMPT, "-n", 40, "--ignore-eos"]
+    p = run(args + ["--window", window], check=False)
+    assert p.returncode == 1, p.stderr
+    same_form = [c for c in check_kv_lines(p.stdout.decode()) if c["a"].replace("kv", "no-kv") == c["b"]]
+    assert len(same_form) == 1 and same_form[0]["window"] == str(window)
+    assert int(same_form[0]["first_bitwise_difference"]) == first and same_form[0]["bitwise_identical"] == "0"
+    form = ["--mla", "absorb"] if variant.startswith("mla") else []
+    run([path, "-p", PROMPT, "-k", 1, "-n", 40, "--ignore-eos", "-q", "--kv", "--window", window, "--dump-logits",
+         tmp_path / "w.bin"] + form)
+    run([path, "-p", PROMPT, "-k", 1, "-n", 40, "--ignore-eos", "-q", "--dump-logits", tmp_path / "n.bin"] + form)
+    w, n = read_logits(tmp_path / "w.bin", 4096), read_logits(tmp_path / "n.bin", 4096)
+    rows = min(len(w), len(n))
+    assert [i for i in range(rows) if not np.array_equal(w[i], n[i])][0] == first
+    p = run(args + ["--window", 64], check=False)   # 5 + 40 positions: the window never slides
+    assert p.returncode == 0 and all(c["bitwise_identical"] == "1" for c in check_kv_lines(p.stdout.decode())
+                                     if c["a"].replace("kv", "no-kv") == c["b"])
+
+
 def test_info(small_checkpoints):
     path, model = small_checkpoints["mla64"]
     out = run([path, "--info"]).stdout.decode()
