@@ -634,7 +634,19 @@ static double token_nll(const float *l, int V, int target) {
 typedef struct {
     double nll, nll_past;  /* all targets; targets at positions past the context */
     long count, count_past;
+    int stories;
+    double story_s2, story_sn, story_n2;  /* sums of s_i^2, s_i n_i, n_i^2: story i's NLL s_i over n_i tokens */
 } NllSum;
+
+/* The mean NLL over all tokens is a ratio, and the stories are the units sampled (tokens of
+ * one story are not independent), so its standard error is the ratio estimator's:
+ * sqrt(k/(k-1) * sum_i (s_i - mean n_i)^2) / N over k stories of N tokens. NAN for one story. */
+static double nll_standard_error(const NllSum *t) {
+    if (t->stories < 2) return NAN;
+    const double mean = t->nll / t->count;
+    const double spread = t->story_s2 - 2.0 * mean * t->story_sn + mean * mean * t->story_n2;
+    return sqrt((double)t->stories / (t->stories - 1) * (spread > 0.0 ? spread : 0.0)) / (double)t->count;
+}
 
 static void add_nll(NllSum *sum, double nll, int target_pos, int ctx) {
     sum->nll += nll;
@@ -669,8 +681,11 @@ static void score_through_window(Engine *e, const int *ids, int n, float *logits
     }
 }
 
-static void perplexity(Engine *e, const char *path) {
+/* --ppl: every story scored, with running estimates on stderr when it is a terminal, then
+ * one line (or one JSON object) on stdout. */
+static void perplexity(Engine *e, const Options *o) {
     const Model *m = e->model;
+    const char *path = o->ppl_path;
     const int ctx = m->cfg.max_seq_len, V = m->cfg.vocab_size;
     char err[256];
     StoryFile sf;
@@ -679,6 +694,7 @@ static void perplexity(Engine *e, const char *path) {
     int *ids = malloc((size_t)cap * sizeof(int));
     float *logits = malloc((size_t)ctx * V * sizeof(float));
     if (!ids || !logits) die(1, "out of memory");
+    const int progress = !o->quiet && isatty(STDERR_FILENO);
     NllSum sum = {0};
     for (int s = 0; s < sf.n_stories; s++) {
         const char *text = sf.stories[s];
@@ -687,18 +703,35 @@ static void perplexity(Engine *e, const char *path) {
             free(ids);
             free(logits);
             storyfile_free(&sf);
+            if (progress) fputs("\r\033[K", stderr);
             die(1, "%s: story %d %s", path, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }
         ids[n++] = m->cfg.eos_id;
+        const double nll_before = sum.nll;
+        const long count_before = sum.count;
         if (e->cache->pool->window) score_through_window(e, ids, n, logits, &sum);
         else score_in_windows(e, ids, n, logits, &sum);
+        const double story_nll = sum.nll - nll_before, story_count = (double)(sum.count - count_before);
+        sum.stories++;
+        sum.story_s2 += story_nll * story_nll, sum.story_sn += story_nll * story_count;
+        sum.story_n2 += story_count * story_count;
+        if (progress) {
+            const double mean = sum.nll / sum.count, se = nll_standard_error(&sum);
+            fprintf(stderr, "\rppl: story %d of %d, %ld tokens, PPL = %.3f", s + 1, sf.n_stories, sum.count, exp(mean));
+            if (!isnan(se)) fprintf(stderr, " +/- %.3f", exp(mean) * se);
+            fputs("\033[K", stderr);
+        }
     }
+    if (progress) fputs("\r\033[K", stderr);
+    const double mean = sum.nll / sum.count, se = nll_standard_error(&sum), ppl = exp(mean);
     printf("ppl: %s | %d stories, %ld tokens | mean NLL %.4f nats/token | perplexity %.3f", path, sf.n_stories,
-           sum.count, sum.nll / sum.count, exp(sum.nll / sum.count));
+           sum.count, mean, ppl);
     if (sum.count_past)
         printf(" | past the context (position %d on): %ld tokens, mean NLL %.4f", ctx, sum.count_past,
                sum.nll_past / sum.count_past);
-    putchar('\n');
+    if (isnan(se)) printf(" | PPL = %.3f (one story: no standard error)\n", ppl);
+    else printf(" | PPL = %.3f +/- %.3f, mean NLL %.4f +/- %.4f (standard errors over %d stories)\n", ppl, ppl * se, mean,
+                se, sum.stories);
     storyfile_free(&sf);
     free(ids);
     free(logits);
@@ -830,7 +863,7 @@ int main(int argc, char **argv) {
     } else if (o.check_kv) {
         status = check_kv(&e, &o);
     } else if (o.ppl_path) {
-        perplexity(&e, o.ppl_path);
+        perplexity(&e, &o);
     } else {
         Scheduler sch = {.model = &m, .state = &state, .pool = &pool, .kv = o.kv, .form = o.mla_form, .max_batch = B,
                          .max_new = o.steps, .ignore_eos = o.ignore_eos, .top_k = o.top_k, .top_p = o.top_p,

@@ -161,17 +161,43 @@ def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
     m = re.search(r"(\d+) stories, (\d+) tokens \| mean NLL ([\d.]+) nats/token", out)
     assert m, out
     sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
-    total, count = 0.0, 0
+    story_nll, story_count = [], []
     model.eval()
     with torch.no_grad():
         for s in stories:
             ids = [1] + sp.encode(s.strip()) + [2]
+            story_nll.append(0.0)
+            story_count.append(0)
             for x, y in story_windows(ids, model.cfg.max_seq_len):
                 logits = model(torch.tensor([x]))[0].double()
-                total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum"))
-                count += len(y)
+                story_nll[-1] += float(torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum"))
+                story_count[-1] += len(y)
+    total, count = sum(story_nll), sum(story_count)
     assert int(m.group(1)) == 3 and int(m.group(2)) == count
     assert abs(float(m.group(3)) - total / count) < 1e-4
+    # the standard error of the ratio sum(NLL) / sum(tokens) over the 3 stories
+    mean, k = total / count, len(stories)
+    se = (k / (k - 1) * sum((s - mean * n) ** 2 for s, n in zip(story_nll, story_count))) ** 0.5 / count
+    m = re.search(r"\| PPL = ([\d.]+) \+/- ([\d.]+), mean NLL ([\d.]+) \+/- ([\d.]+) \(standard errors over 3 stories\)$",
+                  out.strip())
+    assert m, out
+    assert abs(float(m.group(1)) - np.exp(mean)) < 2e-3 and abs(float(m.group(2)) - np.exp(mean) * se) < 2e-3
+    assert abs(float(m.group(4)) - se) < 2e-4
+    # one story has no standard error
+    (tmp_path / "one.txt").write_text(stories[0] + "\n")
+    assert run([path, "--ppl", tmp_path / "one.txt"]).stdout.decode().endswith("(one story: no standard error)\n")
+
+
+def test_ppl_progress_only_on_a_terminal(small_checkpoints, tmp_path):
+    path, _ = small_checkpoints["mqa"]
+    text = tmp_path / "stories.txt"
+    text.write_text("".join(f"Story {i}: the cat sat.\n<|endoftext|>\n" for i in range(5)))
+    piped = run([path, "--ppl", text])
+    assert piped.stderr == b"" and piped.stdout.startswith(b"ppl: ")
+    screen, out, _ = on_terminal([path, "--ppl", text], stdout_on_terminal=False)
+    assert "ppl: story 5 of 5, " in screen and "PPL = " in screen and screen.endswith("\r\x1b[K")
+    assert out == piped.stdout
+    assert run([path, "--ppl", text, "-q"]).stderr == b""
 
 
 # ---- the screen: on one terminal the story reads as text; step lines elsewhere or with -v ----
