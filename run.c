@@ -85,6 +85,31 @@ static int encode_prompt(const Model *m, const char *prompt, int *tokens, int ma
     return n;
 }
 
+/* ---- --json: one object a line ---- */
+
+/* Opens an output's JSON object with what every one carries: what it is, the program's
+ * version and commit, the checkpoint, variant and cache settings, the threads and the
+ * seed. The caller adds its figures (json_field) and closes it (json_end). */
+static void json_begin(const char *type, const Model *m, const Options *o, const char *mode) {
+    printf("{\"type\": \"%s\", \"version\": \"%s\", \"commit\": ", type, RUN_VERSION);
+    json_text(stdout, build_commit());
+    fputs(", \"checkpoint\": ", stdout);
+    json_text(stdout, o->checkpoint);
+    printf(", \"variant\": \"%s\", \"mode\": \"%s\", \"kv_dtype\": \"%s\", \"mla_form\": ", variant_name(&m->cfg), mode,
+           kv_dtype_name(o->kv_dtype));
+    if (m->cfg.variant == VARIANT_MLA && strcmp(type, "check-kv") != 0) printf("\"%s\"", mla_form_name(o->mla_form));
+    else fputs("null", stdout);  /* --check-kv names the form of each run it compares */
+    printf(", \"window\": %d, \"window_sinks\": %d, \"threads\": %d, \"seed\": %llu", o->window,
+           o->window ? o->window_sinks : 0, parallel_threads(), (unsigned long long)o->seed);
+}
+
+static void json_field(const char *key, double value) {
+    printf(", \"%s\": ", key);
+    json_number(stdout, value);
+}
+
+static void json_end(void) { fputs("}\n", stdout); }
+
 /* ---- generation: one sequence or many (scheduler.h) ---- */
 
 static const char *stop_name(StopReason r) {
@@ -147,7 +172,7 @@ static void print_sequence(const Generation *g, const Request *r) {
     char *text = sequence_text(g->model, r, &len);
     if (g->o->json) {
         const char *prompt = g->prompts[r->index];
-        printf("{\"index\": %d, \"prompt\": ", r->index);
+        printf("{\"type\": \"sequence\", \"index\": %d, \"prompt\": ", r->index);
         json_string(stdout, prompt, strlen(prompt));
         printf(", \"seed\": %llu, \"text\": ", (unsigned long long)r->seed);
         json_string(stdout, text, len);
@@ -328,6 +353,37 @@ static void print_summary(const Generation *g, const Figures *f) {
     free(text);
 }
 
+/* The summary as one JSON object on stdout, after the sequences' lines. */
+static void print_summary_json(const Generation *g, const Figures *f) {
+    const Scheduler *sch = g->sch;
+    const Options *o = g->o;
+    json_begin("summary", g->model, o, sch->kv ? "kv" : "no-kv");
+    printf(", \"serving\": %s, \"sequences\": %d, \"slots\": %d, \"top_k\": %d", g->serving ? "true" : "false",
+           f->sequences, sch->max_batch, o->top_k);
+    json_field("top_p", o->top_p);
+    json_field("temperature", o->temperature);
+    printf(", \"steps\": %d, \"prefill_tokens\": %d", sch->steps, f->prefill_tokens);
+    json_field("prefill_ms", f->prefill_ms);
+    printf(", \"decode_steps\": %d, \"decode_tokens\": %d", f->decode_steps, f->decode_tokens);
+    json_field("decode_ms", f->decode_ms);
+    json_field("ms_per_token_mean", f->ms_per_token);
+    json_field("step_ms_median", f->step_median_ms);
+    json_field("step_ms_mean", f->step_mean_ms);
+    json_field("tokens_per_s", f->tokens_per_s);
+    json_field("per_sequence_ms_per_token", f->per_sequence_ms_per_token);
+    printf(", \"tokens_generated\": %ld", f->served_tokens);
+    json_field("total_ms", sch->total_ms);
+    json_field("first_token_ms_median", f->ttft50);
+    json_field("first_token_ms_p95", f->ttft95);
+    json_field("token_ms_median", f->token50);
+    json_field("token_ms_p95", f->token95);
+    printf(", \"kv_cache_bytes\": %zu, \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
+           "\"context_full\": %d, \"interrupted\": %d}",
+           f->kv_bytes, sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT],
+           f->stops[STOP_NONE]);
+    json_end();
+}
+
 /* scheduler_run inside one team (parallel.h), so that every forward pass of the run uses
  * it instead of opening an OpenMP region of its own: the other threads stay awake,
  * spinning, while tokens are sampled and printed. */
@@ -405,6 +461,7 @@ static void generate(Scheduler *sch, const Options *o, const char *const *prompt
     if (g.one_terminal && streams_text(&g)) fputc('\n', stderr);  /* a blank line between the story and the summary */
     const Figures f = figures_of(&g);
     print_summary(&g, &f);
+    if (o->json) print_summary_json(&g, &f);
     spm_stream_free(g.stream);
     free(g.step_ms);
 }
@@ -535,7 +592,7 @@ static KvComparison check_kv_pair(Engine *e, KVCache *uncached, const Options *o
     const Model *m = e->model;
     const int V = m->cfg.vocab_size;
     const int is_mla = m->cfg.variant == VARIANT_MLA;
-    KvComparison c = {.same_form = form_cached == form_uncached, .divergent_step = -1, .token_a = -1, .token_b = -1,
+    KvComparison c = {.same_form = !is_mla || form_cached == form_uncached, .divergent_step = -1, .token_a = -1, .token_b = -1,
                       .first_bitwise_difference = -1};
     snprintf(c.a, sizeof c.a, is_mla ? "kv-%s" : "kv", mla_form_name(form_cached));
     snprintf(c.b, sizeof c.b, is_mla ? "no-kv-%s" : "no-kv", mla_form_name(form_uncached));
@@ -607,6 +664,27 @@ static int check_kv(Engine *e, const Options *o) {
                    c[i].token_a, c[i].b, c[i].token_b);
         printf("; logits %s; max |logit difference| %.3g\n",
                c[i].first_bitwise_difference < 0 ? "bitwise identical" : "not bitwise identical", c[i].max_abs_logit_diff);
+    }
+    if (o->json) {
+        json_begin("check-kv", m, o, "kv-vs-no-kv");
+        printf(", \"steps_requested\": %d, \"identical\": %s, \"comparisons\": [", steps, fails ? "false" : "true");
+        for (int i = 0; i < n_pairs; i++) {
+            printf("%s{\"a\": \"%s\", \"b\": \"%s\", \"same_form\": %s, \"steps\": %d, \"identical_tokens\": %d, "
+                   "\"first_divergent_step\": ", i ? ", " : "", c[i].a, c[i].b, c[i].same_form ? "true" : "false",
+                   c[i].steps, c[i].identical_tokens);
+            json_number(stdout, c[i].divergent_step < 0 ? NAN : c[i].divergent_step);
+            fputs(", \"token_a\": ", stdout);
+            json_number(stdout, c[i].token_a < 0 ? NAN : c[i].token_a);
+            fputs(", \"token_b\": ", stdout);
+            json_number(stdout, c[i].token_b < 0 ? NAN : c[i].token_b);
+            printf(", \"bitwise_identical\": %s, \"first_bitwise_difference\": ",
+                   c[i].first_bitwise_difference < 0 ? "true" : "false");
+            json_number(stdout, c[i].first_bitwise_difference < 0 ? NAN : c[i].first_bitwise_difference);
+            json_field("max_abs_logit_diff", c[i].max_abs_logit_diff);
+            putchar('}');
+        }
+        putchar(']');
+        json_end();
     }
     for (int i = 0; i < n_pairs && !o->json; i++)
         printf("check-kv variant=%s a=%s b=%s window=%d steps=%d identical_tokens=%d first_divergent_step=%d token_a=%d "
@@ -724,6 +802,25 @@ static void perplexity(Engine *e, const Options *o) {
     }
     if (progress) fputs("\r\033[K", stderr);
     const double mean = sum.nll / sum.count, se = nll_standard_error(&sum), ppl = exp(mean);
+    if (o->json) {
+        json_begin("ppl", m, o, e->kv ? "kv" : "no-kv");
+        fputs(", \"path\": ", stdout);
+        json_text(stdout, path);
+        printf(", \"stories\": %d, \"tokens\": %ld", sf.n_stories, sum.count);
+        json_field("mean_nll", mean);
+        json_field("mean_nll_stderr", se);
+        json_field("perplexity", ppl);
+        json_field("perplexity_stderr", ppl * se);
+        printf(", \"past_context\": ");
+        if (sum.count_past) {
+            printf("{\"from_position\": %d, \"tokens\": %ld, \"mean_nll\": ", ctx, sum.count_past);
+            json_number(stdout, sum.nll_past / sum.count_past);
+            putchar('}');
+        } else {
+            fputs("null", stdout);
+        }
+        json_end();
+    } else {
     printf("ppl: %s | %d stories, %ld tokens | mean NLL %.4f nats/token | perplexity %.3f", path, sf.n_stories,
            sum.count, mean, ppl);
     if (sum.count_past)
@@ -732,6 +829,7 @@ static void perplexity(Engine *e, const Options *o) {
     if (isnan(se)) printf(" | PPL = %.3f (one story: no standard error)\n", ppl);
     else printf(" | PPL = %.3f +/- %.3f, mean NLL %.4f +/- %.4f (standard errors over %d stories)\n", ppl, ppl * se, mean,
                 se, sum.stories);
+    }
     storyfile_free(&sf);
     free(ids);
     free(logits);
@@ -739,13 +837,36 @@ static void perplexity(Engine *e, const Options *o) {
 
 /* ---- --info ---- */
 
-static void info(const Model *m, const KVPool *pool, int batch) {
+/* --info as one JSON object: the configuration, the parameters, the KV cache's bytes per
+ * token by the formula and as allocated, the pool. */
+static void info_json(const Model *m, const KVPool *pool, const Options *o, size_t per_token, int kept) {
+    const Config *c = &m->cfg;
+    json_begin("info", m, o, o->kv ? "kv" : "no-kv");
+    printf(", \"dtype\": \"%s\", \"dim\": %d, \"layers\": %d, \"heads\": %d, \"head_dim\": %d, \"kv_heads\": %d, "
+           "\"kv_latent\": %d, \"rope_dim\": %d, \"hidden\": %d, \"vocab\": %d, \"context\": %d, \"parameters\": %zu, "
+           "\"weight_bytes\": %zu, \"kv_bytes_per_token\": %zu, \"kv_bytes_full\": %zu, "
+           "\"kv_bytes_per_token_allocated\": %zu, \"kv_pool_blocks\": %d, \"kv_block_tokens\": %d, "
+           "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"kernels\": \"%s\"",
+           c->dtype == DTYPE_BF16 ? "bf16" : "fp32", c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
+           c->kv_latent, config_rope_width(c), c->hidden_dim, c->vocab_size, c->max_seq_len, model_param_count(c),
+           model_param_count(c) * dtype_size(c->dtype), per_token, per_token * (size_t)kept, kv_bytes_per_token(pool),
+           pool->n_blocks, KV_BLOCK_TOKENS, kv_block_bytes(pool), kv_block_bytes(pool) * (size_t)pool->n_blocks,
+           kernels_simd_name());
+    json_end();
+}
+
+static void info(const Model *m, const KVPool *pool, const Options *o) {
     const Config *c = &m->cfg;
     const DType dt = pool->dtype;
+    const int batch = o->batch;
     const size_t es = dtype_size(dt), per_token = c->variant == VARIANT_MLA
         ? (size_t)c->n_layers * ((c->kv_latent + c->rope_dim) * es + (dt == DTYPE_I8 ? 8 : 0))
         : 2 * (size_t)c->n_layers * c->n_kv_heads * (c->head_dim * es + (dt == DTYPE_I8 ? 4 : 0));
     const int kept = pool->window ? pool->window : c->max_seq_len;
+    if (o->json) {
+        info_json(m, pool, o, per_token, kept);
+        return;
+    }
     printf("variant        %s\n", variant_name(c));
     printf("dtype          %s\n", c->dtype == DTYPE_BF16 ? "bf16" : "fp32");
     printf("dim %d, layers %d, heads %d x %d, kv heads %d, latent %d, rope dim %d, hidden %d, vocab %d, context %d\n",
@@ -859,7 +980,7 @@ int main(int argc, char **argv) {
 
     int status = 0;
     if (o.info) {
-        info(&m, &pool, B);
+        info(&m, &pool, &o);
     } else if (o.check_kv) {
         status = check_kv(&e, &o);
     } else if (o.ppl_path) {

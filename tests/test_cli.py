@@ -131,6 +131,12 @@ def test_check_kv_fails_when_a_window_changes_the_logits(small_checkpoints, vari
     w, n = read_logits(tmp_path / "w.bin", 4096), read_logits(tmp_path / "n.bin", 4096)
     rows = min(len(w), len(n))
     assert [i for i in range(rows) if not np.array_equal(w[i], n[i])][0] == first
+    # stopped before the tokens part, the runs differ in their logits alone: a failure all the same
+    diverged = int(same_form[0]["first_divergent_step"])
+    assert diverged > first, same_form   # so this checkpoint shows the case
+    p = run([path, "--check-kv", "-p", PROMPT, "-n", diverged, "--ignore-eos", "--window", window], check=False)
+    [line] = [c for c in check_kv_lines(p.stdout.decode()) if c["a"].replace("kv", "no-kv") == c["b"]]
+    assert line["identical_tokens"] == str(diverged) and line["bitwise_identical"] == "0" and p.returncode == 1
     p = run(args + ["--window", 64], check=False)   # 5 + 40 positions: the window never slides
     assert p.returncode == 0 and all(c["bitwise_identical"] == "1" for c in check_kv_lines(p.stdout.decode())
                                      if c["a"].replace("kv", "no-kv") == c["b"])
@@ -198,6 +204,73 @@ def test_ppl_progress_only_on_a_terminal(small_checkpoints, tmp_path):
     assert "ppl: story 5 of 5, " in screen and "PPL = " in screen and screen.endswith("\r\x1b[K")
     assert out == piped.stdout
     assert run([path, "--ppl", text, "-q"]).stderr == b""
+
+
+# ---- --json: one object a line, parsed with the json module ----
+
+def json_lines(p):
+    import json
+    return [json.loads(line) for line in p.stdout.decode().splitlines()]
+
+
+def version_and_commit():
+    m = re.fullmatch(r"run (\S+) \(commit (\S+)\)\n", run(["--version"]).stdout.decode())
+    return m.group(1), m.group(2)
+
+
+def test_json_summary(small_checkpoints, tmp_path):
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    path, _ = small_checkpoints["mqa"]
+    log = tmp_path / "steps.csv"
+    p = run([path, "-p", PROMPT, "-n", 20, "-s", 17, "--top-p", 0.9, "--ignore-eos", "--kv", "--json", "--log", log])
+    sequence, summary = json_lines(p)
+    assert sequence["type"] == "sequence" and len(sequence["tokens"]) == 20 and sequence["seed"] == 17
+    version, commit = version_and_commit()
+    assert summary["type"] == "summary" and (summary["version"], summary["commit"]) == (version, commit)
+    assert summary["variant"] == "mqa" and summary["mode"] == "kv" and summary["seed"] == 17
+    assert summary["checkpoint"] == path and summary["top_p"] == pytest.approx(0.9)
+    assert summary["prefill_tokens"] == 1 + len(spm.SentencePieceProcessor(model_file=TOKENIZER).encode(PROMPT))
+    assert summary["decode_steps"] == summary["decode_tokens"] == 19 and summary["stops"]["steps"] == 1
+    # the figures against the step log, computed here
+    rows = [r.split(",") for r in log.read_text().strip().split("\n")[1:]]
+    decode = sorted(float(r[6]) for r in rows if r[1] == "decode")
+    assert summary["step_ms_median"] == pytest.approx((decode[9]), abs=1e-3)
+    assert summary["step_ms_mean"] == pytest.approx(sum(decode) / 19, abs=1e-3)
+    assert summary["ms_per_token_mean"] == pytest.approx(sum(decode) / 19, abs=1e-3)
+    assert summary["prefill_ms"] == pytest.approx(float(rows[0][6]), abs=1e-3)
+
+
+def test_json_info_ppl_and_check_kv(small_checkpoints, tmp_path):
+    path, model = small_checkpoints["gqa"]
+    cfg = model.cfg
+    version, commit = version_and_commit()
+    [info] = json_lines(run([path, "--info", "--json", "--kv-dtype", "bf16"]))
+    assert info["type"] == "info" and (info["version"], info["commit"]) == (version, commit)
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+    assert info["kv_bytes_per_token"] == per_token and info["kv_bytes_full"] == per_token * cfg.max_seq_len
+    assert info["kv_dtype"] == "bf16" and info["context"] == cfg.max_seq_len and info["variant"] == "gqa"
+    text = tmp_path / "stories.txt"
+    text.write_text("The cat sat.\n<|endoftext|>\nTom had a ball and a kite.\n<|endoftext|>\n")
+    [ppl] = json_lines(run([path, "--ppl", text, "--json", "-s", 3]))
+    m = re.search(r"(\d+) tokens \| mean NLL ([\d.]+) nats/token .* \+/- [\d.]+, mean NLL [\d.]+ \+/- ([\d.]+)",
+                  run([path, "--ppl", text]).stdout.decode())
+    assert ppl["type"] == "ppl" and ppl["seed"] == 3 and ppl["stories"] == 2 and ppl["tokens"] == int(m.group(1))
+    assert ppl["mean_nll"] == pytest.approx(float(m.group(2)), abs=1e-4)
+    assert ppl["perplexity"] == pytest.approx(np.exp(ppl["mean_nll"]))
+    assert ppl["mean_nll_stderr"] == pytest.approx(float(m.group(3)), abs=1e-4) and ppl["past_context"] is None
+    args = [path, "--check-kv", "-p", PROMPT, "-n", 30, "--ignore-eos", "--json"]
+    p = run(args)
+    [check] = json_lines(p)
+    assert check["type"] == "check-kv" and check["identical"] is True and p.returncode == 0
+    [c] = check["comparisons"]
+    assert (c["a"], c["b"], c["same_form"], c["steps"], c["identical_tokens"]) == ("kv", "no-kv", True, 30, 30)
+    assert c["bitwise_identical"] is True and c["first_bitwise_difference"] is None and c["max_abs_logit_diff"] == 0
+    p = run(args + ["--window", 16], check=False)
+    [check] = json_lines(p)
+    assert p.returncode == 1 and check["identical"] is False and check["window"] == 16
+    assert check["comparisons"][0]["first_bitwise_difference"] == 12   # position 16: see the test above
 
 
 # ---- the screen: on one terminal the story reads as text; step lines elsewhere or with -v ----
