@@ -20,10 +20,10 @@ LDLIBS = $(SPM_LIBS) -lm
 B = build
 
 ENGINE = loader.c scheduler.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c utf8.c json.c cli.c \
-  version.c
+  version.c output.c
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/spm_c.o
 HEADERS = config.h loader.h scheduler.h timer.h json.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h utf8.h spm_c.h cli.h \
-  version.h
+  version.h output.h
 
 .PHONY: all test test-unit test-isa test-py bench clean demo FORCE
 all: run

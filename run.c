@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <sys/stat.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -19,6 +20,7 @@
 #include "cli.h"
 #include "loader.h"
 #include "model.h"
+#include "output.h"
 #include "parallel.h"
 #include "json.h"
 #include "sampler.h"
@@ -39,6 +41,17 @@ static void die(int code, const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(ap);
     exit(code);
+}
+
+/* Dies with one line when f could not be written (a full disk, a closed descriptor, a
+ * broken pipe with SIGPIPE ignored): a run whose output is lost must not exit 0. */
+static void check_written(FILE *f, const char *name) {
+    if (fflush(f) != 0 || ferror(f)) die(1, "cannot write %s: %s", name, strerror(errno ? errno : EIO));
+}
+
+static void close_written(FILE *f, const char *name) {
+    check_written(f, name);
+    if (fclose(f) != 0) die(1, "cannot write %s: %s", name, strerror(errno));
 }
 
 /* ---- generation ---- */
@@ -124,6 +137,7 @@ typedef struct {
     int serving;                 /* --prompts */
     FILE *log_csv, *dump;
     SpmStream *stream;       /* one sequence's text, printed as it comes */
+    int interrupted;         /* a signal ended the run: what is left prints as it is */
     int next_to_print;       /* many sequences print whole, in order */
     double *step_ms;         /* (steps so far) */
     int n_steps, cap_steps;
@@ -143,7 +157,7 @@ static int one_terminal(void) {
 /* Story text on stdout, at once (sanitized for the terminal). */
 static void print_text(Generation *g, const char *text) {
     utf8_fputs_sanitized(text, stdout);
-    fflush(stdout);
+    check_written(stdout, "standard output");
     if (*text) g->mid_line = text[strlen(text) - 1] != '\n';
 }
 
@@ -185,7 +199,7 @@ static void print_sequence(const Generation *g, const Request *r) {
     } else {
         printf("[sequence %d seed %llu stop %s]\n%s\n\n", r->index, (unsigned long long)r->seed, stop_name(r->stop), text);
     }
-    fflush(stdout);
+    check_written(stdout, "standard output");
     free(text);
 }
 
@@ -194,7 +208,8 @@ static int streams_text(const Generation *g) { return g->sch->n_requests == 1 &&
 static void on_logits(void *ctx, Request *r, const float *logits) {
     Generation *g = ctx;
     (void)r;
-    if (g->dump) fwrite(logits, sizeof(float), (size_t)g->model->cfg.vocab_size, g->dump);
+    if (g->dump && fwrite(logits, sizeof(float), (size_t)g->model->cfg.vocab_size, g->dump) != (size_t)g->model->cfg.vocab_size)
+        die(1, "cannot write %s: %s", g->o->dump_path, strerror(errno));
 }
 
 static void on_token(void *ctx, Request *r, int token) {
@@ -211,7 +226,8 @@ static void on_done(void *ctx, Request *r) {
         (void)r;
         return;
     }
-    while (g->next_to_print < g->sch->n_requests && g->sch->requests[g->next_to_print].stop != STOP_NONE)
+    while (g->next_to_print < g->sch->n_requests &&
+           (g->sch->requests[g->next_to_print].stop != STOP_NONE || g->interrupted))
         print_sequence(g, &g->sch->requests[g->next_to_print++]);
 }
 
@@ -239,6 +255,7 @@ static void on_step(void *ctx, const StepInfo *st) {
         if (st->only) fprintf(g->log_csv, "%d,%d,", st->pos, st->next_token);
         else fputs("-1,-1,", g->log_csv);
         fprintf(g->log_csv, "%.4f\n", st->ms);
+        check_written(g->log_csv, g->o->log_path);  /* a line at a time: a stopped run leaves whole lines */
     }
 }
 
@@ -440,9 +457,60 @@ static void warm_up(const Scheduler *sch, Generation *g) {
     }
 }
 
-static void generate(Scheduler *sch, const Options *o, const char *const *prompts, FILE *log_csv, FILE *dump) {
+/* The signal that asked the run to stop, or 0. */
+static volatile sig_atomic_t interrupted_by;
+
+static void on_interrupt(int sig) { interrupted_by = sig; }
+
+/* SIGINT and SIGTERM end a generation at the next step boundary, so the outputs are whole;
+ * a second one acts at once (SA_RESETHAND). */
+static void catch_interrupts(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_interrupt;
+    sa.sa_flags = SA_RESETHAND | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+/* --log and --dump-logits, refused when they name one of the run's inputs or each other. */
+static FILE *open_output(const char *path, const Options *o, const char *log_path) {
+    const NamedPath inputs[] = {{"the checkpoint", o->checkpoint}, {"the prompt file", o->prompt_path},
+                                {"the --prompts file", o->prompts_path}, {"the --log file", log_path}};
+    FILE *f;
+    char err[512];
+    const int rc = output_open(&f, path, inputs, (int)(sizeof inputs / sizeof inputs[0]), err, sizeof err);
+    if (rc) die(rc, "%s", err);
+    return f;
+}
+
+/* The settings line on stderr, before the story: with the seed, any run can be repeated. */
+static void print_settings(const Scheduler *sch, const Options *o) {
+    const Config *c = &sch->model->cfg;
+    fprintf(stderr, "seed %llu | %s | %s %s | mla form %s | threads %d | top-k %d | top-p %g | temperature %g",
+            (unsigned long long)o->seed, variant_name(c), o->kv ? "kv" : "no-kv", kv_dtype_name(o->kv_dtype),
+            c->variant == VARIANT_MLA ? mla_form_name(o->mla_form) : "n/a", parallel_threads(), o->top_k, o->top_p,
+            o->temperature);
+    if (sch->n_requests > 1 || sch->max_batch > 1)
+        fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", sch->n_requests, sch->max_batch,
+                (unsigned long long)o->seed, (unsigned long long)(o->seed + (uint64_t)sch->n_requests - 1));
+    if (o->window) fprintf(stderr, " | window %d, %d sinks", o->window, o->window_sinks);
+    fputc('\n', stderr);
+}
+
+/* Generates, prints the summary and closes the outputs. Returns the signal that cut the run
+ * short, or 0. */
+static int generate(Scheduler *sch, const Options *o, const char *const *prompts) {
     Generation g = {.o = o, .model = sch->model, .sch = sch, .prompts = prompts, .serving = o->prompts_path != NULL,
-                    .log_csv = log_csv, .dump = dump, .one_terminal = one_terminal()};
+                    .one_terminal = one_terminal()};
+    if (o->log_path) {
+        g.log_csv = open_output(o->log_path, o, NULL);
+        fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
+        check_written(g.log_csv, o->log_path);
+    }
+    if (o->dump_path) g.dump = open_output(o->dump_path, o, o->log_path);
+    print_settings(sch, o);
     /* Step lines go to stderr when asked for, or when it is not the terminal the story is
      * on (a file, a pipe, a terminal of its own): there they do not cut the story up. */
     g.step_lines = !o->quiet && (o->verbose || !g.one_terminal);
@@ -452,18 +520,24 @@ static void generate(Scheduler *sch, const Options *o, const char *const *prompt
     sch->on_done = on_done;
     sch->on_step = on_step;
     sch->ctx = &g;
+    sch->stop = &interrupted_by;
+    catch_interrupts();
     if (streams_text(&g)) {
         const Request *r = &sch->requests[0];
         for (int i = 1; i < r->n_prompt; i++) print_text(&g, spm_stream_put(g.stream, r->tokens[i]));
     }
     warm_up(sch, &g);
     parallel_team(run_in_team, sch);
+    if ((g.interrupted = interrupted_by != 0)) on_done(&g, NULL);  /* the text so far, as it is */
     if (g.one_terminal && streams_text(&g)) fputc('\n', stderr);  /* a blank line between the story and the summary */
     const Figures f = figures_of(&g);
     print_summary(&g, &f);
     if (o->json) print_summary_json(&g, &f);
+    if (g.log_csv) close_written(g.log_csv, o->log_path);
+    if (g.dump) close_written(g.dump, o->dump_path);
     spm_stream_free(g.stream);
     free(g.step_ms);
+    return interrupted_by;
 }
 
 /* ---- --check-batch ---- */
@@ -1017,25 +1091,8 @@ int main(int argc, char **argv) {
         if (o.check_batch) {
             status = check_batch(&sch, &o, o.prompts_path ? o.prompts_path : o.prompt);
         } else {
-            FILE *log_csv = NULL, *dump = NULL;
-            if (o.log_path) {
-                log_csv = fopen(o.log_path, "w");
-                if (!log_csv) die(1, "cannot write %s: %s", o.log_path, strerror(errno));
-                fprintf(log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
-            }
-            if (o.dump_path && !(dump = fopen(o.dump_path, "wb"))) die(1, "cannot write %s: %s", o.dump_path, strerror(errno));
-            fprintf(stderr, "seed %llu | %s | %s %s | mla form %s | threads %d | top-k %d | top-p %g | temperature %g",
-                    (unsigned long long)o.seed, variant_name(&m.cfg), o.kv ? "kv" : "no-kv", kv_dtype_name(o.kv_dtype),
-                    m.cfg.variant == VARIANT_MLA ? mla_form_name(o.mla_form) : "n/a", parallel_threads(), o.top_k,
-                    o.top_p, o.temperature);
-            if (sch.n_requests > 1 || B > 1)
-                fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", sch.n_requests, B,
-                        (unsigned long long)o.seed, (unsigned long long)(o.seed + (uint64_t)sch.n_requests - 1));
-            if (o.window) fprintf(stderr, " | window %d, %d sinks", o.window, o.window_sinks);
-            fputc('\n', stderr);
-            generate(&sch, &o, prompts, log_csv, dump);
-            if (log_csv && fclose(log_csv) != 0) die(1, "cannot write %s", o.log_path);
-            if (dump && fclose(dump) != 0) die(1, "cannot write %s", o.dump_path);
+            const int sig = generate(&sch, &o, prompts);
+            if (sig) status = 128 + sig;  /* as a shell reports a run a signal ended */
         }
         free_requests(&sch);
         if (!o.prompts_path) free(prompts);
@@ -1048,5 +1105,6 @@ int main(int argc, char **argv) {
     free(logits);
     model_free(&m);
     free(prompt_text);
+    close_written(stdout, "standard output");  /* --info, --ppl and --check-kv print only at the end */
     return status;
 }

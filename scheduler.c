@@ -277,7 +277,7 @@ int scheduler_run(Scheduler *sch) {
         for (int i = 0; i < sch->n_requests; i++) run.queue.slot[run.queue.tail++] = &sch->requests[i];
         sch->steps = sch->preemptions = 0;
         run.start = now_ms();
-        while (rc == 0 && (run.n_running > 0 || !queue_empty(&run.queue))) {
+        while (rc == 0 && (run.n_running > 0 || !queue_empty(&run.queue)) && !(sch->stop && *sch->stop)) {
             rc = sch->kv ? step_cached(&run, sch->steps) : step_uncached(&run, sch->steps);
             sch->steps++;
         }

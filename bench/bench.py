@@ -334,7 +334,7 @@ def engine_message(stderr):
 def run_engine(args, what, ok=(0,)):
     """ok: the exit codes that are results (--check-kv exits 1 when the runs differ)."""
     p = subprocess.run([RUN] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if p.returncode == -signal.SIGINT:   # Ctrl-C in a terminal reaches the engine too
+    if p.returncode in (-signal.SIGINT, 128 + signal.SIGINT):   # Ctrl-C in a terminal reaches the engine too
         raise Interrupted(signal.SIGINT)
     if p.returncode < 0:
         raise BenchError(f"{what}: ./run was killed by {signal.Signals(-p.returncode).name}: "
