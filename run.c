@@ -375,25 +375,21 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     const Scheduler *sch = g->sch;
     const Options *o = g->o;
     json_begin("summary", g->model, o, sch->kv ? "kv" : "no-kv");
-    printf(", \"serving\": %s, \"sequences\": %d, \"slots\": %d, \"top_k\": %d", g->serving ? "true" : "false",
-           f->sequences, sch->max_batch, o->top_k);
-    json_field("top_p", o->top_p);
-    json_field("temperature", o->temperature);
-    printf(", \"steps\": %d, \"prefill_tokens\": %d", sch->steps, f->prefill_tokens);
-    json_field("prefill_ms", f->prefill_ms);
-    printf(", \"decode_steps\": %d, \"decode_tokens\": %d", f->decode_steps, f->decode_tokens);
-    json_field("decode_ms", f->decode_ms);
-    json_field("ms_per_token_mean", f->ms_per_token);
-    json_field("step_ms_median", f->step_median_ms);
-    json_field("step_ms_mean", f->step_mean_ms);
-    json_field("tokens_per_s", f->tokens_per_s);
-    json_field("per_sequence_ms_per_token", f->per_sequence_ms_per_token);
-    printf(", \"tokens_generated\": %ld", f->served_tokens);
-    json_field("total_ms", sch->total_ms);
-    json_field("first_token_ms_median", f->ttft50);
-    json_field("first_token_ms_p95", f->ttft95);
-    json_field("token_ms_median", f->token50);
-    json_field("token_ms_p95", f->token95);
+    printf(", \"serving\": %s", g->serving ? "true" : "false");
+    const struct {
+        const char *key;
+        double value;
+    } figures[] = {
+        {"sequences", f->sequences}, {"slots", sch->max_batch}, {"top_k", o->top_k}, {"top_p", o->top_p},
+        {"temperature", o->temperature}, {"steps", sch->steps}, {"prefill_tokens", f->prefill_tokens},
+        {"prefill_ms", f->prefill_ms}, {"decode_steps", f->decode_steps}, {"decode_tokens", f->decode_tokens},
+        {"decode_ms", f->decode_ms}, {"ms_per_token_mean", f->ms_per_token}, {"step_ms_median", f->step_median_ms},
+        {"step_ms_mean", f->step_mean_ms}, {"tokens_per_s", f->tokens_per_s},
+        {"per_sequence_ms_per_token", f->per_sequence_ms_per_token}, {"tokens_generated", (double)f->served_tokens},
+        {"total_ms", sch->total_ms}, {"first_token_ms_median", f->ttft50}, {"first_token_ms_p95", f->ttft95},
+        {"token_ms_median", f->token50}, {"token_ms_p95", f->token95},
+    };
+    for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) json_field(figures[i].key, figures[i].value);
     printf(", \"kv_cache_bytes\": %zu, \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
            f->kv_bytes, sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT],
