@@ -140,7 +140,8 @@ static int getopt_error(int code, const char *arg, char *err, size_t errlen) {
     return errmsg(err, errlen, 2, "unknown flag %.*s (see -h)", is_long ? name_len : (int)strlen(arg), arg);
 }
 
-/* The two of the modes given, in err, when more than one is. */
+/* Refuses what one run cannot do at once, rather than silently doing one of it: two
+ * modes, and flags only a generation (or only one sequence) uses beside another mode. */
 static int one_mode(const Options *o, char *err, size_t errlen) {
     const char *given[4];
     int n = 0;

@@ -277,7 +277,7 @@ static double percentile(double *v, int n, double q) {
 typedef struct {
     int sequences, prefill_tokens, decode_steps, decode_tokens, stops[4];  /* stops by StopReason; NONE: interrupted */
     double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token, tokens_per_s, per_sequence_ms_per_token;
-    long served_tokens;                      /* --prompts: every token sampled */
+    long served_tokens;                      /* every token sampled, the first included */
     double ttft50, ttft95, token50, token95; /* --prompts: time to first token, per-token latency */
     size_t kv_bytes;
 } Figures;
