@@ -19,11 +19,13 @@ SPM_LIBS := $(shell pkg-config --libs sentencepiece 2>/dev/null || echo -lsenten
 LDLIBS = $(SPM_LIBS) -lm
 B = build
 
-ENGINE = loader.c scheduler.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c utf8.c json.c cli.c
+ENGINE = loader.c scheduler.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c utf8.c json.c cli.c \
+  version.c output.c
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/spm_c.o
-HEADERS = config.h loader.h scheduler.h timer.h json.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h utf8.h spm_c.h cli.h
+HEADERS = config.h loader.h scheduler.h timer.h json.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h utf8.h spm_c.h cli.h \
+  version.h output.h
 
-.PHONY: all test test-unit test-isa test-py bench clean demo
+.PHONY: all test test-unit test-isa test-py bench clean demo FORCE
 all: run
 
 $(B)/%.o: %.c $(HEADERS) | $(B)
@@ -34,6 +36,18 @@ $(B)/spm_c.o: spm_c.cc spm_c.h utf8.h | $(B)
 
 $(B):
 	mkdir -p $(B)/tests
+
+# The commit --version names: `git rev-parse --short HEAD`, with -dirty when tracked files
+# differ from it, or "unknown" outside this project's own git checkout. The file is
+# rewritten only when that changes, so only version.o rebuilds, and only then.
+$(B)/git-commit: FORCE | $(B)
+	@top=$$(git rev-parse --show-toplevel 2>/dev/null) && [ "$$(cd "$$top" && pwd -P)" = "$$(pwd -P)" ] \
+	  && c=$$(git rev-parse --short HEAD 2>/dev/null) || c=unknown; \
+	if [ "$$c" != unknown ] && [ -n "$$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then c=$$c-dirty; fi; \
+	[ "$$(cat $@ 2>/dev/null)" = "$$c" ] || echo "$$c" > $@
+COMMIT_FLAG = -DGIT_COMMIT="\"$$(cat $(B)/git-commit)\""
+$(B)/version.o: CFLAGS += $(COMMIT_FLAG)
+$(B)/version.o: $(B)/git-commit
 
 run: $(B)/run.o $(ENGINE_OBJS)
 	$(CXX) -fopenmp $^ -o $@ $(LDLIBS)

@@ -2,6 +2,7 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <getopt.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,34 +13,43 @@
 void cli_usage(FILE *f) {
     fputs("Usage: run CHECKPOINT [options]\n"
           "Generates a TinyStories continuation of a prompt, logging the latency of every step.\n"
+          "Values follow a flag as the next argument or after '=' (--top-k=40); -- ends the flags.\n"
           "\n"
-          "  -p PROMPT         prompt text (default: empty, the story starts from BOS)\n"
-          "  -n STEPS          tokens to generate, 1..context (default: until EOS or the context is full)\n"
-          "  -k TOPK           top-k sampling, 1..vocab; 1 is greedy (default 40)\n"
-          "  -t TEMP           temperature, 0..100; 0 is greedy (default 1.0)\n"
-          "  -s SEED           random seed, a non-negative integer (default: from the clock; printed)\n"
-          "  --kv              decode with a KV cache (default: recompute the whole sequence every step)\n"
-          "  --mla absorb|expand  MLA form (default: absorb with --kv, expand without)\n"
-          "  --batch B         decode B sequences of the prompt together, sequence i with seed s+i, 1..256\n"
-          "  --kv-mem MB       the KV cache pool's size in MiB, fractions allowed (default: B full contexts)\n"
-          "  --json            one JSON object per line and sequence on stdout instead of the text\n"
-          "  --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
-          "  --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
-          "                    with seed s+i (continuous batching)\n"
-          "  --kv-dtype fp32|bf16|int8  precision of the cached keys and values (default fp32)\n"
-          "  --window W        with --kv: keep W positions a sequence, so -n may exceed the context\n"
-          "  --window-policy ring|sinks  overwrite the oldest position (ring, default), or keep the\n"
-          "                    first 4 for good and slide the rest (sinks)\n"
-          "  --threads N       OpenMP threads, 1..256 (default: all cores)\n"
-          "  --log FILE.csv    write the per-step latencies as CSV\n"
-          "  -q                no per-step lines on stderr (the summary stays)\n"
-          "  --ignore-eos      keep generating after EOS\n"
-          "  --check-kv        greedy runs with and without the cache: are the logits bitwise identical?\n"
-          "  --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
-          "                    by <|endoftext|> lines), each story scored in windows of the context\n"
-          "  --info            configuration, parameters and KV cache sizes, then exit\n"
-          "  --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
-          "  -h, --help        this help\n",
+          "  -p, --prompt PROMPT   prompt text; - reads it from standard input (default: empty, BOS only)\n"
+          "  -f, --file FILE       read the prompt from a UTF-8 text file (trailing line breaks dropped)\n"
+          "  -n, --n-predict N     tokens to generate, 1..context (default: until EOS or the context is full)\n"
+          "  -k, --top-k K         keep the K most likely tokens, 1..vocab; 1 is greedy (default 40)\n"
+          "      --top-p P         then the fewest whose probability reaches P, 0..1; 1 is off (default 1)\n"
+          "  -t, --temp T          then divide the logits by T, 0..100; 0 is greedy (default 1.0)\n"
+          "  -s, --seed S          random seed, a non-negative integer (default: from the clock; printed)\n"
+          "      --kv              decode with a KV cache (default: recompute the whole sequence every step)\n"
+          "      --mla absorb|expand  MLA form (default: absorb with --kv, expand without)\n"
+          "      --batch B         decode B sequences of the prompt together, sequence i with seed s+i, 1..256\n"
+          "      --kv-mem MB       the KV cache pool's size in MiB, fractions allowed (default: B full contexts)\n"
+          "      --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
+          "                        with seed s+i (continuous batching)\n"
+          "      --kv-dtype fp32|bf16|int8  precision of the cached keys and values (default fp32)\n"
+          "      --window W        with --kv: keep W positions a sequence, so -n may exceed the context\n"
+          "      --window-policy ring|sinks  overwrite the oldest position (ring, default), or keep the\n"
+          "                        first 4 for good and slide the rest (sinks)\n"
+          "      --threads N       OpenMP threads, 1..256 (default: all cores)\n"
+          "      --log FILE.csv    write the per-step latencies as CSV\n"
+          "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
+          "      --json            JSON on stdout: one object a sequence and one for the summary, or one\n"
+          "                        for --info, --ppl and --check-kv\n"
+          "  -v, --verbose         step lines on stderr even when it shares a terminal with stdout\n"
+          "  -q, --quiet           no step lines on stderr (the summary stays)\n"
+          "      --ignore-eos      keep generating after EOS\n"
+          "\n"
+          "Other modes, one a run:\n"
+          "      --check-kv        greedy runs with and without the cache: the same tokens, bitwise the same\n"
+          "                        logits? Exit 1 when not\n"
+          "      --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
+          "      --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
+          "                        by <|endoftext|> lines), each story scored in windows of the context\n"
+          "      --info            configuration, parameters and KV cache sizes\n"
+          "  -h, --help            this help\n"
+          "      --version         the version and the git commit it was built from\n",
           f);
 }
 
@@ -68,86 +78,197 @@ static int parse_float(const char *flag, const char *s, float lo, float hi, floa
     return 0;
 }
 
+/* Codes of the flags that have no short form. */
+enum {
+    OPT_KV = 256, OPT_MLA, OPT_BATCH, OPT_KV_MEM, OPT_PROMPTS, OPT_KV_DTYPE, OPT_WINDOW, OPT_WINDOW_POLICY,
+    OPT_THREADS, OPT_LOG, OPT_DUMP_LOGITS, OPT_JSON, OPT_IGNORE_EOS, OPT_CHECK_KV, OPT_CHECK_BATCH, OPT_PPL,
+    OPT_INFO, OPT_VERSION, OPT_TOP_P
+};
+
+static const struct option LONG_OPTIONS[] = {
+    {"prompt", required_argument, NULL, 'p'},      {"file", required_argument, NULL, 'f'},
+    {"n-predict", required_argument, NULL, 'n'},   {"top-k", required_argument, NULL, 'k'},
+    {"top-p", required_argument, NULL, OPT_TOP_P}, {"temp", required_argument, NULL, 't'},
+    {"seed", required_argument, NULL, 's'},        {"kv", no_argument, NULL, OPT_KV},
+    {"mla", required_argument, NULL, OPT_MLA},     {"batch", required_argument, NULL, OPT_BATCH},
+    {"kv-mem", required_argument, NULL, OPT_KV_MEM}, {"prompts", required_argument, NULL, OPT_PROMPTS},
+    {"kv-dtype", required_argument, NULL, OPT_KV_DTYPE}, {"window", required_argument, NULL, OPT_WINDOW},
+    {"window-policy", required_argument, NULL, OPT_WINDOW_POLICY},
+    {"threads", required_argument, NULL, OPT_THREADS}, {"log", required_argument, NULL, OPT_LOG},
+    {"dump-logits", required_argument, NULL, OPT_DUMP_LOGITS}, {"json", no_argument, NULL, OPT_JSON},
+    {"verbose", no_argument, NULL, 'v'},           {"quiet", no_argument, NULL, 'q'},
+    {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS}, {"check-kv", no_argument, NULL, OPT_CHECK_KV},
+    {"check-batch", no_argument, NULL, OPT_CHECK_BATCH}, {"ppl", required_argument, NULL, OPT_PPL},
+    {"info", no_argument, NULL, OPT_INFO},         {"help", no_argument, NULL, 'h'},
+    {"version", no_argument, NULL, OPT_VERSION},   {NULL, 0, NULL, 0},
+};
+
+/* "-": non-options come back in order (code 1), so argv is never reordered; ":": a
+ * missing value is reported as ':', and getopt prints nothing. */
+static const char SHORT_OPTIONS[] = "-:p:f:n:k:t:s:vqh";
+
+/* The long options whose names start with arg's name ("--name" or "--name=value"). */
+static int long_matches(const char *arg, const struct option **first) {
+    const char *name = arg + 2;
+    const size_t len = strcspn(name, "=");
+    int n = 0;
+    for (const struct option *opt = LONG_OPTIONS; opt->name; opt++) {
+        if (strncmp(opt->name, name, len) != 0) continue;
+        if (strlen(opt->name) == len) {  /* an exact match wins over longer names */
+            *first = opt;
+            return 1;
+        }
+        if (n++ == 0) *first = opt;
+    }
+    return n;
+}
+
+/* What getopt_long's '?' or ':' means, as one sentence in err. */
+static int getopt_error(int code, const char *arg, char *err, size_t errlen) {
+    const struct option *opt = NULL;
+    const int is_long = arg && arg[0] == '-' && arg[1] == '-';
+    const int n = is_long ? long_matches(arg, &opt) : 0;
+    const int name_len = is_long ? (int)strcspn(arg, "=") : 0;
+    if (code == ':') {
+        if (is_long) return errmsg(err, errlen, 2, "%.*s needs a value (see -h)", name_len, arg);
+        return errmsg(err, errlen, 2, "-%c needs a value (see -h)", optopt);
+    }
+    if (is_long && n == 1 && optopt == opt->val && strchr(arg, '='))
+        return errmsg(err, errlen, 2, "--%s takes no value, got '%s'", opt->name, arg);
+    if (is_long && n > 1) return errmsg(err, errlen, 2, "%.*s is ambiguous (see -h)", name_len, arg);
+    if (!is_long && optopt) return errmsg(err, errlen, 2, "unknown flag -%c (see -h)", optopt);
+    return errmsg(err, errlen, 2, "unknown flag %.*s (see -h)", is_long ? name_len : (int)strlen(arg), arg);
+}
+
+/* Refuses what one run cannot do at once, rather than silently doing one of it: two
+ * modes, and flags only a generation (or only one sequence) uses beside another mode. */
+static int one_mode(const Options *o, char *err, size_t errlen) {
+    const char *given[4];
+    int n = 0;
+    if (o->info) given[n++] = "--info";
+    if (o->check_kv) given[n++] = "--check-kv";
+    if (o->ppl_path) given[n++] = "--ppl";
+    if (o->check_batch) given[n++] = "--check-batch";
+    if (n > 1) return errmsg(err, errlen, 2, "%s and %s cannot be combined: one mode a run", given[0], given[1]);
+    const char *output = o->log_path ? "--log" : o->dump_path ? "--dump-logits" : NULL;
+    if (output && n) return errmsg(err, errlen, 2, "%s records a generation: it takes no %s", output, given[0]);
+    if (o->prompts_path && n && !o->check_batch)
+        return errmsg(err, errlen, 2, "--prompts serves a generation: it takes no %s", given[0]);
+    if (o->json && o->check_batch) return errmsg(err, errlen, 2, "--check-batch has no --json form");
+    if (o->batch_given && o->check_kv)
+        return errmsg(err, errlen, 2, "--check-kv compares one sequence; --check-batch compares a batch");
+    if (o->batch_given && o->ppl_path) return errmsg(err, errlen, 2, "--ppl scores one sequence at a time: it takes no --batch");
+    return 0;
+}
+
 int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     memset(o, 0, sizeof *o);
     if (err && errlen > 0) err[0] = '\0';
     o->prompt = "";
     o->top_k = 40;
+    o->top_p = 1.0f;
     o->temperature = 1.0f;
     o->seed = (uint64_t)time(NULL);
-    int mla_given = 0, policy_given = 0;
+    int mla_given = 0, policy_given = 0, prompt_flags = 0;  /* bit 0: -p, bit 1: -f */
     o->batch = 1;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) return 1;
-        int takes_value = !strcmp(a, "-p") || !strcmp(a, "-n") || !strcmp(a, "-k") || !strcmp(a, "-t") ||
-                          !strcmp(a, "-s") || !strcmp(a, "--threads") || !strcmp(a, "--log") ||
-                          !strcmp(a, "--mla") || !strcmp(a, "--ppl") || !strcmp(a, "--dump-logits") ||
-                          !strcmp(a, "--batch") || !strcmp(a, "--kv-mem") || !strcmp(a, "--prompts") ||
-                          !strcmp(a, "--kv-dtype") || !strcmp(a, "--window") || !strcmp(a, "--window-policy");
-        if (takes_value && i + 1 >= argc) return errmsg(err, errlen, 2, "%s needs a value (see -h)", a);
-        const char *v = takes_value ? argv[++i] : NULL;
+    optind = 0;  /* 0, not 1: glibc then forgets every earlier scan */
+    opterr = 0;
+    for (;;) {
+        int index = -1;
+        const int c = getopt_long(argc, argv, SHORT_OPTIONS, LONG_OPTIONS, &index);
+        if (c == -1) break;
+        /* the flag as written, for messages: "-n", or the long name */
+        char flag[32];
+        if (index >= 0) snprintf(flag, sizeof flag, "--%s", LONG_OPTIONS[index].name);
+        else snprintf(flag, sizeof flag, "-%c", c);
+        const char *v = optarg;
         long n = 0;
         int rc = 0;
-        if (!strcmp(a, "-p")) o->prompt = v, o->prompt_given = 1;
-        else if (!strcmp(a, "--prompts")) o->prompts_path = v;
-        else if (!strcmp(a, "--kv-dtype")) {
-            if (!strcmp(v, "fp32")) o->kv_dtype = DTYPE_F32;
-            else if (!strcmp(v, "bf16")) o->kv_dtype = DTYPE_BF16;
-            else if (!strcmp(v, "int8")) o->kv_dtype = DTYPE_I8;
-            else rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16 or int8, got '%s'", v);
-        } else if (!strcmp(a, "--window")) {
-            if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n;
-        } else if (!strcmp(a, "--window-policy")) {
-            policy_given = 1;
-            if (!strcmp(v, "ring")) o->window_sinks = 0;
-            else if (!strcmp(v, "sinks")) o->window_sinks = CLI_WINDOW_SINKS;
-            else rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
-        }
-        else if (!strcmp(a, "-n")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n; }
-        else if (!strcmp(a, "-k")) { if (!(rc = parse_long(a, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n; }
-        else if (!strcmp(a, "-t")) rc = parse_float(a, v, 0.0f, 100.0f, &o->temperature, err, errlen);
-        else if (!strcmp(a, "-s")) { if (!(rc = parse_long(a, v, 0, INT64_MAX, &n, err, errlen))) o->seed = (uint64_t)n; }
-        else if (!strcmp(a, "--threads")) { if (!(rc = parse_long(a, v, 1, CLI_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; }
-        else if (!strcmp(a, "--log")) o->log_path = v;
-        else if (!strcmp(a, "--batch")) {
-            if (!(rc = parse_long(a, v, 1, CLI_MAX_BATCH, &n, err, errlen))) o->batch = (int)n, o->batch_given = 1;
-        } else if (!strcmp(a, "--kv-mem")) {
-            if (!(rc = parse_float(a, v, 0.0f, 1048576.0f, &o->kv_mem_mb, err, errlen)) && o->kv_mem_mb == 0.0f)
-                rc = errmsg(err, errlen, 2, "--kv-mem needs a size above 0 MB");
-        }
-        else if (!strcmp(a, "--mla")) {
+        switch (c) {
+        case '?':
+        case ':': return getopt_error(c, argv[optind - 1], err, errlen);
+        case 'h': return CLI_HELP;
+        case OPT_VERSION: return CLI_VERSION;
+        case 1:
+            if (!o->checkpoint) o->checkpoint = v;
+            else rc = errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", v);
+            break;
+        case 'p':
+            prompt_flags |= 1;
+            o->prompt_path = !strcmp(v, "-") ? v : NULL;  /* - is standard input */
+            o->prompt = o->prompt_path ? "" : v;
+            break;
+        case 'f':
+            prompt_flags |= 2;
+            o->prompt_path = v;
+            break;
+        case 'n': if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n; break;
+        case 'k': if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n; break;
+        case OPT_TOP_P: rc = parse_float(flag, v, 0.0f, 1.0f, &o->top_p, err, errlen); break;
+        case 't': rc = parse_float(flag, v, 0.0f, 100.0f, &o->temperature, err, errlen); break;
+        case 's': if (!(rc = parse_long(flag, v, 0, INT64_MAX, &n, err, errlen))) o->seed = (uint64_t)n; break;
+        case 'v': o->verbose = 1; break;
+        case 'q': o->quiet = 1; break;
+        case OPT_KV: o->kv = 1; break;
+        case OPT_MLA:
             mla_given = 1;
             if (!strcmp(v, "absorb")) o->mla_form = MLA_ABSORBED;
             else if (!strcmp(v, "expand")) o->mla_form = MLA_EXPANDED;
             else rc = errmsg(err, errlen, 2, "--mla takes absorb or expand, got '%s'", v);
-        } else if (!strcmp(a, "--ppl")) o->ppl_path = v;
-        else if (!strcmp(a, "--dump-logits")) o->dump_path = v;
-        else if (!strcmp(a, "--kv")) o->kv = 1;
-        else if (!strcmp(a, "-q")) o->quiet = 1;
-        else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
-        else if (!strcmp(a, "--check-kv")) o->check_kv = 1;
-        else if (!strcmp(a, "--check-batch")) o->check_batch = 1;
-        else if (!strcmp(a, "--json")) o->json = 1;
-        else if (!strcmp(a, "--info")) o->info = 1;
-        else if (a[0] == '-' && a[1] != '\0') rc = errmsg(err, errlen, 2, "unknown flag %s (see -h)", a);
-        else if (!o->checkpoint) o->checkpoint = a;
-        else rc = errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", a);
+            break;
+        case OPT_BATCH:
+            if (!(rc = parse_long(flag, v, 1, CLI_MAX_BATCH, &n, err, errlen))) o->batch = (int)n, o->batch_given = 1;
+            break;
+        case OPT_KV_MEM:
+            if (!(rc = parse_float(flag, v, 0.0f, 1048576.0f, &o->kv_mem_mb, err, errlen)) && o->kv_mem_mb == 0.0f)
+                rc = errmsg(err, errlen, 2, "--kv-mem needs a size above 0 MB");
+            break;
+        case OPT_PROMPTS: o->prompts_path = v; break;
+        case OPT_KV_DTYPE:
+            if (!strcmp(v, "fp32")) o->kv_dtype = DTYPE_F32;
+            else if (!strcmp(v, "bf16")) o->kv_dtype = DTYPE_BF16;
+            else if (!strcmp(v, "int8")) o->kv_dtype = DTYPE_I8;
+            else rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16 or int8, got '%s'", v);
+            break;
+        case OPT_WINDOW: if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n; break;
+        case OPT_WINDOW_POLICY:
+            policy_given = 1;
+            if (!strcmp(v, "ring")) o->window_sinks = 0;
+            else if (!strcmp(v, "sinks")) o->window_sinks = CLI_WINDOW_SINKS;
+            else rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
+            break;
+        case OPT_THREADS: if (!(rc = parse_long(flag, v, 1, CLI_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; break;
+        case OPT_LOG: o->log_path = v; break;
+        case OPT_DUMP_LOGITS: o->dump_path = v; break;
+        case OPT_JSON: o->json = 1; break;
+        case OPT_IGNORE_EOS: o->ignore_eos = 1; break;
+        case OPT_CHECK_KV: o->check_kv = 1; break;
+        case OPT_CHECK_BATCH: o->check_batch = 1; break;
+        case OPT_PPL: o->ppl_path = v; break;
+        case OPT_INFO: o->info = 1; break;
+        }
         if (rc) return rc;
     }
-    /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
-     * expanded one recomputes without it */
+    for (int i = optind; i < argc; i++) {  /* after "--" */
+        if (o->checkpoint) return errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", argv[i]);
+        o->checkpoint = argv[i];
+    }
+    int rc = one_mode(o, err, errlen);
+    if (rc) return rc;
+    if (prompt_flags == 3) return errmsg(err, errlen, 2, "-p and -f cannot be combined");
+    o->prompt_given = prompt_flags != 0;
+    if (o->quiet && o->verbose) return errmsg(err, errlen, 2, "-q and -v cannot be combined");
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
     if (o->prompts_path && o->prompt_given) return errmsg(err, errlen, 2, "-p and --prompts cannot be combined");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
-    if (o->window && !o->kv && !o->ppl_path && !o->info)
+    if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
         return errmsg(err, errlen, 2, "--window needs --kv: without the cache every step recomputes the whole sequence");
-    if (o->window && o->check_kv)
-        return errmsg(err, errlen, 2, "--window cannot be checked with --check-kv: without the cache there is no window");
+    /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
+     * expanded one recomputes without it */
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;
     if (!o->checkpoint) {
         o->usage_on_error = 1;
         return errmsg(err, errlen, 2, "no checkpoint given");
     }
-    return 0;
+    return CLI_RUN;
 }

@@ -17,14 +17,17 @@
 typedef struct {
     const char *checkpoint;
     const char *prompt;
+    const char *prompt_path;   /* -f FILE, or "-" for -p - (standard input): run.c reads it into prompt */
     int steps;            /* 0 = until EOS or the context is full */
     int top_k;
+    float top_p;          /* 1 = off */
     float temperature;
     uint64_t seed;
     int kv;
     int threads;          /* 0 = OpenMP's default */
     const char *log_path;
-    int quiet;
+    int quiet;            /* no step lines on stderr */
+    int verbose;          /* step lines on stderr even when it shares a terminal with stdout */
     int ignore_eos;
     MlaForm mla_form;     /* --mla; by default absorbed with --kv, expanded without it (and for --ppl) */
     int check_kv;
@@ -40,16 +43,21 @@ typedef struct {
     DType kv_dtype;       /* of the cached elements: fp32, bf16 or int8 */
     int window;           /* positions each sequence's cache keeps; 0 = the whole context */
     int window_sinks;     /* of them, the first positions kept for good (--window-policy sinks) */
-    int prompt_given;     /* -p was on the command line */
+    int prompt_given;     /* -p or -f was on the command line */
     int usage_on_error;   /* with return 2: print the usage text to stderr before the message */
 } Options;
 
-/* Parses argv[1..argc) into o (the strings are not copied: o points into argv).
- * Returns 0 when o is ready to run, 1 when help was asked for (the caller prints
- * cli_usage(stdout) and exits 0), 2 on a usage error: one sentence in err (errlen
- * bytes, always NUL-terminated when errlen > 0; cut when longer), which ./run prints
- * as "run: <message>" before exiting 2 (after cli_usage(stderr) when
- * o->usage_on_error). Limits that depend on the model (-k, -n) are checked by run.c. */
+enum { CLI_RUN = 0, CLI_HELP = 1, CLI_USAGE_ERROR = 2, CLI_VERSION = 3 };
+
+/* Parses argv[1..argc) into o with getopt_long (the strings are not copied: o points
+ * into argv, which is not reordered). Every flag has a long name; values may follow as
+ * the next argument or after '='; "--" ends the flags. Returns CLI_RUN when o is ready
+ * to run; CLI_HELP or CLI_VERSION when -h or --version was asked for (the caller prints
+ * and exits 0); CLI_USAGE_ERROR with one sentence in err (errlen bytes, always
+ * NUL-terminated when errlen > 0; cut when longer), which ./run prints as
+ * "run: <message>" before exiting 2 (after cli_usage(stderr) when o->usage_on_error).
+ * Limits that depend on the model (-k, -n) are checked by run.c. Not reentrant: getopt
+ * keeps its state in globals. */
 int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen);
 
 /* The help text. */

@@ -9,4 +9,11 @@
  * escaped, everything else as it is. */
 void json_string(FILE *f, const char *s, size_t n);
 
+/* A NUL-terminated string of any bytes (a path, say) as a JSON string: bytes that are not
+ * UTF-8 become U+FFFD (utf8.h's sanitizer), so the output stays valid JSON. */
+void json_text(FILE *f, const char *s);
+
+/* A number, or null when it is not finite (JSON has no NaN or infinity). */
+void json_number(FILE *f, double v);
+
 #endif /* JSON_H */

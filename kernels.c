@@ -176,7 +176,8 @@ row_load(const void *row, const float *scales, int col, int n, DType dt, int spl
     if (dt == DTYPE_F32) return v16_load_f32((const float *)row + col, n);
     if (dt == DTYPE_BF16) return v16_load_bf16((const bf16 *)row + col, n);
     const v16 x = v16_load_i8((const int8_t *)row + col, n);
-    if (split >= col + 16 || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
+    /* col + n, not col + 16: an empty tail past a one-part row (n = 0) must not read a second scale */
+    if (split >= col + n || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
     if (split <= col) return v16_mul(x, v16_set1(scales[1]));
     const v16 s0 = v16_set1(scales[0]), s1 = v16_set1(scales[1]);  /* lanes below split - col take s0 */
     return v16_mul(x, v16_add(v16_first(s0, split - col), v16_sub(s1, v16_first(s1, split - col))));

@@ -1,13 +1,16 @@
-/* sampler.c: greedy and top-k sampling. */
+/* sampler.c: greedy, top-k and top-p sampling (sampler.h). */
 #include "sampler.h"
 
 #include <math.h>
 #include <stdlib.h>
 
-int sampler_init(Sampler *s, int vocab_size, int top_k, float temperature, uint64_t seed) {
-    if (top_k < 1 || top_k > vocab_size || !(temperature >= 0.0f) || !isfinite(temperature)) return -1;
+int sampler_init(Sampler *s, int vocab_size, int top_k, float top_p, float temperature, uint64_t seed) {
+    if (top_k < 1 || top_k > vocab_size || !(top_p >= 0.0f && top_p <= 1.0f) || !(temperature >= 0.0f) ||
+        !isfinite(temperature))
+        return -1;
     s->vocab_size = vocab_size;
     s->top_k = top_k;
+    s->top_p = top_p;
     s->temperature = temperature;
     s->rng_state = seed ? seed : 0x9E3779B97F4A7C15ull;  /* xorshift needs a nonzero state */
     s->top = malloc((size_t)top_k * sizeof *s->top);
@@ -73,18 +76,33 @@ static void select_top_k(ProbIndex *top, int k, const float *logits, int n) {
     }
 }
 
+/* How many of the n candidates (best first) top-p keeps: the fewest whose probabilities at
+ * temperature 1 (a softmax over the candidates) sum to at least p, and at least one. */
+static int top_p_count(const ProbIndex *top, int n, float p) {
+    if (p >= 1.0f) return n;
+    const float max = top[0].value;
+    double total = 0.0, sum = 0.0;
+    for (int i = 0; i < n; i++) total += exp((double)top[i].value - max);
+    for (int i = 0; i < n; i++) {
+        sum += exp((double)top[i].value - max);
+        if (sum >= p * total) return i + 1;
+    }
+    return n;  /* rounding */
+}
+
 int sampler_sample(Sampler *s, const float *logits) {
     if (s->top_k == 1 || s->temperature == 0.0f) return sampler_argmax(logits, s->vocab_size);
     select_top_k(s->top, s->top_k, logits, s->vocab_size);
+    const int n = top_p_count(s->top, s->top_k, s->top_p);
     float max = s->top[0].value, sum = 0.0f;
-    for (int i = 0; i < s->top_k; i++) {
+    for (int i = 0; i < n; i++) {
         s->top[i].value = expf((s->top[i].value - max) / s->temperature);
         sum += s->top[i].value;
     }
     float r = sampler_random_f32(&s->rng_state) * sum, cdf = 0.0f;
-    for (int i = 0; i < s->top_k; i++) {
+    for (int i = 0; i < n; i++) {
         cdf += s->top[i].value;
         if (r < cdf) return s->top[i].index;
     }
-    return s->top[s->top_k - 1].index;  /* rounding */
+    return s->top[n - 1].index;  /* rounding */
 }

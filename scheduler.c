@@ -268,7 +268,7 @@ int scheduler_run(Scheduler *sch) {
         r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
         if (r->cap_tokens < r->n_prompt + 1) rc = -1;
         r->decode_steps = r->preemptions = 0;
-        if (sampler_init(&r->sampler, c->vocab_size, sch->top_k, sch->temperature, r->seed) != 0 ||
+        if (sampler_init(&r->sampler, c->vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0 ||
             kv_init(&r->cache, sch->pool, sch->pool->window ? INT32_MAX / 2 : c->max_seq_len) != 0)
             rc = -1;
     }
@@ -277,7 +277,7 @@ int scheduler_run(Scheduler *sch) {
         for (int i = 0; i < sch->n_requests; i++) run.queue.slot[run.queue.tail++] = &sch->requests[i];
         sch->steps = sch->preemptions = 0;
         run.start = now_ms();
-        while (rc == 0 && (run.n_running > 0 || !queue_empty(&run.queue))) {
+        while (rc == 0 && (run.n_running > 0 || !queue_empty(&run.queue)) && !(sch->stop && *sch->stop)) {
             rc = sch->kv ? step_cached(&run, sch->steps) : step_uncached(&run, sch->steps);
             sch->steps++;
         }

@@ -27,6 +27,7 @@
 #ifndef SCHEDULER_H
 #define SCHEDULER_H
 
+#include <signal.h>
 #include <stdint.h>
 
 #include "config.h"
@@ -81,6 +82,7 @@ typedef struct {
                            * with a window, until EOS) */
     int ignore_eos;
     int top_k;
+    float top_p;
     float temperature;
     Request *requests;    /* admitted in this order */
     int n_requests;
@@ -91,6 +93,9 @@ typedef struct {
     void (*on_done)(void *ctx, Request *r);                         /* r has ended; its blocks are free again */
     void (*on_step)(void *ctx, const StepInfo *step);
     void *ctx;
+    /* when it points at a nonzero value (set by a signal handler), the run ends after the
+     * current step; sequences cut short keep stop = STOP_NONE. May be NULL. */
+    const volatile sig_atomic_t *stop;
     /* results */
     int steps;
     double total_ms;      /* from the first step to the last */

@@ -167,3 +167,13 @@ void promptfile_free(PromptFile *f) {
     free(f->line_numbers);
     memset(f, 0, sizeof *f);
 }
+
+int textfile_read_text(const char *path, char **text, char *err, size_t errlen) {
+    size_t n;
+    if (read_whole(path, text, &n, err, errlen) != 0) return -1;
+    const char *bad = memchr(*text, '\0', n) ? "holds a NUL byte" : !utf8_valid(*text, n) ? "is not valid UTF-8 text" : NULL;
+    if (!bad) return 0;
+    free(*text);
+    *text = NULL;
+    return errmsg(err, errlen, -1, "%s %s", path, bad);
+}

@@ -37,6 +37,9 @@ $(ASAN_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(ASAN_CFLAGS) -c $< -o $@
 
+$(ASAN_B)/version.o: ASAN_CFLAGS += $(COMMIT_FLAG)
+$(ASAN_B)/version.o: $(B)/git-commit
+
 $(ASAN_B)/spm_c.o: spm_c.cc spm_c.h utf8.h
 	@mkdir -p $(@D)
 	$(CXX) $(ASAN_CXXFLAGS) -c $< -o $@

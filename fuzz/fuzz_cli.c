@@ -3,7 +3,7 @@
  * The input is split at NUL bytes into argv[1..] (argv[0] is "run"). Besides memory
  * errors, it checks what cli.h promises: the return is 0, 1 or 2; an error message is
  * non-empty and NUL-terminated within the buffer (a second, 16-byte buffer checks
- * the cut); a 0 return leaves options inside their documented ranges. */
+ * the cut); a 0 return leaves options inside their documented ranges; argv is not reordered. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,13 +16,14 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static void check(int rc, const Options *o, const char *err, size_t errlen) {
-    if (rc < 0 || rc > 2) abort();
-    if (rc == 2) {
+    if (rc < CLI_RUN || rc > CLI_VERSION) abort();
+    if (rc == CLI_USAGE_ERROR) {
         size_t n = strnlen(err, errlen);
         if (n == 0 || n == errlen) abort();
     }
-    if (rc == 0) {
+    if (rc == CLI_RUN) {
         if (!o->checkpoint || !o->prompt) abort();
+        if (!(o->top_p >= 0.0f && o->top_p <= 1.0f) || (o->quiet && o->verbose)) abort();
         if (o->steps < 0 || o->steps > (1 << 20) || o->top_k < 1 || o->top_k > (1 << 20)) abort();
         if (!(o->temperature >= 0.0f && o->temperature <= 100.0f)) abort();
         if (o->threads < 0 || o->threads > CLI_MAX_THREADS || (o->mla_form != MLA_ABSORBED && o->mla_form != MLA_EXPANDED)) abort();
@@ -45,14 +46,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (i > size) break;
     }
     argv[argc] = NULL;
+    char *order[MAX_ARGS + 2];
+    memcpy(order, argv, sizeof order);
     Options o;
     char err[512], small[16];
     int rc = cli_parse(&o, argc, argv, err, sizeof err);
     check(rc, &o, err, sizeof err);
+    if (memcmp(order, argv, (size_t)(argc + 1) * sizeof *argv) != 0) abort();
     int rc2 = cli_parse(&o, argc, argv, small, sizeof small);
     if (rc2 != rc) abort();
     check(rc2, &o, small, sizeof small);
-    if (rc == 2 && strncmp(small, err, strlen(small)) != 0) abort();  /* the cut is a prefix */
+    if (rc == CLI_USAGE_ERROR && strncmp(small, err, strlen(small)) != 0) abort();  /* the cut is a prefix */
     free(buf);
     return 0;
 }

@@ -63,7 +63,7 @@ static void forward_once(const Model *m, MlaForm form, int t1) {
     KVPool pool;
     KVCache cache;
     if (runstate_init(&s, c, c->max_seq_len) != 0) return;
-    if (kv_pool_init(&pool, c, kv_blocks_for(c->max_seq_len)) != 0) {
+    if (kv_pool_init(&pool, c, DTYPE_F32, kv_blocks_for(c->max_seq_len)) != 0) {
         runstate_free(&s);
         return;
     }

@@ -36,8 +36,10 @@ def test_check_batch_every_variant(small_checkpoints, variant, kv):
 
 
 def sequences(args):
-    """The --json lines of a run, parsed."""
-    return [json.loads(line) for line in run(args + ["--json", "-q"]).stdout.decode().splitlines()]
+    """The --json lines of a run's sequences, parsed (the last line is the summary)."""
+    lines = [json.loads(line) for line in run(args + ["--json", "-q"]).stdout.decode().splitlines()]
+    assert lines[-1]["type"] == "summary" and lines[-1]["sequences"] == len(lines) - 1
+    return [s for s in lines if s["type"] == "sequence"]
 
 
 @pytest.mark.parametrize("variant", ["gqa", "mla64"])

@@ -3,11 +3,12 @@ and without the cache, bitwise cache and thread invariance, --check-kv, --info, 
 and one clear error line for every bad input."""
 import os
 import re
+import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import PROMPT, VARIANTS, read_logits, run
+from conftest import PROMPT, ROOT, RUN, VARIANTS, read_logits, run
 
 SUMMARY = re.compile(r"summary: (\S+) (kv|no-kv) \| prefill (\d+) tokens ([\d.]+) ms \| decode (\d+) steps, "
                      r"([\d.]+) ms/token, ([\d.]+) tokens/s, median step ([\d.]+) ms, mean step ([\d.]+) ms \| "
@@ -101,6 +102,46 @@ def test_check_kv(small_checkpoints, variant):
     assert out[-len(machine):] == machine   # the machine-readable lines come last
 
 
+def check_kv_lines(out):
+    return [dict(kv.split("=", 1) for kv in l.split()[1:]) for l in out.splitlines() if l.startswith("check-kv ")]
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla64"])
+def test_check_kv_fails_when_a_window_changes_the_logits(small_checkpoints, variant, tmp_path):
+    """A window of 16 keeps the cached run's keys and values of 16 positions; the uncached
+    run recomputes all of them. BOS + 4 prompt tokens: step s computes position 4 + s, and
+    position 16 is the first that sees one position less, so the logits first differ at
+    step 12 (also in --dump-logits, below), and --check-kv exits 1. A window the run never
+    fills changes nothing: exit 0."""
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    path, _ = small_checkpoints[variant]
+    n_prompt = 1 + len(spm.SentencePieceProcessor(model_file=TOKENIZER).encode(PROMPT))
+    window, first = 16, 16 - (n_prompt - 1)
+    args = [path, "--check-kv", "-p", PROMPT, "-n", 40, "--ignore-eos"]
+    p = run(args + ["--window", window], check=False)
+    assert p.returncode == 1, p.stderr
+    same_form = [c for c in check_kv_lines(p.stdout.decode()) if c["a"].replace("kv", "no-kv") == c["b"]]
+    assert len(same_form) == 1 and same_form[0]["window"] == str(window)
+    assert int(same_form[0]["first_bitwise_difference"]) == first and same_form[0]["bitwise_identical"] == "0"
+    form = ["--mla", "absorb"] if variant.startswith("mla") else []
+    run([path, "-p", PROMPT, "-k", 1, "-n", 40, "--ignore-eos", "-q", "--kv", "--window", window, "--dump-logits",
+         tmp_path / "w.bin"] + form)
+    run([path, "-p", PROMPT, "-k", 1, "-n", 40, "--ignore-eos", "-q", "--dump-logits", tmp_path / "n.bin"] + form)
+    w, n = read_logits(tmp_path / "w.bin", 4096), read_logits(tmp_path / "n.bin", 4096)
+    rows = min(len(w), len(n))
+    assert [i for i in range(rows) if not np.array_equal(w[i], n[i])][0] == first
+    # stopped before the tokens part, the runs differ in their logits alone: a failure all the same
+    diverged = int(same_form[0]["first_divergent_step"])
+    assert diverged > first, same_form   # so this checkpoint shows the case
+    p = run([path, "--check-kv", "-p", PROMPT, "-n", diverged, "--ignore-eos", "--window", window], check=False)
+    [line] = [c for c in check_kv_lines(p.stdout.decode()) if c["a"].replace("kv", "no-kv") == c["b"]]
+    assert line["identical_tokens"] == str(diverged) and line["bitwise_identical"] == "0" and p.returncode == 1
+    p = run(args + ["--window", 64], check=False)   # 5 + 40 positions: the window never slides
+    assert p.returncode == 0 and all(c["bitwise_identical"] == "1" for c in check_kv_lines(p.stdout.decode())
+                                     if c["a"].replace("kv", "no-kv") == c["b"])
+
+
 def test_info(small_checkpoints):
     path, model = small_checkpoints["mla64"]
     out = run([path, "--info"]).stdout.decode()
@@ -126,17 +167,222 @@ def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
     m = re.search(r"(\d+) stories, (\d+) tokens \| mean NLL ([\d.]+) nats/token", out)
     assert m, out
     sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
-    total, count = 0.0, 0
+    story_nll, story_count = [], []
     model.eval()
     with torch.no_grad():
         for s in stories:
             ids = [1] + sp.encode(s.strip()) + [2]
+            story_nll.append(0.0)
+            story_count.append(0)
             for x, y in story_windows(ids, model.cfg.max_seq_len):
                 logits = model(torch.tensor([x]))[0].double()
-                total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum"))
-                count += len(y)
+                story_nll[-1] += float(torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum"))
+                story_count[-1] += len(y)
+    total, count = sum(story_nll), sum(story_count)
     assert int(m.group(1)) == 3 and int(m.group(2)) == count
     assert abs(float(m.group(3)) - total / count) < 1e-4
+    # the standard error of the ratio sum(NLL) / sum(tokens) over the 3 stories
+    mean, k = total / count, len(stories)
+    se = (k / (k - 1) * sum((s - mean * n) ** 2 for s, n in zip(story_nll, story_count))) ** 0.5 / count
+    m = re.search(r"\| PPL = ([\d.]+) \+/- ([\d.]+), mean NLL ([\d.]+) \+/- ([\d.]+) \(standard errors over 3 stories\)$",
+                  out.strip())
+    assert m, out
+    assert abs(float(m.group(1)) - np.exp(mean)) < 2e-3 and abs(float(m.group(2)) - np.exp(mean) * se) < 2e-3
+    assert abs(float(m.group(4)) - se) < 2e-4
+    # one story has no standard error
+    (tmp_path / "one.txt").write_text(stories[0] + "\n")
+    assert run([path, "--ppl", tmp_path / "one.txt"]).stdout.decode().endswith("(one story: no standard error)\n")
+
+
+def test_ppl_progress_only_on_a_terminal(small_checkpoints, tmp_path):
+    path, _ = small_checkpoints["mqa"]
+    text = tmp_path / "stories.txt"
+    text.write_text("".join(f"Story {i}: the cat sat.\n<|endoftext|>\n" for i in range(5)))
+    piped = run([path, "--ppl", text])
+    assert piped.stderr == b"" and piped.stdout.startswith(b"ppl: ")
+    screen, out, _ = on_terminal([path, "--ppl", text], stdout_on_terminal=False)
+    assert "ppl: story 5 of 5, " in screen and "PPL = " in screen and screen.endswith("\r\x1b[K")
+    assert out == piped.stdout
+    assert run([path, "--ppl", text, "-q"]).stderr == b""
+
+
+# ---- --json: one object a line, parsed with the json module ----
+
+def json_lines(p):
+    import json
+    return [json.loads(line) for line in p.stdout.decode().splitlines()]
+
+
+def version_and_commit():
+    m = re.fullmatch(r"run (\S+) \(commit (\S+)\)\n", run(["--version"]).stdout.decode())
+    return m.group(1), m.group(2)
+
+
+def test_json_summary(small_checkpoints, tmp_path):
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    path, _ = small_checkpoints["mqa"]
+    log = tmp_path / "steps.csv"
+    p = run([path, "-p", PROMPT, "-n", 20, "-s", 17, "--top-p", 0.9, "--ignore-eos", "--kv", "--json", "--log", log])
+    sequence, summary = json_lines(p)
+    assert sequence["type"] == "sequence" and len(sequence["tokens"]) == 20 and sequence["seed"] == 17
+    version, commit = version_and_commit()
+    assert summary["type"] == "summary" and (summary["version"], summary["commit"]) == (version, commit)
+    assert summary["variant"] == "mqa" and summary["mode"] == "kv" and summary["seed"] == 17
+    assert summary["checkpoint"] == path and summary["top_p"] == pytest.approx(0.9)
+    assert summary["prefill_tokens"] == 1 + len(spm.SentencePieceProcessor(model_file=TOKENIZER).encode(PROMPT))
+    assert summary["decode_steps"] == summary["decode_tokens"] == 19 and summary["stops"]["steps"] == 1
+    # the figures against the step log, computed here
+    rows = [r.split(",") for r in log.read_text().strip().split("\n")[1:]]
+    decode = sorted(float(r[6]) for r in rows if r[1] == "decode")
+    assert summary["step_ms_median"] == pytest.approx((decode[9]), abs=1e-3)
+    assert summary["step_ms_mean"] == pytest.approx(sum(decode) / 19, abs=1e-3)
+    assert summary["ms_per_token_mean"] == pytest.approx(sum(decode) / 19, abs=1e-3)
+    assert summary["prefill_ms"] == pytest.approx(float(rows[0][6]), abs=1e-3)
+
+
+def test_json_info_ppl_and_check_kv(small_checkpoints, tmp_path):
+    path, model = small_checkpoints["gqa"]
+    cfg = model.cfg
+    version, commit = version_and_commit()
+    [info] = json_lines(run([path, "--info", "--json", "--kv-dtype", "bf16"]))
+    assert info["type"] == "info" and (info["version"], info["commit"]) == (version, commit)
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+    assert info["kv_bytes_per_token"] == per_token and info["kv_bytes_full"] == per_token * cfg.max_seq_len
+    assert info["kv_dtype"] == "bf16" and info["context"] == cfg.max_seq_len and info["variant"] == "gqa"
+    text = tmp_path / "stories.txt"
+    text.write_text("The cat sat.\n<|endoftext|>\nTom had a ball and a kite.\n<|endoftext|>\n")
+    [ppl] = json_lines(run([path, "--ppl", text, "--json", "-s", 3]))
+    m = re.search(r"(\d+) tokens \| mean NLL ([\d.]+) nats/token .* \+/- [\d.]+, mean NLL [\d.]+ \+/- ([\d.]+)",
+                  run([path, "--ppl", text]).stdout.decode())
+    assert ppl["type"] == "ppl" and ppl["seed"] == 3 and ppl["stories"] == 2 and ppl["tokens"] == int(m.group(1))
+    assert ppl["mean_nll"] == pytest.approx(float(m.group(2)), abs=1e-4)
+    assert ppl["perplexity"] == pytest.approx(np.exp(ppl["mean_nll"]))
+    assert ppl["mean_nll_stderr"] == pytest.approx(float(m.group(3)), abs=1e-4) and ppl["past_context"] is None
+    args = [path, "--check-kv", "-p", PROMPT, "-n", 30, "--ignore-eos", "--json"]
+    p = run(args)
+    [check] = json_lines(p)
+    assert check["type"] == "check-kv" and check["identical"] is True and p.returncode == 0
+    [c] = check["comparisons"]
+    assert (c["a"], c["b"], c["same_form"], c["steps"], c["identical_tokens"]) == ("kv", "no-kv", True, 30, 30)
+    assert c["bitwise_identical"] is True and c["first_bitwise_difference"] is None and c["max_abs_logit_diff"] == 0
+    p = run(args + ["--window", 16], check=False)
+    [check] = json_lines(p)
+    assert p.returncode == 1 and check["identical"] is False and check["window"] == 16
+    assert check["comparisons"][0]["first_bitwise_difference"] == 12   # position 16: see the test above
+
+
+# ---- the screen: on one terminal the story reads as text; step lines elsewhere or with -v ----
+
+def on_terminal(args, stderr_on_terminal=True, stdout_on_terminal=True):
+    """Runs ./run with stdout and/or stderr on a pseudo-terminal; returns (terminal text,
+    stdout pipe, stderr pipe), the terminal's \\r\\n as \\n."""
+    import pty
+    master, slave = pty.openpty()
+    p = subprocess.Popen([RUN] + [str(a) for a in args], stdin=subprocess.DEVNULL,
+                         stdout=slave if stdout_on_terminal else subprocess.PIPE,
+                         stderr=slave if stderr_on_terminal else subprocess.PIPE)
+    os.close(slave)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:             # EIO: the terminal's last writer has gone
+            break
+        if not chunk:
+            break
+        screen += chunk
+    out, err = p.communicate(timeout=120)
+    os.close(master)
+    assert p.returncode == 0, (screen, err)
+    return screen.decode().replace("\r\n", "\n"), out, err
+
+
+def test_one_terminal_shows_the_story_then_the_summary(small_checkpoints):
+    path, _ = small_checkpoints["gqa"]
+    args = [path, "-p", PROMPT, "-n", 12, "-s", 5, "--ignore-eos", "--kv"]
+    story = run(args + ["-q"]).stdout.decode()      # stdout in a pipe: the story alone
+    screen, _, _ = on_terminal(args)
+    assert "[step" not in screen and "[prefill]" not in screen and "[warm-up]" not in screen
+    seed_line, rest = screen.split("\n", 1)
+    assert seed_line.startswith("seed 5 | ")
+    assert rest.startswith(story + "\nsummary: ")     # the story, a blank line, the summary
+    summary = rest[len(story) + 1:].split("\n")
+    # on a terminal each part of the summary line starts a line of its own
+    assert summary[0] == "summary: gqa kv" and summary[1].startswith("  prefill 5 tokens ")
+    assert summary[2].startswith("  decode 11 steps, ") and "median step" in summary[2]
+
+
+def test_step_lines_elsewhere_or_when_asked(small_checkpoints):
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
+    path, _ = small_checkpoints["gqa"]
+    args = [path, "-p", PROMPT, "-n", 12, "-k", 1, "--ignore-eos", "--kv"]
+    # stderr not on the terminal stdout is on: the step lines go there
+    _, _, err = on_terminal(args, stderr_on_terminal=False)
+    assert len(re.findall(rb"^\[step \d+\]", err, re.M)) == 11
+    _, out, _ = on_terminal(args, stdout_on_terminal=False)
+    assert out.startswith(PROMPT.encode())
+    # -v on one terminal: each step line on a line of its own, after its token's text
+    screen, _, _ = on_terminal(args + ["-v"])
+    lines = screen.split("\n")
+    steps = [i for i, l in enumerate(lines) if re.match(r"\[(prefill|step \d+)\] ", l)]
+    assert len(steps) == 12
+    checked = 0
+    for i in steps:
+        token = int(re.search(r"(?:token|next) (\d+) ms", lines[i]).group(1))
+        piece = sp.id_to_piece(token)
+        if sp.is_byte(token) or sp.is_control(token):
+            continue
+        assert lines[i - 1].endswith(piece.replace("\u2581", " ")), (lines[i - 1], piece)
+        checked += 1
+    assert checked >= 6
+
+
+# ---- the command line: long names, --flag=value, the prompt from a file or stdin, --version ----
+
+def test_long_flags_mean_the_short_ones(small_checkpoints):
+    path, _ = small_checkpoints["gqa"]
+    short = run([path, "-p", PROMPT, "-n", 9, "-k", 5, "-t", 0.7, "-s", 11, "-q", "--ignore-eos"])
+    long = run(["--prompt=" + PROMPT, "--n-predict", 9, "--top-k=5", "--temp=0.7", "--seed", 11, "--quiet",
+                "--ignore-eos", "--", path])
+    assert short.stdout == long.stdout and short.stdout.startswith(PROMPT.encode())
+    assert b"top-k 5 | top-p 1 | temperature 0.7" in long.stderr
+    # top-p narrows what is drawn: 0 keeps the most likely token only, as greedy does
+    greedy = run([path, "-p", PROMPT, "-n", 9, "-k", 1, "-q", "--ignore-eos"]).stdout
+    nucleus = run([path, "-p", PROMPT, "-n", 9, "--top-p", 0, "-t", 1.5, "-s", 4, "-q", "--ignore-eos"]).stdout
+    assert nucleus == greedy
+
+
+def test_prompt_from_a_file_and_from_stdin(small_checkpoints, tmp_path):
+    path, _ = small_checkpoints["mqa"]
+    args = ["-n", 6, "-k", 1, "-q", "--ignore-eos"]
+    want = run([path, "-p", PROMPT] + args).stdout
+    text = tmp_path / "prompt.txt"
+    text.write_text(PROMPT + "\n\n")                     # trailing line breaks are dropped
+    assert run([path, "-f", text] + args).stdout == want
+    assert run([path, "--file=" + str(text)] + args).stdout == want
+    p = subprocess.run([RUN, path, "-p", "-"] + [str(a) for a in args], input=(PROMPT + "\r\n").encode(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    assert p.returncode == 0 and p.stdout == want, p.stderr
+    (tmp_path / "bad.txt").write_bytes(b"Once \xff upon")
+    expect_error([path, "-f", tmp_path / "bad.txt"], 1, f"{tmp_path / 'bad.txt'} is not valid UTF-8 text")
+    (tmp_path / "nul.txt").write_bytes(b"Once\0upon")
+    expect_error([path, "-f", tmp_path / "nul.txt"], 1, "holds a NUL byte")
+    expect_error([path, "-f", tmp_path / "missing.txt"], 1, "cannot open")
+    expect_error([path, "-f", text, "-p", "x"], 2, "-p and -f cannot be combined")
+
+
+def test_version_names_the_commit():
+    p = run(["--version"])
+    m = re.fullmatch(r"run (\d+\.\d+\.\d+) \(commit (\S+)\)\n", p.stdout.decode())
+    assert m, p.stdout
+    git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL)
+    head = git.stdout.decode().strip() if git.returncode == 0 else "unknown"
+    assert m.group(2) in (head, head + "-dirty"), (m.group(2), head)
 
 
 # ---- bad input: one line on stderr, a non-zero exit, nothing on stdout ----

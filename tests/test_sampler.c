@@ -1,4 +1,6 @@
-/* The sampler: -k 1 is the argmax; top-k draws follow the distribution on a fixed seed. */
+/* The sampler: -k 1 is the argmax; top-k draws follow the distribution on a fixed seed;
+ * top-p keeps the nucleus, after top-k and before the temperature (llama.cpp's order),
+ * checked draw by draw against probabilities worked out by hand. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,10 +17,10 @@ static void test_greedy_is_argmax(void **state) {
     for (int i = 0; i < 100; i++) logits[i] = test_uniform(&s);
     logits[63] = 3.0f;
     Sampler sm;
-    assert_int_equal(sampler_init(&sm, 100, 1, 1.0f, 42), 0);
+    assert_int_equal(sampler_init(&sm, 100, 1, 1.0f, 1.0f, 42), 0);
     for (int i = 0; i < 10; i++) assert_int_equal(sampler_sample(&sm, logits), 63);
     sampler_free(&sm);
-    assert_int_equal(sampler_init(&sm, 100, 40, 0.0f, 42), 0);  /* temperature 0 is greedy too */
+    assert_int_equal(sampler_init(&sm, 100, 40, 1.0f, 0.0f, 42), 0);  /* temperature 0 is greedy too */
     assert_int_equal(sampler_sample(&sm, logits), 63);
     sampler_free(&sm);
     /* ties go to the first index */
@@ -37,7 +39,7 @@ static void test_top_k_distribution(void **state) {
     logits[2] = logf(3.0f);
     logits[45] = logf(4.0f);
     Sampler sm;
-    assert_int_equal(sampler_init(&sm, V, 4, 1.0f, 1234), 0);
+    assert_int_equal(sampler_init(&sm, V, 4, 1.0f, 1.0f, 1234), 0);
     int count[V] = {0};
     for (int i = 0; i < DRAWS; i++) count[sampler_sample(&sm, logits)]++;
     const int ids[4] = {7, 30, 2, 45};
@@ -56,14 +58,14 @@ static void test_top_k_distribution(void **state) {
 static void test_seed_and_temperature(void **state) {
     float logits[8] = {0, 1, 2, 3, 4, 5, 6, 7};
     Sampler a, b;
-    assert_int_equal(sampler_init(&a, 8, 8, 1.0f, 99), 0);
-    assert_int_equal(sampler_init(&b, 8, 8, 1.0f, 99), 0);
+    assert_int_equal(sampler_init(&a, 8, 8, 1.0f, 1.0f, 99), 0);
+    assert_int_equal(sampler_init(&b, 8, 8, 1.0f, 1.0f, 99), 0);
     for (int i = 0; i < 1000; i++) assert_int_equal(sampler_sample(&a, logits), sampler_sample(&b, logits));
     sampler_free(&a);
     sampler_free(&b);
     int top_low = 0, top_high = 0;
-    assert_int_equal(sampler_init(&a, 8, 8, 0.25f, 7), 0);
-    assert_int_equal(sampler_init(&b, 8, 8, 4.0f, 7), 0);
+    assert_int_equal(sampler_init(&a, 8, 8, 1.0f, 0.25f, 7), 0);
+    assert_int_equal(sampler_init(&b, 8, 8, 1.0f, 4.0f, 7), 0);
     for (int i = 0; i < 20000; i++) {
         top_low += sampler_sample(&a, logits) == 7;
         top_high += sampler_sample(&b, logits) == 7;
@@ -74,13 +76,86 @@ static void test_seed_and_temperature(void **state) {
     sampler_free(&b);
 }
 
+/* The token a draw of r in [0, 1) picks from probabilities p[0..n) (best first) of ids. */
+static int pick(double r, const double *p, const int *ids, int n) {
+    double cdf = 0.0;
+    for (int i = 0; i < n; i++) {
+        cdf += p[i];
+        if (r < cdf) return ids[i];
+    }
+    return ids[n - 1];
+}
+
+/* Draws from sm and checks each against the token the same random number picks from the
+ * expected distribution; ids outside it are never drawn. */
+static void expect_draws(Sampler *sm, const float *logits, const double *p, const int *ids, int n, int draws) {
+    for (int i = 0; i < draws; i++) {
+        uint64_t next = sm->rng_state;
+        const double r = sampler_random_f32(&next);
+        const int want = pick(r, p, ids, n), got = sampler_sample(sm, logits);
+        if (got != want) fail_msg("draw %d (r = %.6f): token %d, expected %d", i, r, got, want);
+    }
+}
+
+/* Four tokens of probability 0.1, 0.2, 0.3, 0.4 (ids 7, 30, 2, 45). top-p 0.6: 0.4 alone is
+ * short of it, 0.4 + 0.3 reaches it, so ids 45 and 2 remain, drawn with 4/7 and 3/7. */
+static void test_top_p_keeps_the_nucleus(void **state) {
+    float logits[50];
+    for (int i = 0; i < 50; i++) logits[i] = -1e30f;  /* probability 0 */
+    logits[7] = logf(0.1f), logits[30] = logf(0.2f), logits[2] = logf(0.3f), logits[45] = logf(0.4f);
+    Sampler sm;
+    assert_int_equal(sampler_init(&sm, 50, 50, 0.6f, 1.0f, 2024), 0);
+    const double p[2] = {4.0 / 7.0, 3.0 / 7.0};
+    const int ids[2] = {45, 2};
+    expect_draws(&sm, logits, p, ids, 2, 5000);
+    sampler_free(&sm);
+    /* top-p 0.95: all four (0.9 is short of it), with their own probabilities */
+    assert_int_equal(sampler_init(&sm, 50, 50, 0.95f, 1.0f, 77), 0);
+    const double all[4] = {0.4, 0.3, 0.2, 0.1};
+    const int all_ids[4] = {45, 2, 30, 7};
+    expect_draws(&sm, logits, all, all_ids, 4, 5000);
+    sampler_free(&sm);
+    /* top-p 0: the most likely token only, whatever the temperature */
+    assert_int_equal(sampler_init(&sm, 50, 50, 0.0f, 5.0f, 9), 0);
+    for (int i = 0; i < 100; i++) assert_int_equal(sampler_sample(&sm, logits), 45);
+    sampler_free(&sm);
+}
+
+/* Top-k, then top-p, then the temperature. Probabilities 0.04, 0.26, 0.11, 0.33, 0.16, 0.10
+ * (ids 0..5). -k 4 keeps ids 3, 1, 4, 2 (0.86 in all: 0.384, 0.302, 0.186, 0.128 among
+ * them); --top-p 0.6 then keeps ids 3 and 1 (0.384 < 0.6 <= 0.686); -t 2 draws them with
+ * weights sqrt(0.33) and sqrt(0.26). Had the temperature come first (llama2.c's order), the
+ * flatter distribution (0.316, 0.281, 0.220, 0.183) would have kept id 4 as well. */
+static void test_top_k_then_top_p_then_temperature(void **state) {
+    const double prob[6] = {0.04, 0.26, 0.11, 0.33, 0.16, 0.10};
+    float logits[6];
+    for (int i = 0; i < 6; i++) logits[i] = (float)log(prob[i]) + 3.0f;  /* a shift changes nothing */
+    Sampler sm;
+    assert_int_equal(sampler_init(&sm, 6, 4, 0.6f, 2.0f, 31337), 0);
+    const double w3 = sqrt(0.33), w1 = sqrt(0.26);
+    const double p[2] = {w3 / (w3 + w1), w1 / (w3 + w1)};
+    const int ids[2] = {3, 1};
+    expect_draws(&sm, logits, p, ids, 2, 5000);
+    sampler_free(&sm);
+    /* top-p 0.7 reaches past 0.686: ids 3, 1 and 4, weighted sqrt(p) */
+    assert_int_equal(sampler_init(&sm, 6, 4, 0.7f, 2.0f, 5), 0);
+    const double w4 = sqrt(0.16), sum = w3 + w1 + w4;
+    const double q[3] = {w3 / sum, w1 / sum, w4 / sum};
+    const int ids3[3] = {3, 1, 4};
+    expect_draws(&sm, logits, q, ids3, 3, 5000);
+    sampler_free(&sm);
+}
+
 static void test_rejects_bad_parameters(void **state) {
     Sampler sm;
-    assert_int_equal(sampler_init(&sm, 100, 0, 1.0f, 1), -1);
-    assert_int_equal(sampler_init(&sm, 100, 101, 1.0f, 1), -1);
-    assert_int_equal(sampler_init(&sm, 100, 5, -0.5f, 1), -1);
-    assert_int_equal(sampler_init(&sm, 100, 5, NAN, 1), -1);
-    assert_int_equal(sampler_init(&sm, 100, 5, INFINITY, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 0, 1.0f, 1.0f, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 101, 1.0f, 1.0f, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 5, 1.0f, -0.5f, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 5, 1.0f, NAN, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 5, 1.0f, INFINITY, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 5, -0.01f, 1.0f, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 5, 1.01f, 1.0f, 1), -1);
+    assert_int_equal(sampler_init(&sm, 100, 5, NAN, 1.0f, 1), -1);
 }
 
 static void test_random_range(void **state) {
@@ -99,7 +174,8 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_is_argmax),    cmocka_unit_test(test_top_k_distribution),
         cmocka_unit_test(test_seed_and_temperature), cmocka_unit_test(test_rejects_bad_parameters),
-        cmocka_unit_test(test_random_range),
+        cmocka_unit_test(test_random_range),        cmocka_unit_test(test_top_p_keeps_the_nucleus),
+        cmocka_unit_test(test_top_k_then_top_p_then_temperature),
     };
     return cmocka_run_group_tests_name("sampler", tests, NULL, NULL);
 }

@@ -28,8 +28,15 @@ def prompt_file(tmp_path):
 
 
 def served(args):
+    """The sequences' JSON lines and stderr; the last JSON line, the summary, is checked
+    against the sequences."""
     p = run(args + ["--json"])
-    return [json.loads(line) for line in p.stdout.decode().splitlines()], p.stderr.decode()
+    lines = [json.loads(line) for line in p.stdout.decode().splitlines()]
+    sequences, summary = lines[:-1], lines[-1]
+    assert all(s["type"] == "sequence" for s in sequences) and summary["type"] == "summary"
+    assert summary["sequences"] == len(sequences) and summary["serving"] == ("--prompts" in map(str, args))
+    assert summary["tokens_generated"] == sum(s["generated"] for s in sequences)
+    return sequences, p.stderr.decode()
 
 
 @pytest.mark.parametrize("variant", ["mqa", "mla128"])

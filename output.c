@@ -1,0 +1,35 @@
+/* output.c: the output files (output.h). */
+#include "output.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "errmsg.h"
+
+int output_open(FILE **out, const char *path, const NamedPath *inputs, int n_inputs, char *err, size_t errlen) {
+    *out = NULL;
+    struct stat target, input;
+    if (stat(path, &target) == 0) {  /* before the open: O_TRUNC would already have emptied an input */
+        for (int i = 0; i < n_inputs && S_ISREG(target.st_mode); i++)  /* two outputs may share /dev/null */
+            if (inputs[i].path && stat(inputs[i].path, &input) == 0 && input.st_dev == target.st_dev &&
+                input.st_ino == target.st_ino)
+                return errmsg(err, errlen, 2, "cannot write %s: it is %s", path, inputs[i].what);
+        const char *kind = S_ISDIR(target.st_mode) ? "a directory" : S_ISSOCK(target.st_mode) ? "a socket"
+                           : S_ISBLK(target.st_mode) ? "a block device" : NULL;
+        if (kind) return errmsg(err, errlen, 2, "cannot write %s: it is %s", path, kind);
+    }
+    /* O_NONBLOCK: opening a FIFO for writing waits for a reader; without one it fails at once */
+    const int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0666);
+    if (fd < 0 && errno == ENXIO) return errmsg(err, errlen, 1, "cannot write %s: it is a FIFO no process reads", path);
+    if (fd < 0) return errmsg(err, errlen, 1, "cannot write %s: %s", path, strerror(errno));
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 || !(*out = fdopen(fd, "w"))) {
+        const int e = errno;
+        close(fd);
+        return errmsg(err, errlen, 1, "cannot write %s: %s", path, strerror(e));
+    }
+    return 0;
+}

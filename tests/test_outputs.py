@@ -1,0 +1,155 @@
+"""Every output of ./run is checked (docs/ROBUSTNESS.md, Outputs): a stdout, --log or
+--dump-logits that cannot be written gives one line on stderr and a non-zero exit; SIGINT
+and SIGTERM stop a generation at a step boundary with whole CSV lines; an output that is
+one of the run's inputs is refused before anything is truncated; a FIFO never hangs."""
+import hashlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import PROMPT, RUN, run
+
+COLUMNS = "step,phase,sequences,n_tokens,pos,token,ms".split(",")
+# a generation that runs far longer than any test waits: a window lets it pass the context
+ENDLESS = ["--kv", "--window", 32, "-n", 1000000, "--ignore-eos", "-q"]
+
+
+def args_of(args):
+    return [RUN] + [str(a) for a in args]
+
+
+def one_error_line(p, code, message):
+    err = p.stderr.decode()
+    assert p.returncode == code, (p.returncode, err)
+    assert err.endswith(f"run: {message}\n") and err.count("run: ") == 1, err
+
+
+@pytest.fixture(scope="module")
+def ckpt(small_checkpoints):
+    return small_checkpoints["gqa"][0]
+
+
+# ---- outputs that cannot be written ----
+
+@pytest.mark.parametrize("mode", [[], ["--json"], ["--info"], ["--check-kv"], ["--batch", 2, "--kv"]])
+def test_full_stdout(ckpt, mode):
+    with open("/dev/full", "wb") as full:
+        p = subprocess.run(args_of([ckpt, "-p", PROMPT, "-n", 5, "-q"] + mode), stdout=full, stderr=subprocess.PIPE,
+                           timeout=120)
+    one_error_line(p, 1, "cannot write standard output: No space left on device")
+
+
+def test_full_stdout_for_ppl(ckpt, tmp_path):
+    text = tmp_path / "stories.txt"
+    text.write_text("The cat sat.\n<|endoftext|>\n")
+    with open("/dev/full", "wb") as full:
+        p = subprocess.run(args_of([ckpt, "--ppl", text]), stdout=full, stderr=subprocess.PIPE, timeout=120)
+    one_error_line(p, 1, "cannot write standard output: No space left on device")
+
+
+@pytest.mark.parametrize("flag", ["--log", "--dump-logits"])
+def test_full_output_file(ckpt, flag):
+    p = run([ckpt, "-p", PROMPT, "-n", 5, "-q", flag, "/dev/full"], check=False)
+    one_error_line(p, 1, "cannot write /dev/full: No space left on device")
+
+
+def test_closed_stdout(ckpt):
+    p = subprocess.run(args_of([ckpt, "-n", 5, "-q"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       preexec_fn=lambda: os.close(1), timeout=120)
+    one_error_line(p, 1, "cannot write standard output: it is closed")
+
+
+def test_broken_pipe_with_sigpipe_ignored(ckpt):
+    p = subprocess.Popen(args_of([ckpt, "-p", PROMPT] + ENDLESS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGPIPE, signal.SIG_IGN))
+    assert p.stdout.read(64).startswith(PROMPT.encode())
+    p.stdout.close()                        # the reader goes away; the next write fails with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1, err
+    assert err.endswith("run: cannot write standard output: Broken pipe\n"), err
+
+
+# ---- a signal stops the generation at a step boundary ----
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_leaves_whole_csv_lines(ckpt, tmp_path, sig, code):
+    log, out = tmp_path / "steps.csv", tmp_path / "story.txt"
+    with open(out, "wb") as story:
+        p = subprocess.Popen(args_of([ckpt, "-p", PROMPT, "--log", log] + ENDLESS), stdout=story,
+                             stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while (not log.exists() or log.read_text().count("\n") < 20) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(sig)
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == code, err
+    text = log.read_text()
+    assert text.endswith("\n")
+    lines = text.split("\n")[:-1]
+    assert lines[0].split(",") == COLUMNS and len(lines) > 20
+    for i, line in enumerate(lines[1:]):
+        cells = line.split(",")
+        assert len(cells) == len(COLUMNS) and int(cells[0]) == i and float(cells[6]) >= 0, line
+    # the summary counts the steps the log holds, and says why the run ended
+    assert f"decode {len(lines) - 2} steps" in err and err.rstrip().endswith("stop: interrupted"), err
+    assert out.read_bytes().startswith(PROMPT.encode()) and out.read_bytes().endswith(b"\n")
+
+
+# ---- an output that is an input, or a file that is no file ----
+
+def digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_output_that_is_an_input_is_refused(ckpt, tmp_path):
+    before = digest(ckpt)
+    p = run([ckpt, "-n", 3, "--log", ckpt], check=False)
+    one_error_line(p, 2, f"cannot write {ckpt}: it is the checkpoint")
+    link = tmp_path / "link.bin"                    # another name for it: the inode decides
+    link.symlink_to(ckpt)
+    p = run([ckpt, "-n", 3, "--dump-logits", link], check=False)
+    one_error_line(p, 2, f"cannot write {link}: it is the checkpoint")
+    assert digest(ckpt) == before
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT + "\n")
+    hard = tmp_path / "hard.txt"
+    os.link(prompt, hard)
+    p = run([ckpt, "-f", prompt, "-n", 3, "--log", hard], check=False)
+    one_error_line(p, 2, f"cannot write {hard}: it is the prompt file")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\nb\n")
+    p = run([ckpt, "--prompts", prompts, "-n", 3, "--log", prompts], check=False)
+    one_error_line(p, 2, f"cannot write {prompts}: it is the --prompts file")
+    assert prompt.read_text() == PROMPT + "\n" and prompts.read_text() == "a\nb\n"
+    both = tmp_path / "both.out"
+    p = run([ckpt, "-n", 3, "--log", both, "--dump-logits", both], check=False)
+    one_error_line(p, 2, f"cannot write {both}: it is the --log file")
+    p = run([ckpt, "-n", 3, "--log", tmp_path], check=False)
+    one_error_line(p, 2, f"cannot write {tmp_path}: it is a directory")
+
+
+def test_fifo_never_hangs(ckpt, tmp_path):
+    fifo = tmp_path / "steps.fifo"
+    os.mkfifo(fifo)
+    p = run([ckpt, "-n", 3, "-q", "--log", fifo], check=False, timeout=60)   # no reader
+    one_error_line(p, 1, f"cannot write {fifo}: it is a FIFO no process reads")
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)                     # with one: written as a file
+    try:
+        p = run([ckpt, "-n", 3, "-q", "--log", fifo], timeout=60)
+        got = b""
+        while True:
+            try:
+                chunk = os.read(reader, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        os.close(reader)
+    assert got.decode().split("\n")[0].split(",") == COLUMNS and got.count(b"\n") == 4
+    null = run([ckpt, "-n", 3, "-q", "--log", "/dev/null", "--dump-logits", "/dev/null"])
+    assert null.returncode == 0
