@@ -3,17 +3,16 @@
 #include "loader.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "attention.h"
 #include "errmsg.h"
+#include "fileio.h"
 #include "spm_c.h"
 
 #define HEADER_SIZE 128
@@ -197,10 +196,10 @@ static int derive_absorbed(Model *m) {
     return 0;
 }
 
-/* The weights leave the file mapping for a heap copy in the packed layout of kernels.h,
- * 2 MB-aligned and advised as transparent huge pages: a decode step streams all ~30 MB
- * of them, through ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of
- * a file are never huge). The copy is exactly w_size long, so a read past the last
+/* The weights live in a heap copy in the packed layout of kernels.h, 2 MB-aligned and
+ * advised as transparent huge pages: a decode step streams all ~30 MB of them, through
+ * ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of a file are never
+ * huge). The copy is exactly w_size long, so a read past the last
  * tensor is a heap overflow that ASan reports. */
 #define HUGE_PAGE ((size_t)2 << 20)
 static void *alloc_weights(size_t w_size) {
@@ -212,36 +211,62 @@ static void *alloc_weights(size_t w_size) {
     return p;
 }
 
-typedef struct { const char *src; char *dst; DType dt; } PackCursor;
+/* Reading the weights tensor by tensor: each is read into `rowmajor` and packed into the
+ * heap copy. The first failure stops the walk's work and keeps its message. */
+typedef struct {
+    int fd;
+    const char *path;
+    size_t offset;       /* in the file, of the next tensor */
+    char *dst;           /* in the heap copy */
+    DType dt;
+    char *rowmajor;      /* (rowmajor_bytes) one tensor as the file holds it */
+    size_t rowmajor_bytes;
+    char *err;
+    size_t errlen;
+    int failed;
+} PackCursor;
 
-/* Visitor: the next tensor of the file (row-major) goes packed into the heap copy. */
+/* Visitor: the next tensor of the file goes, packed, into the heap copy. */
 static void pack_tensor(void *ctx, Mat *mat, int rows, int cols) {
     PackCursor *cur = ctx;
-    size_t bytes = (size_t)rows * (size_t)cols * dtype_size(cur->dt);
-    mat_pack(cur->dst, cur->src, rows, cols, cur->dt);
+    const size_t bytes = (size_t)rows * (size_t)cols * dtype_size(cur->dt);
+    if (cur->failed) return;
+    if (bytes > cur->rowmajor_bytes) {
+        free(cur->rowmajor);
+        cur->rowmajor_bytes = bytes;
+        if (!(cur->rowmajor = malloc(bytes))) {
+            cur->failed = errmsg(cur->err, cur->errlen, 1, "out of memory loading %s", msg_path(cur->path).s);
+            return;
+        }
+    }
+    if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
+        cur->failed = errno ? errmsg(cur->err, cur->errlen, 1, "cannot read checkpoint %s: %s", msg_path(cur->path).s, strerror(errno))
+                            : errmsg(cur->err, cur->errlen, 1, "checkpoint %s shrank while it was being read (truncated?)",
+                                     msg_path(cur->path).s);
+        return;
+    }
+    mat_pack(cur->dst, cur->rowmajor, rows, cols, cur->dt);
     *mat = (Mat){cur->dst, rows, cols, cur->dt};
-    cur->src += bytes;
+    cur->offset += bytes;
     cur->dst += bytes;
 }
 
+/* The file is read with pread, never mapped: a mapped file that shrinks under the reader
+ * kills it with SIGBUS, while a read just comes up short. */
 int model_load(Model *m, const char *path, char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return errmsg(err, errlen, -1, "cannot open checkpoint %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return errmsg(err, errlen, -1, "checkpoint %s is not a regular file", path);
-    }
-    size_t size = (size_t)st.st_size;
+    size_t size;
+    const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
+    if (fd < 0) return -1;
+    unsigned char h[HEADER_SIZE];
+    char *tokenizer = NULL;
+    PackCursor cur = {.fd = fd, .path = path, .err = err, .errlen = errlen};
     if (size < HEADER_SIZE) {
-        close(fd);
-        return errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", path, size, HEADER_SIZE);
+        errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", msg_path(path).s,
+               size, HEADER_SIZE);
+        goto bad;
     }
-    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (map == MAP_FAILED) return errmsg(err, errlen, -1, "cannot mmap checkpoint %s: %s", path, strerror(errno));
-    const unsigned char *h = map;
+    if (read_at(fd, h, HEADER_SIZE, 0) != 0) goto unreadable;
     Config *c = &m->cfg;
     if (parse_header(c, h, err, errlen) != 0) goto bad;
 
@@ -263,8 +288,12 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
         goto bad;
     }
 
+    if (!(tokenizer = malloc((size_t)tok_size))) goto out_of_memory;
+    if (read_at(fd, tokenizer, (size_t)tok_size, (size_t)tok_off) != 0) goto unreadable;
     char why[256];
-    m->tokenizer = spm_load_bytes((const char *)map + tok_off, (size_t)tok_size, why, sizeof why);
+    m->tokenizer = spm_load_bytes(tokenizer, (size_t)tok_size, why, sizeof why);
+    free(tokenizer);
+    tokenizer = NULL;
     if (!m->tokenizer) {
         errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer is corrupt: %s", why);
         goto bad;
@@ -278,20 +307,27 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
 
     m->weights = alloc_weights((size_t)w_size);
     m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
-    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) {
-        errmsg(err, errlen, -1, "out of memory loading %s", path);
-        goto bad;
-    }
-    PackCursor cur = {(const char *)map + w_off, m->weights, c->dtype};
+    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) goto out_of_memory;
+    cur.offset = (size_t)w_off;
+    cur.dst = m->weights;
+    cur.dt = c->dtype;
     model_walk_tensors(c, &m->w, pack_tensor, &cur);
-    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) {
-        errmsg(err, errlen, -1, "out of memory loading %s", path);
-        goto bad;
-    }
-    munmap(map, size);
+    free(cur.rowmajor);
+    cur.rowmajor = NULL;
+    if (cur.failed) goto bad;
+    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) goto out_of_memory;
+    close(fd);
     return 0;
+unreadable:
+    if (errno) errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
+    else errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
+    goto bad;
+out_of_memory:
+    errmsg(err, errlen, -1, "out of memory loading %s", msg_path(path).s);
 bad:
-    munmap(map, size);
+    free(tokenizer);
+    free(cur.rowmajor);
+    close(fd);
     model_free(m);
     return -1;
 }

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "errmsg.h"
 #include "loader.h"
 #include "model.h"
 #include "parallel.h"
@@ -724,7 +725,7 @@ int main(int argc, char **argv) {
             for (int i = 0; i < file.n_prompts; i++) {  /* every line is checked before anything runs */
                 Request *r = &sch.requests[i];
                 char where[320];
-                snprintf(where, sizeof where, "%s:%d: ", o.prompts_path, file.line_numbers[i]);
+                snprintf(where, sizeof where, "%s:%d: ", msg_path(o.prompts_path).s, file.line_numbers[i]);
                 r->cap_tokens = m.cfg.max_seq_len + 1;
                 if (!(r->tokens = malloc((size_t)r->cap_tokens * sizeof(int)))) die(1, "out of memory");
                 r->n_prompt = encode_prompt(&m, file.prompts[i], r->tokens, m.cfg.max_seq_len + 1, where);

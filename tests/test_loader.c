@@ -1,7 +1,8 @@
 /* The loader accepts a valid file and refuses every bad one with a message:
  * truncated at every header field and inside every section, bad magic, version,
  * variant, dtype, absurd or inconsistent dimensions, bad offsets, corrupt or
- * mismatched tokenizers. The files are made here. */
+ * mismatched tokenizers, special files; a long path never costs the message its
+ * reason. The files are made here. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "loader.h"
 #include "model.h"
@@ -74,6 +76,30 @@ static void test_missing_file(void **state) {
     assert_int_equal(model_load(&m, "/nonexistent/model.bin", err, sizeof err), -1);
     assert_non_null(strstr(err, "cannot open"));
 }
+
+/* A path of 4000 bytes is shortened in the message (run.c's buffer holds 512), never the
+ * reason after it. */
+static void test_long_path_keeps_the_reason(void **state) {
+    char path[4001];
+    long_missing_path(path);
+    Model m;
+    char err[512];
+    assert_int_equal(model_load(&m, path, err, sizeof err), -1);
+    const char *reason = ": No such file or directory";
+    assert_true(strlen(err) > strlen(reason));
+    assert_string_equal(err + strlen(err) - strlen(reason), reason);
+    assert_non_null(strstr(err, "cannot open checkpoint ...d/d/d"));  /* the path's end */
+}
+
+static int load_path(const char *path, char *err, size_t errlen) {
+    Model m;
+    const int rc = model_load(&m, path, err, errlen);
+    if (rc == 0) model_free(&m);
+    return rc;
+}
+
+/* a FIFO, a device, a directory: refused at once */
+static void test_special_files(void **state) { expect_special_files_refused(load_path); }
 
 /* truncated at every header field (every 4 bytes), then inside the tokenizer and the weights */
 static void test_truncated_everywhere(void **state) {
@@ -198,6 +224,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_truncated_everywhere), cmocka_unit_test(test_bad_header_fields),
         cmocka_unit_test(test_bad_offsets),      cmocka_unit_test(test_corrupt_tokenizer),
         cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_every_variant_loads),
+        cmocka_unit_test(test_long_path_keeps_the_reason), cmocka_unit_test(test_special_files),
     };
     return cmocka_run_group_tests_name("loader", tests, setup, teardown);
 }

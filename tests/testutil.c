@@ -142,6 +142,32 @@ const char *temp_path(const char *name) {
     return p;
 }
 
+void expect_special_files_refused(PathReader read) {
+    const char *fifo = temp_path("fifo");
+    unlink(fifo);
+    if (mkfifo(fifo, 0600) != 0) abort();
+    const struct { const char *path, *kind; } cases[] = {
+        {fifo, "is a FIFO, not a regular file"},
+        {"/dev/zero", "is a character device, not a regular file"},
+        {".", "is a directory, not a regular file"},
+    };
+    alarm(20);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char err[512] = "";
+        if (read(cases[i].path, err, sizeof err) != -1 || !strstr(err, cases[i].kind)) {
+            fprintf(stderr, "%s: '%s', not '%s'\n", cases[i].path, err, cases[i].kind);
+            abort();
+        }
+    }
+    alarm(0);
+    unlink(fifo);
+}
+
+void long_missing_path(char path[4001]) {
+    strcpy(path, "/nonexistent");
+    for (size_t n = strlen(path); n + 2 <= 4000; n += 2) strcat(path, "/d");
+}
+
 static size_t put_varint(unsigned char *out, uint64_t v) {
     size_t n = 0;
     while (v >= 0x80) {

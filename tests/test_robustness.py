@@ -1,0 +1,127 @@
+"""Hostile input from outside the flags (docs/ROBUSTNESS.md): special files, files that
+change while they are read, memory out of proportion to the input, messages that say what
+went wrong, non-finite numbers, and limits set through the environment or the shell. Every
+input is crafted here, from the small random checkpoints of conftest.py."""
+import os
+import resource
+import shutil
+import socket
+import struct
+import subprocess
+
+import pytest
+
+from conftest import RUN, run
+
+def one_line_error(p, code, needle):
+    """Exit code `code`, one line `run: ...` on stderr holding needle, nothing on stdout."""
+    err = p.stderr.decode()
+    assert p.returncode == code, (p.returncode, err)
+    assert err.startswith("run: ") and err.endswith("\n") and err.count("\n") == 1, err
+    assert needle in err, err
+    assert p.stdout == b""
+    return err
+
+
+@pytest.fixture(scope="module")
+def ckpt(small_checkpoints):
+    return small_checkpoints["gqa"][0]
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "stories.txt"
+    path.write_text("Once upon a time there was a cat.\n<|endoftext|>\nTom had a red ball.\n<|endoftext|>\n")
+    return path
+
+
+# ---- 3: special files and sizes ----
+
+def test_special_files_never_hang(ckpt, tmp_path, stories):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "sock"))
+    try:
+        for path, what in [(fifo, "is a FIFO, not a regular file"), ("/dev/zero", "is a character device, not a regular file"),
+                           (tmp_path, "is a directory, not a regular file"),
+                           (tmp_path / "sock", "No such device or address")]:
+            one_line_error(run([path, "-n", "2"], check=False, timeout=30), 1, what)
+            one_line_error(run([ckpt, "--ppl", path], check=False, timeout=30), 1, what)
+            one_line_error(run([ckpt, "--prompts", path], check=False, timeout=30), 1, what)
+    finally:
+        sock.close()
+
+
+SHRINK_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* After the first fstat of the file named by SHRINK_FILE, the file is cut to SHRINK_TO bytes:
+ * the caller has taken the size it will believe. */
+static int shrunk;
+static void maybe_shrink(int fd, int rc) {
+    const char *victim = getenv("SHRINK_FILE");
+    char link[64], target[4096];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (rc != 0 || shrunk || !victim || n <= 0) return;
+    target[n] = '\0';
+    if (strcmp(target, victim) != 0) return;
+    shrunk = 1;
+    if (truncate(victim, atol(getenv("SHRINK_TO"))) != 0) abort();
+}
+int fstat(int fd, struct stat *st) {
+    int (*real)(int, struct stat *) = (int (*)(int, struct stat *))dlsym(RTLD_NEXT, "fstat");
+    int rc = real(fd, st);
+    maybe_shrink(fd, rc);
+    return rc;
+}
+int fstat64(int fd, struct stat64 *st) {
+    int (*real)(int, struct stat64 *) = (int (*)(int, struct stat64 *))dlsym(RTLD_NEXT, "fstat64");
+    int rc = real(fd, st);
+    maybe_shrink(fd, rc);
+    return rc;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def shrink_shim(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("shim")
+    (d / "shrink.c").write_text(SHRINK_SHIM)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "shrink.so"), str(d / "shrink.c"), "-ldl"], check=True)
+    return d / "shrink.so"
+
+
+@pytest.mark.parametrize("keep", ["header", "tokenizer", "weights"])
+def test_checkpoint_shrinking_while_loading(ckpt, tmp_path, shrink_shim, keep):
+    """The file is cut right after the loader has taken its size: a mapping of it would
+    die of SIGBUS on the first page past the new end; reads just come up short."""
+    victim = tmp_path / "victim.bin"
+    shutil.copy(ckpt, victim)
+    w_off = struct.unpack_from("<Q", victim.read_bytes(), 88)[0]
+    to = {"header": 64, "tokenizer": 4096, "weights": w_off + 10000}[keep]
+    env = dict(os.environ, LD_PRELOAD=str(shrink_shim), SHRINK_FILE=str(victim.resolve()), SHRINK_TO=str(to),
+               ASAN_OPTIONS=os.environ.get("ASAN_OPTIONS", "") + ":verify_asan_link_order=0")
+    p = subprocess.run([RUN, str(victim), "-n", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=60)
+    assert os.path.getsize(victim) == to  # the shim did cut it
+    one_line_error(p, 1, "shrank while it was being read")
+
+
+# ---- 4: honest messages ----
+
+def test_long_paths_keep_the_reason(ckpt, tmp_path):
+    path = "/nonexistent" + "/d" * 1994  # 4000 bytes
+    for args in ([path], [ckpt, "--ppl", path], [ckpt, "--prompts", path]):
+        err = one_line_error(run(args, check=False), 1, "cannot open")
+        assert err.endswith(": No such file or directory\n"), err
+        assert len(err) < 300, err
