@@ -59,8 +59,10 @@ static void engine_step(Engine *e, const int *tokens, int n, float *logits) {
 
 /* What a negative spm_encode result means, after "the prompt" or "story N". */
 static const char *encode_error(int code) {
+    static char too_long[96];
+    snprintf(too_long, sizeof too_long, "is over %d bytes, more than the tokenizer encodes at once", SPM_MAX_TEXT_BYTES);
     return code == SPM_ERR_TEXT ? "is not valid UTF-8 text" : code == SPM_ERR_NOMEM ? "cannot be encoded: out of memory"
-                                                                                  : "cannot be encoded by the tokenizer";
+         : code == SPM_ERR_TOO_LONG ? too_long : "cannot be encoded by the tokenizer";
 }
 
 /* BOS and the prompt's tokens; `where` ("" or "FILE:LINE: ") starts any error message. */

@@ -13,6 +13,9 @@ import pytest
 
 from conftest import RUN, run
 
+SPM_MAX_TEXT_BYTES = 1 << 18
+
+
 def one_line_error(p, code, needle):
     """Exit code `code`, one line `run: ...` on stderr holding needle, nothing on stdout."""
     err = p.stderr.decode()
@@ -115,6 +118,37 @@ def test_checkpoint_shrinking_while_loading(ckpt, tmp_path, shrink_shim, keep):
     p = subprocess.run([RUN, str(victim), "-n", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=60)
     assert os.path.getsize(victim) == to  # the shim did cut it
     one_line_error(p, 1, "shrank while it was being read")
+
+
+def run_measured(args):
+    """./run with args in a child of its own: (returncode, stdout, stderr, peak RSS in KB)."""
+    import sys
+    probe = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True); "
+             "sys.stdout.buffer.write(b'%d %d\\n' % (p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+             " + p.stderr)")
+    p = subprocess.run([sys.executable, "-c", probe, RUN] + [str(a) for a in args], stdout=subprocess.PIPE, timeout=600)
+    head, _, err = p.stdout.partition(b"\n")
+    code, rss = map(int, head.split())
+    return code, err, rss
+
+
+def test_ppl_memory_in_proportion_to_the_input(ckpt, tmp_path, stories):
+    """A 10 MB story of one line once took the tokenizer 2 GB before it was refused. Now the
+    file is read once, and a story longer than the tokenizer takes at once never reaches it."""
+    big = tmp_path / "one-line.txt"
+    big.write_text("abcdefghij" * (1 << 20) + "\n")
+    code, err, rss_big = run_measured([ckpt, "--ppl", big])
+    assert code == 1 and err.decode() == f"run: {big}: story 1 is over {SPM_MAX_TEXT_BYTES} bytes, more than the tokenizer encodes at once\n"
+    code, err, rss_small = run_measured([ckpt, "--ppl", stories])
+    assert code == 0, err
+    assert rss_big - rss_small < 64 * 1024, (rss_big, rss_small)  # the file is 10 MB
+
+
+def test_ppl_story_at_the_byte_limit_is_encoded(ckpt, tmp_path):
+    text = tmp_path / "limit.txt"
+    text.write_text("a " * (SPM_MAX_TEXT_BYTES // 2 - 1) + "b\n<|endoftext|>\n")
+    # SPM_MAX_TEXT_BYTES - 1 bytes after stripping: encoded, then too many tokens
+    one_line_error(run([ckpt, "--ppl", text], check=False), 1, "story 1 is longer than 65535 tokens")
 
 
 # ---- 4: honest messages ----
