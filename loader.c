@@ -16,6 +16,7 @@
 #include "spm_c.h"
 
 #define HEADER_SIZE 128
+#define RESERVED_OFFSET 104  /* the header's last 24 bytes, zero in version 1 */
 #define FORMAT_VERSION 1
 #define MAX_DIM 65536
 /* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
@@ -138,13 +139,22 @@ static int parse_header(Config *c, const unsigned char *h, char *err, size_t err
     uint32_t variant = rd_u32(h + 8), dtype = rd_u32(h + 12);
     if (variant > VARIANT_MLA) return errmsg(err, errlen, -1, "checkpoint: unknown variant %u", variant);
     if (dtype > DTYPE_BF16) return errmsg(err, errlen, -1, "checkpoint: unknown dtype %u", dtype);
+    for (int i = RESERVED_OFFSET; i < HEADER_SIZE; i++)
+        if (h[i] != 0)
+            return errmsg(err, errlen, -1, "checkpoint: reserved header byte %d is %u, not 0 (a newer format?)", i, h[i]);
     c->variant = (Variant)variant;
     c->dtype = (DType)dtype;
-    int *fields[] = {&c->dim, &c->n_layers, &c->n_heads, &c->head_dim, &c->n_kv_heads, &c->kv_latent,
-                     &c->rope_dim, &c->hidden_dim, &c->vocab_size, &c->max_seq_len};
+    /* the u32 fields from offset 16 on, in order, and the least value each may take */
+    const struct { int *field; const char *name; int min; } dims[] = {
+        {&c->dim, "dim", 1}, {&c->n_layers, "n_layers", 1}, {&c->n_heads, "n_heads", 1}, {&c->head_dim, "head_dim", 1},
+        {&c->n_kv_heads, "n_kv_heads", 0}, {&c->kv_latent, "kv_latent", 0}, {&c->rope_dim, "rope_dim", 0},
+        {&c->hidden_dim, "hidden_dim", 1}, {&c->vocab_size, "vocab_size", 1}, {&c->max_seq_len, "max_seq_len", 1},
+    };
     for (int i = 0; i < 10; i++) {
         uint32_t v = rd_u32(h + 16 + 4 * i);
-        *fields[i] = v > (uint32_t)MAX_DIM ? -1 : (int)v;  /* out of range either way */
+        if (v > (uint32_t)MAX_DIM)  /* here, while the file's own number is at hand for the message */
+            return errmsg(err, errlen, -1, "checkpoint: %s = %u is out of range (%d..%d)", dims[i].name, v, dims[i].min, MAX_DIM);
+        *dims[i].field = (int)v;
     }
     c->rope_theta = rd_f32(h + 56);
     c->norm_eps = rd_f32(h + 60);
@@ -295,7 +305,7 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
     free(tokenizer);
     tokenizer = NULL;
     if (!m->tokenizer) {
-        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer is corrupt: %s", why);
+        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer: %s", why);
         goto bad;
     }
     if (spm_vocab_size(m->tokenizer) != c->vocab_size || spm_bos_id(m->tokenizer) != c->bos_id ||

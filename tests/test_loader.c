@@ -1,8 +1,8 @@
 /* The loader accepts a valid file and refuses every bad one with a message:
  * truncated at every header field and inside every section, bad magic, version,
- * variant, dtype, absurd or inconsistent dimensions, bad offsets, corrupt or
- * mismatched tokenizers, special files; a long path never costs the message its
- * reason. The files are made here. */
+ * variant, dtype, absurd or inconsistent dimensions, non-zero reserved bytes, bad
+ * offsets, corrupt or mismatched tokenizers, special files; a long path never costs
+ * the message its reason. The files are made here. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -122,6 +122,20 @@ static void expect_field_refused(size_t offset, uint32_t value, const char *need
     free(b);
 }
 
+/* docs/FORMAT.md: the header's last 24 bytes are reserved and zero; a file that uses them
+ * is of a format this program does not know. */
+static void test_reserved_header_bytes(void **state) {
+    for (size_t at = 104; at < 128; at += 23) {
+        unsigned char *b = malloc(g_size);
+        memcpy(b, g_valid, g_size);
+        b[at] = 0x01;
+        char needle[64];
+        snprintf(needle, sizeof needle, "reserved header byte %zu is 1, not 0", at);
+        expect_refused(b, g_size, needle);
+        free(b);
+    }
+}
+
 static void test_bad_header_fields(void **state) {
     expect_field_refused(0, 0x46554747, "magic");        /* "GGUF" */
     expect_field_refused(4, 2, "version");
@@ -133,17 +147,18 @@ static void test_bad_header_fields(void **state) {
     expect_field_refused(12, 2, "dtype");
     expect_field_refused(12, 0, "weights");              /* fp32 doubles the expected size */
     expect_field_refused(16, 0, "dim");                  /* zero */
-    expect_field_refused(16, 0xFFFFFFFF, "dim");         /* absurd */
+    expect_field_refused(16, 0xFFFFFFFF, "dim = 4294967295 is out of range (1..65536)");  /* the file's number */
     expect_field_refused(16, 65536, "weights");          /* plausible but does not add up */
-    expect_field_refused(20, 1000000, "n_layers");
+    expect_field_refused(20, 1000000, "n_layers = 1000000 is out of range");
     expect_field_refused(24, 0, "n_heads");
     expect_field_refused(24, 3, "GQA");                  /* 2 KV heads do not divide 3 heads */
     expect_field_refused(28, 15, "odd");                 /* head_dim odd */
     expect_field_refused(32, 4, "GQA");                  /* n_kv_heads == n_heads */
     expect_field_refused(36, 16, "kv_latent");           /* a latent on a GQA model */
     expect_field_refused(44, 97, "weights");             /* hidden_dim */
-    expect_field_refused(48, 0x7FFFFFFF, "vocab_size");
-    expect_field_refused(52, 100000, "max_seq_len");
+    expect_field_refused(48, 0x7FFFFFFF, "vocab_size = 2147483647 is out of range");
+    expect_field_refused(52, 100000, "max_seq_len = 100000 is out of range");
+    expect_field_refused(36, 70000, "kv_latent = 70000 is out of range (0..65536)");
     expect_field_refused(56, 0x7FC00000, "rope_theta");  /* NaN */
     {   /* a valid 530 KB file (dim 1, context 8192, heads 4 x 16384) once made the loader fill two
          * 256 MB RoPE tables, 4 s of cos/sin (docs/ROBUSTNESS.md); now its header is refused */
@@ -224,6 +239,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_truncated_everywhere), cmocka_unit_test(test_bad_header_fields),
         cmocka_unit_test(test_bad_offsets),      cmocka_unit_test(test_corrupt_tokenizer),
         cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_every_variant_loads),
+        cmocka_unit_test(test_reserved_header_bytes),
         cmocka_unit_test(test_long_path_keeps_the_reason), cmocka_unit_test(test_special_files),
     };
     return cmocka_run_group_tests_name("loader", tests, setup, teardown);

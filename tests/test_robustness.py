@@ -16,6 +16,12 @@ from conftest import RUN, run
 SPM_MAX_TEXT_BYTES = 1 << 18
 
 
+def sanitized():
+    """The ASan build: its shadow memory needs the whole address space, its frames more stack."""
+    with open(RUN, "rb") as f:
+        return b"libasan" in f.read()
+
+
 def one_line_error(p, code, needle):
     """Exit code `code`, one line `run: ...` on stderr holding needle, nothing on stdout."""
     err = p.stderr.decode()
@@ -36,6 +42,18 @@ def stories(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "stories.txt"
     path.write_text("Once upon a time there was a cat.\n<|endoftext|>\nTom had a red ball.\n<|endoftext|>\n")
     return path
+
+
+def patched(path, dst, edits):
+    """A copy of the checkpoint at path, written to dst, with edits {offset: bytes} applied;
+    an offset of ("w", i) is the i-th byte of the weights."""
+    data = bytearray(open(path, "rb").read())
+    w_off = struct.unpack_from("<Q", data, 88)[0]
+    for at, value in edits.items():
+        at = w_off + at[1] if isinstance(at, tuple) else at
+        data[at:at + len(value)] = value
+    dst.write_bytes(bytes(data))
+    return dst
 
 
 # ---- 3: special files and sizes ----
@@ -153,9 +171,42 @@ def test_ppl_story_at_the_byte_limit_is_encoded(ckpt, tmp_path):
 
 # ---- 4: honest messages ----
 
+def test_out_of_memory_is_reported_as_such(ckpt, stories):
+    """Under every address-space limit from too small to enough, the run either succeeds or
+    says it ran out of memory: never that the tokenizer is corrupt or the text is not UTF-8,
+    never a signal. (Below the first limit the dynamic loader itself cannot start it.)"""
+    if sanitized():
+        pytest.skip("ASan reserves the whole address space")
+    seen = set()
+    for mb in range(6, 40):
+        def limit(mb=mb):
+            resource.setrlimit(resource.RLIMIT_AS, (mb << 20, resource.RLIM_INFINITY))
+        p = subprocess.run([RUN, ckpt, "--threads", "1", "--ppl", str(stories)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, preexec_fn=limit, timeout=120)
+        err = p.stderr.decode()
+        if p.returncode == 127 and "error while loading shared libraries" in err:
+            continue
+        assert p.returncode in (0, 1), (mb, p.returncode, err)
+        if p.returncode == 1:
+            assert err.startswith("run: ") and err.count("\n") == 1 and "out of memory" in err, (mb, err)
+            assert "corrupt" not in err and "UTF-8" not in err, (mb, err)
+        seen.add("out of memory" if p.returncode else "ran")
+    assert seen == {"out of memory", "ran"}, seen
+
+
 def test_long_paths_keep_the_reason(ckpt, tmp_path):
     path = "/nonexistent" + "/d" * 1994  # 4000 bytes
     for args in ([path], [ckpt, "--ppl", path], [ckpt, "--prompts", path]):
         err = one_line_error(run(args, check=False), 1, "cannot open")
         assert err.endswith(": No such file or directory\n"), err
         assert len(err) < 300, err
+
+
+def test_header_numbers_are_the_files(ckpt, tmp_path):
+    bad = patched(ckpt, tmp_path / "dim.bin", {16: struct.pack("<I", 0xFFFFFFFF)})
+    one_line_error(run([bad], check=False), 1, "checkpoint: dim = 4294967295 is out of range (1..65536)")
+
+
+def test_reserved_header_bytes_refused(ckpt, tmp_path):
+    bad = patched(ckpt, tmp_path / "reserved.bin", {127: b"\x07"})
+    one_line_error(run([bad], check=False), 1, "checkpoint: reserved header byte 127 is 7, not 0")
