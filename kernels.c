@@ -643,3 +643,30 @@ float *alloc_floats_touched(size_t n) {
     memset(p, 0, (n ? n : 1) * sizeof(float));  /* writes every page */
     return p;
 }
+
+/* An exponent of all ones, looked for a chunk at a time so that the test of a chunk
+ * vectorizes; the bits are read with memcpy, which is how C lets a float be seen as bits. */
+static int nonfinite_at(const unsigned char *p, size_t i, DType dt) {
+    if (dt == DTYPE_BF16) {
+        uint16_t u;
+        memcpy(&u, p + 2 * i, sizeof u);
+        return (u & 0x7F80u) == 0x7F80u;
+    }
+    uint32_t u;
+    memcpy(&u, p + 4 * i, sizeof u);
+    return (u & 0x7F800000u) == 0x7F800000u;
+}
+
+long first_nonfinite(const void *data, size_t n, DType dt) {
+    enum { CHUNK = 1024 };
+    const unsigned char *p = data;
+    for (size_t lo = 0; lo < n; lo += CHUNK) {
+        const size_t hi = n - lo < CHUNK ? n : lo + CHUNK;
+        int any = 0;
+        for (size_t i = lo; i < hi; i++) any |= nonfinite_at(p, i, dt);
+        if (any)
+            for (size_t i = lo; i < hi; i++)
+                if (nonfinite_at(p, i, dt)) return (long)i;
+    }
+    return -1;
+}

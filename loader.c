@@ -41,36 +41,39 @@ const char *variant_name(const Config *c) {
     return mla;
 }
 
+/* visit for one tensor: its field, shape, name and layer */
+#define VISIT(field, rows, cols, name, layer) visit(ctx, &(TensorRef){field, rows, cols, name, layer})
+
 void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *ctx) {
     const int H = c->n_heads, hd = c->head_dim, D = c->dim;
-    visit(ctx, &w->tok_embeddings, c->vocab_size, D);
+    VISIT(&w->tok_embeddings, c->vocab_size, D, "tok_embeddings", -1);
     for (int l = 0; l < c->n_layers; l++) {
         LayerWeights *L = &w->layers[l];
-        visit(ctx, &L->attn_norm, 1, D);
+        VISIT(&L->attn_norm, 1, D, "attn_norm", l);
         if (c->variant == VARIANT_MLA) {
-            visit(ctx, &L->wq, H * (hd + c->rope_dim), D);
-            visit(ctx, &L->wdkv, c->kv_latent, D);
-            visit(ctx, &L->kv_norm, 1, c->kv_latent);
-            visit(ctx, &L->wkr, c->rope_dim, D);
-            visit(ctx, &L->wuk, H * hd, c->kv_latent);
-            visit(ctx, &L->wuv, H * hd, c->kv_latent);
+            VISIT(&L->wq, H * (hd + c->rope_dim), D, "wq", l);
+            VISIT(&L->wdkv, c->kv_latent, D, "wdkv", l);
+            VISIT(&L->kv_norm, 1, c->kv_latent, "kv_norm", l);
+            VISIT(&L->wkr, c->rope_dim, D, "wkr", l);
+            VISIT(&L->wuk, H * hd, c->kv_latent, "wuk", l);
+            VISIT(&L->wuv, H * hd, c->kv_latent, "wuv", l);
         } else {
-            visit(ctx, &L->wq, H * hd, D);
-            visit(ctx, &L->wk, c->n_kv_heads * hd, D);
-            visit(ctx, &L->wv, c->n_kv_heads * hd, D);
+            VISIT(&L->wq, H * hd, D, "wq", l);
+            VISIT(&L->wk, c->n_kv_heads * hd, D, "wk", l);
+            VISIT(&L->wv, c->n_kv_heads * hd, D, "wv", l);
         }
-        visit(ctx, &L->wo, D, H * hd);
-        visit(ctx, &L->ffn_norm, 1, D);
-        visit(ctx, &L->w1, c->hidden_dim, D);
-        visit(ctx, &L->w2, D, c->hidden_dim);
-        visit(ctx, &L->w3, c->hidden_dim, D);
+        VISIT(&L->wo, D, H * hd, "wo", l);
+        VISIT(&L->ffn_norm, 1, D, "ffn_norm", l);
+        VISIT(&L->w1, c->hidden_dim, D, "w1", l);
+        VISIT(&L->w2, D, c->hidden_dim, "w2", l);
+        VISIT(&L->w3, c->hidden_dim, D, "w3", l);
     }
-    visit(ctx, &w->final_norm, 1, D);
+    VISIT(&w->final_norm, 1, D, "final_norm", -1);
 }
+#undef VISIT
 
-static void count_elements(void *ctx, Mat *mat, int rows, int cols) {
-    (void)mat;
-    *(uint64_t *)ctx += (uint64_t)rows * (uint64_t)cols;
+static void count_elements(void *ctx, const TensorRef *t) {
+    *(uint64_t *)ctx += (uint64_t)t->rows * (uint64_t)t->cols;
 }
 
 size_t model_param_count(const Config *c) {
@@ -221,8 +224,8 @@ static void *alloc_weights(size_t w_size) {
     return p;
 }
 
-/* Reading the weights tensor by tensor: each is read into `rowmajor` and packed into the
- * heap copy. The first failure stops the walk's work and keeps its message. */
+/* Reading the weights tensor by tensor: each is read into `rowmajor`, checked, and packed
+ * into the heap copy. The first failure stops the walk's work and keeps its message. */
 typedef struct {
     int fd;
     const char *path;
@@ -236,10 +239,10 @@ typedef struct {
     int failed;
 } PackCursor;
 
-/* Visitor: the next tensor of the file goes, packed, into the heap copy. */
-static void pack_tensor(void *ctx, Mat *mat, int rows, int cols) {
+/* Visitor: the next tensor of the file goes, checked and packed, into the heap copy. */
+static void pack_tensor(void *ctx, const TensorRef *t) {
     PackCursor *cur = ctx;
-    const size_t bytes = (size_t)rows * (size_t)cols * dtype_size(cur->dt);
+    const size_t n = (size_t)t->rows * (size_t)t->cols, bytes = n * dtype_size(cur->dt);
     if (cur->failed) return;
     if (bytes > cur->rowmajor_bytes) {
         free(cur->rowmajor);
@@ -255,8 +258,20 @@ static void pack_tensor(void *ctx, Mat *mat, int rows, int cols) {
                                      msg_path(cur->path).s);
         return;
     }
-    mat_pack(cur->dst, cur->rowmajor, rows, cols, cur->dt);
-    *mat = (Mat){cur->dst, rows, cols, cur->dt};
+    const long bad = first_nonfinite(cur->rowmajor, n, cur->dt);
+    if (bad >= 0) {
+        const int row = (int)(bad / t->cols), col = (int)(bad % t->cols);
+        const char *what = cur->dt == DTYPE_BF16 ? ((const uint16_t *)cur->rowmajor)[bad] & 0x7Fu ? "NaN" : "infinite"
+                                                 : ((const uint32_t *)cur->rowmajor)[bad] & 0x7FFFFFu ? "NaN" : "infinite";
+        if (t->layer >= 0)
+            cur->failed = errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s in layer %d is %s", row, col,
+                                 t->name, t->layer, what);
+        else
+            cur->failed = errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s is %s", row, col, t->name, what);
+        return;
+    }
+    mat_pack(cur->dst, cur->rowmajor, t->rows, t->cols, cur->dt);
+    *t->mat = (Mat){cur->dst, t->rows, t->cols, cur->dt};
     cur->offset += bytes;
     cur->dst += bytes;
 }

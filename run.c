@@ -48,13 +48,22 @@ typedef struct {
     MlaForm form;
 } Engine;
 
+/* Ends the run when a forward pass (or scheduler_run) returned an error code. */
+static void check_forward(int rc) {
+    if (rc == MODEL_ERR_NONFINITE)
+        die(1, "the model computes logits that are not finite numbers (NaN or infinity): its weights overflow "
+               "float arithmetic");
+    if (rc != 0) die(1, "out of memory");
+}
+
 /* The logits after tokens[0..n): with the cache, the forward pass runs the tokens the
  * cache does not hold yet; without it, the whole sequence on an emptied cache. */
 static void engine_step(Engine *e, const int *tokens, int n, float *logits) {
     if (!e->kv) kv_reset(e->cache);
     const int from = e->cache->len;
-    if (model_forward(e->model, e->state, e->cache, tokens + from, n - from, e->form, logits, 0) != 0)
-        die(1, "internal error: a forward pass of %d tokens at position %d does not fit", n - from, from);
+    const int rc = model_forward(e->model, e->state, e->cache, tokens + from, n - from, e->form, logits, 0);
+    if (rc == MODEL_ERR_BATCH) die(1, "internal error: a forward pass of %d tokens at position %d does not fit", n - from, from);
+    check_forward(rc);
 }
 
 /* What a negative spm_encode result means, after "the prompt" or "story N". */
@@ -288,7 +297,7 @@ static void print_summary(const Generation *g) {
  * spinning, while tokens are sampled and printed. */
 static void run_in_team(void *arg) {
     Scheduler *sch = arg;
-    if (scheduler_run(sch) != 0) die(1, "out of memory");
+    check_forward(scheduler_run(sch));
 }
 
 /* B requests of one prompt, request i with seed + i. */
@@ -329,9 +338,8 @@ static void warm_up(const Scheduler *sch, const Options *o) {
     KVCache scratch;
     const double t0 = now_ms();
     const int n = sch->pool->window && r->n_prompt > sch->pool->window ? sch->pool->window : r->n_prompt;  /* one pass */
-    if (kv_init(&scratch, sch->pool, sch->model->cfg.max_seq_len) != 0 ||
-        model_forward(sch->model, sch->state, &scratch, r->tokens, n, sch->form, sch->logits, 0) != 0)
-        die(1, "out of memory");
+    if (kv_init(&scratch, sch->pool, sch->model->cfg.max_seq_len) != 0) die(1, "out of memory");
+    check_forward(model_forward(sch->model, sch->state, &scratch, r->tokens, n, sch->form, sch->logits, 0));
     kv_free(&scratch);
     if (!o->quiet) fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - t0);
 }
@@ -559,7 +567,7 @@ static void score_in_windows(Engine *e, const int *ids, int n, float *logits, Nl
     for (int start = 0; start < n - 1; start += ctx) {
         const int len = n - start < ctx + 1 ? n - start : ctx + 1;  /* inputs len-1, targets len-1 */
         kv_reset(e->cache);
-        if (model_forward(m, e->state, e->cache, ids + start, len - 1, e->form, logits, 1) != 0) die(1, "out of memory");
+        check_forward(model_forward(m, e->state, e->cache, ids + start, len - 1, e->form, logits, 1));
         for (int t = 0; t < len - 1; t++) add_nll(sum, token_nll(logits + (size_t)t * V, V, ids[start + t + 1]), start + t + 1, ctx);
     }
 }
@@ -570,10 +578,10 @@ static void score_through_window(Engine *e, const int *ids, int n, float *logits
     const Model *m = e->model;
     const int V = m->cfg.vocab_size, first = n - 1 < e->cache->pool->window ? n - 1 : e->cache->pool->window;
     kv_reset(e->cache);
-    if (model_forward(m, e->state, e->cache, ids, first, e->form, logits, 1) != 0) die(1, "out of memory");
+    check_forward(model_forward(m, e->state, e->cache, ids, first, e->form, logits, 1));
     for (int t = 0; t < first; t++) add_nll(sum, token_nll(logits + (size_t)t * V, V, ids[t + 1]), t + 1, m->cfg.max_seq_len);
     for (int t = first; t < n - 1; t++) {
-        if (model_forward(m, e->state, e->cache, ids + t, 1, e->form, logits, 0) != 0) die(1, "out of memory");
+        check_forward(model_forward(m, e->state, e->cache, ids + t, 1, e->form, logits, 0));
         add_nll(sum, token_nll(logits, V, ids[t + 1]), t + 1, m->cfg.max_seq_len);
     }
 }

@@ -1,8 +1,8 @@
 /* The loader accepts a valid file and refuses every bad one with a message:
  * truncated at every header field and inside every section, bad magic, version,
  * variant, dtype, absurd or inconsistent dimensions, non-zero reserved bytes, bad
- * offsets, corrupt or mismatched tokenizers, special files; a long path never costs
- * the message its reason. The files are made here. */
+ * offsets, corrupt or mismatched tokenizers, NaN or infinite weights, special files;
+ * a long path never costs the message its reason. The files are made here. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -119,6 +119,77 @@ static void expect_field_refused(size_t offset, uint32_t value, const char *need
     memcpy(b, g_valid, g_size);
     for (int i = 0; i < 4; i++) b[offset + i] = (unsigned char)(value >> (8 * i));
     expect_refused(b, g_size, needle);
+    free(b);
+}
+
+static uint64_t rd_u64_at(const unsigned char *b, size_t offset) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | b[offset + i];
+    return v;
+}
+
+/* where a tensor starts among the weights, in elements, found by walking the file order */
+typedef struct {
+    const char *name;
+    int layer;
+    size_t elements_before, found;
+    int seen;
+} TensorSearch;
+
+static void find_tensor(void *ctx, const TensorRef *t) {
+    TensorSearch *s = ctx;
+    if (!s->seen && t->layer == s->layer && strcmp(t->name, s->name) == 0) {
+        s->found = s->elements_before;
+        s->seen = 1;
+    }
+    s->elements_before += (size_t)t->rows * (size_t)t->cols;
+}
+
+static size_t tensor_start(const Config *c, const char *name, int layer) {
+    TensorSearch s = {name, layer, 0, 0, 0};
+    Weights w = {0};
+    w.layers = calloc((size_t)c->n_layers, sizeof *w.layers);
+    model_walk_tensors(c, &w, find_tensor, &s);
+    free(w.layers);
+    assert_true(s.seen);
+    return s.found;
+}
+
+/* A valid checkpoint of c with the weight at `element` of tensor `name` (of `layer`) set
+ * to the bits `bits` (a bf16 or fp32 pattern), expected to be refused with `needle`. */
+static void expect_weight_refused(const Config *c, const char *name, int layer, size_t element, uint32_t bits,
+                                  const char *needle) {
+    const char *path = temp_path("nonfinite.bin");
+    assert_int_equal(write_test_checkpoint(path, c, g_tokenizer_path, 6), 0);
+    size_t n;
+    unsigned char *b = read_whole_file(path, &n);
+    assert_non_null(b);
+    const size_t es = dtype_size(c->dtype), at = rd_u64_at(b, 88) + (tensor_start(c, name, layer) + element) * es;
+    for (size_t i = 0; i < es; i++) b[at + i] = (unsigned char)(bits >> (8 * i));
+    expect_refused(b, n, needle);
+    free(b);
+}
+
+/* NaN and infinite weights are refused at load, naming the tensor and the element: no run
+ * may compute with them. */
+static void test_nonfinite_weights(void **state) {
+    const Config bf = test_config(VARIANT_GQA, 0, g_vocab, DTYPE_BF16);
+    expect_weight_refused(&bf, "tok_embeddings", -1, 0, 0x7FC0, "weight [0][0] of tok_embeddings is NaN");
+    expect_weight_refused(&bf, "tok_embeddings", -1, (size_t)5 * bf.dim + 7, 0xFF80, "weight [5][7] of tok_embeddings is infinite");
+    expect_weight_refused(&bf, "wv", 1, (size_t)3 * bf.dim + 2, 0x7F81, "weight [3][2] of wv in layer 1 is NaN");
+    expect_weight_refused(&bf, "final_norm", -1, (size_t)bf.dim - 1, 0x7F80, "weight [0][63] of final_norm is infinite");
+    const Config f32 = test_config(VARIANT_MLA, 16, g_vocab, DTYPE_F32);
+    expect_weight_refused(&f32, "wuk", 0, 17, 0x7FC00000u, "weight [1][1] of wuk in layer 0 is NaN");
+    expect_weight_refused(&f32, "w2", 1, (size_t)f32.hidden_dim * f32.dim - 1, 0xFF800000u, "of w2 in layer 1 is infinite");
+    /* the largest finite numbers load: they are numbers */
+    const char *path = temp_path("largest.bin");
+    assert_int_equal(write_test_checkpoint(path, &bf, g_tokenizer_path, 6), 0);
+    size_t n;
+    unsigned char *b = read_whole_file(path, &n);
+    const size_t at = rd_u64_at(b, 88);
+    b[at] = 0x7F, b[at + 1] = 0x7F;  /* bf16 0x7F7F, about 3.4e38 */
+    char err[512];
+    assert_int_equal(load_bytes(b, n, err, sizeof err), 0);
     free(b);
 }
 
@@ -239,7 +310,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_truncated_everywhere), cmocka_unit_test(test_bad_header_fields),
         cmocka_unit_test(test_bad_offsets),      cmocka_unit_test(test_corrupt_tokenizer),
         cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_every_variant_loads),
-        cmocka_unit_test(test_reserved_header_bytes),
+        cmocka_unit_test(test_nonfinite_weights), cmocka_unit_test(test_reserved_header_bytes),
         cmocka_unit_test(test_long_path_keeps_the_reason), cmocka_unit_test(test_special_files),
     };
     return cmocka_run_group_tests_name("loader", tests, setup, teardown);

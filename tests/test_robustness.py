@@ -210,3 +210,32 @@ def test_header_numbers_are_the_files(ckpt, tmp_path):
 def test_reserved_header_bytes_refused(ckpt, tmp_path):
     bad = patched(ckpt, tmp_path / "reserved.bin", {127: b"\x07"})
     one_line_error(run([bad], check=False), 1, "checkpoint: reserved header byte 127 is 7, not 0")
+
+
+# ---- 5: non-finite numbers ----
+
+def header_u32(path, offset):
+    with open(path, "rb") as f:
+        return struct.unpack_from("<I", f.read(128), offset)[0]
+
+
+@pytest.mark.parametrize("bits,word", [(b"\xc0\x7f", "NaN"), (b"\x80\xff", "infinite")])
+def test_nonfinite_weights_refused(ckpt, tmp_path, stories, bits, word):
+    dim = header_u32(ckpt, 16)
+    bad = patched(ckpt, tmp_path / "nonfinite.bin", {("w", 2 * (dim + 5)): bits})  # row 1, column 5
+    for args in ([bad, "-n", "4"], [bad, "--ppl", stories], [bad, "--check-kv", "-n", "4"], [bad, "--info"]):
+        one_line_error(run(args, check=False), 1, f"checkpoint: weight [1][5] of tok_embeddings is {word}")
+
+
+def test_overflowing_weights_give_no_garbage(small_checkpoints, tmp_path, stories):
+    """Finite weights whose products overflow (a final norm of 3.4e38) give NaN logits: no
+    token is sampled from them and no perplexity printed."""
+    path = small_checkpoints["gqa"][0]
+    size, dim = os.path.getsize(path), header_u32(path, 16)
+    bad = patched(path, tmp_path / "overflow.bin", {size - 2 * dim + 2 * i: b"\x7f\x7f" for i in range(dim)})
+    message = "the model computes logits that are not finite numbers"
+    for args in ([bad, "-n", "4", "-q"], [bad, "-n", "4", "-q", "--kv"], [bad, "--kv", "--batch", "2", "-n", "4", "-q"],
+                 [bad, "--ppl", stories], [bad, "--check-kv", "-n", "4"]):
+        p = run(args, check=False)
+        assert p.returncode == 1 and message in p.stderr.decode() and p.stdout == b"", (args, p.stderr.decode())
+        assert "nan" not in p.stdout.decode().lower()

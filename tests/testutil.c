@@ -79,11 +79,10 @@ static void put_value(unsigned char *p, DType dt, float v) {
 struct Fill { unsigned char *p; DType dt; uint64_t state; };
 
 /* matrices: uniform in [-0.08, 0.08); vectors (norm weights): 1 +- 0.2 */
-static void fill_tensor(void *ctx, Mat *mat, int rows, int cols) {
+static void fill_tensor(void *ctx, const TensorRef *t) {
     struct Fill *f = ctx;
-    (void)mat;
-    for (long i = 0; i < (long)rows * cols; i++) {
-        float v = rows == 1 ? 1.0f + 0.2f * test_uniform(&f->state) : 0.08f * test_uniform(&f->state);
+    for (long i = 0; i < (long)t->rows * t->cols; i++) {
+        float v = t->rows == 1 ? 1.0f + 0.2f * test_uniform(&f->state) : 0.08f * test_uniform(&f->state);
         put_value(f->p, f->dt, v);
         f->p += dtype_size(f->dt);
     }
