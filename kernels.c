@@ -493,7 +493,8 @@ static long jobs_tokens_count(const void *ctx, int part, int parts) {
     return ((const Jobs *)ctx)->tiles;
 }
 
-static void jobs_tokens_items(const void *ctx, int p, int parts, long lo, long hi) {
+static void jobs_tokens_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
+    (void)thread;
     const Jobs *c = ctx;
     long b_lo, b_hi;
     parallel_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
@@ -507,7 +508,8 @@ static long jobs_rows_count(const void *ctx, int p, int parts) {
     return hi - lo;
 }
 
-static void jobs_rows_items(const void *ctx, int p, int parts, long lo, long hi) {
+static void jobs_rows_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
+    (void)thread;
     const Jobs *c = ctx;
     long first, last;
     parallel_share(c->tiles, p, parts, &first, &last);
@@ -561,7 +563,8 @@ static long swiglu_part_count(const void *ctx, int p, int parts) {
     return (hi - lo + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
 }
 
-static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long hi) {
+static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
+    (void)thread;
     const SwigluRows *c = ctx;
     long t_lo, t_hi;
     parallel_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &t_lo, &t_hi);

@@ -7,6 +7,16 @@
 #include <omp.h>
 #endif
 
+/* The threads a team gets: what OpenMP would start, at most PARALLEL_MAX_THREADS. */
+static int team_size(void) {
+#ifdef _OPENMP
+    const int n = omp_get_max_threads();
+    return n < PARALLEL_MAX_THREADS ? n : PARALLEL_MAX_THREADS;
+#else
+    return 1;
+#endif
+}
+
 /* The team's mailbox. Thread 0 writes fn and ctx, then bumps `posted`; each other
  * thread, having seen the bump, runs fn and bumps `finished`. Thread 0 writes the next
  * job only once every thread has finished this one, so a job is never overwritten while
@@ -62,7 +72,7 @@ void parallel_team(void (*body)(void *arg), void *arg) {
         return;
     }
     Team team = {.threads = 1};
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
         if (omp_get_thread_num() == 0) {
             team.threads = omp_get_num_threads();  /* read by the others after a post */
@@ -106,7 +116,7 @@ void parallel_run(ParallelFn fn, const void *ctx, ParallelMode mode) {
         return;
     }
 #ifdef _OPENMP
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     fn(ctx, omp_get_thread_num(), omp_get_num_threads());
 #else
     fn(ctx, 0, 1);
@@ -116,7 +126,7 @@ void parallel_run(ParallelFn fn, const void *ctx, ParallelMode mode) {
 int parallel_threads(void) {
     if (my_team) return my_team->in_job ? 1 : my_team->threads;
 #ifdef _OPENMP
-    return omp_in_parallel() ? 1 : omp_get_max_threads();
+    return omp_in_parallel() ? 1 : team_size();
 #else
     return 1;
 #endif
@@ -155,7 +165,7 @@ static void parts_thread(const void *ctx, int thread, int threads) {
     const ParallelParts *w = r->w;
     if (!r->take_over) {
         const long n = w->count(w->ctx, thread, threads);
-        if (n > 0) w->items(w->ctx, thread, threads, 0, n);
+        if (n > 0) w->items(w->ctx, thread, threads, 0, n, thread);
         return;
     }
     for (int k = 0; k < threads; k++) {
@@ -168,7 +178,7 @@ static void parts_thread(const void *ctx, int thread, int threads) {
             const long take = (n - seen) / 4 > 1 ? (n - seen) / 4 : 1;
             const long i = atomic_fetch_add_explicit(&r->claims[p].next, take, memory_order_relaxed);
             if (i >= n) break;
-            w->items(w->ctx, p, threads, i, i + take < n ? i + take : n);
+            w->items(w->ctx, p, threads, i, i + take < n ? i + take : n, thread);
         }
     }
 }
@@ -183,14 +193,14 @@ void parallel_run_parts(const ParallelParts *w, ParallelMode mode) {
 
 void parallel_set_threads(int n) {
 #ifdef _OPENMP
-    omp_set_num_threads(n);
+    omp_set_num_threads(n < 1 ? 1 : n < PARALLEL_MAX_THREADS ? n : PARALLEL_MAX_THREADS);
 #else
     (void)n;
 #endif
 }
 
 void parallel_warm_up(void) {
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
     }
 }

@@ -11,7 +11,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "errmsg.h"
@@ -658,7 +660,20 @@ static void info(const Model *m, const KVPool *pool, int batch) {
     printf("kernels        %s\n", kernels_simd_name());
 }
 
+/* The least stack limit (ulimit -s) this program runs under, refused below rather than met by
+ * SIGSEGV: its large scratch is on the heap, but the libraries' own frames take several KB. */
+enum { MIN_STACK_BYTES = 32 << 10 };
+
 int main(int argc, char **argv) {
+    struct rlimit stack;
+    if (getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY && stack.rlim_cur < MIN_STACK_BYTES) {
+        /* a string and _exit: printf to the unbuffered stderr and exit's handlers need more stack */
+        char line[128];
+        snprintf(line, sizeof line, "run: the stack limit (ulimit -s) is %llu KB, below the %d KB this program needs\n",
+                 (unsigned long long)stack.rlim_cur >> 10, MIN_STACK_BYTES >> 10);
+        fputs(line, stderr);
+        _exit(EXIT_USAGE);
+    }
     Options o;
     size_t errlen = 256;  /* room for the longest message with every argument in it */
     for (int i = 0; i < argc; i++) errlen += strlen(argv[i]);

@@ -239,3 +239,36 @@ def test_overflowing_weights_give_no_garbage(small_checkpoints, tmp_path, storie
         p = run(args, check=False)
         assert p.returncode == 1 and message in p.stderr.decode() and p.stdout == b"", (args, p.stderr.decode())
         assert "nan" not in p.stdout.decode().lower()
+
+
+def run_with_stack(args, kb, env=None):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_STACK, (kb << 10, resource.RLIM_INFINITY))
+    return subprocess.run([RUN] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          preexec_fn=limit, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla64"])
+def test_small_stacks(small_checkpoints, variant):
+    """A 64 KB stack (ulimit -s 64, which threads inherit) and 16 KB worker stacks
+    (OMP_STACKSIZE, its least) run as usual: attention's scratch is on the heap."""
+    if sanitized():
+        pytest.skip("ASan's frames and fake stacks need far more stack")
+    path = small_checkpoints[variant][0]
+    prompt = "Once upon a time there was a little girl who liked to play in the park with her dog"
+    for kv in ([], ["--kv"]):
+        args = [path, "-p", prompt, "-k", "1", "-n", "30", "-q", "--ignore-eos", "--threads", "2"] + kv
+        want = run(args).stdout
+        p = run_with_stack(args, 64)
+        assert p.returncode == 0 and p.stdout == want, p.stderr.decode()
+        env = dict(os.environ, OMP_STACKSIZE="16K")
+        p = subprocess.run([RUN] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
+        assert p.returncode == 0 and p.stdout == want, p.stderr.decode()
+
+
+def test_too_small_a_stack_is_refused(ckpt):
+    if sanitized():
+        pytest.skip("ASan's frames and fake stacks need far more stack")
+    p = run_with_stack([ckpt, "-n", "2"], 24)
+    assert p.returncode == 2 and p.stdout == b""
+    assert p.stderr.decode() == "run: the stack limit (ulimit -s) is 24 KB, below the 32 KB this program needs\n"
