@@ -14,6 +14,8 @@
 #ifndef PARALLEL_H
 #define PARALLEL_H
 
+#include <stddef.h>
+
 /* Work for each thread: this is thread `thread` of `threads`. */
 typedef void (*ParallelFn)(const void *ctx, int thread, int threads);
 
@@ -71,6 +73,13 @@ void parallel_warm_up(void);
 
 /* The n that parallel_run(.., 1) would pass. */
 int parallel_threads(void);
+
+/* OMP_NUM_THREADS as the process was started with it: 0 when unset or a list of thread
+ * counts 1..PARALLEL_MAX_THREADS (OpenMP's syntax: one count a nesting level), else -1
+ * and one sentence in err. A bad value is taken out of the environment before the OpenMP
+ * runtime reads it (which would print a warning of its own and carry on), so that the
+ * caller can refuse it with this sentence alone. */
+int parallel_check_env(char *err, size_t errlen);
 
 /* Thread i's share [*lo, *hi) of n items split among n_threads, in order. */
 static inline void parallel_share(long n, int i, int n_threads, long *lo, long *hi) {

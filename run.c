@@ -30,6 +30,8 @@
 
 #define EXIT_USAGE 2
 
+_Static_assert(CLI_MAX_THREADS == PARALLEL_MAX_THREADS, "--threads and OMP_NUM_THREADS have one bound");
+
 static void die(int code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -688,8 +690,9 @@ int main(int argc, char **argv) {
         if (o.usage_on_error) cli_usage(stderr);
         die(EXIT_USAGE, "%s", usage_err);
     }
-    free(usage_err);
     if (o.threads > 0) parallel_set_threads(o.threads);
+    else if (parallel_check_env(usage_err, errlen) != 0) die(EXIT_USAGE, "%s", usage_err);
+    free(usage_err);
 
     Model m;
     char err[512];

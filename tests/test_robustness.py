@@ -241,6 +241,40 @@ def test_overflowing_weights_give_no_garbage(small_checkpoints, tmp_path, storie
         assert "nan" not in p.stdout.decode().lower()
 
 
+# ---- 7: limits, however they are set ----
+
+@pytest.mark.parametrize("value,message", [
+    ("100000", "OMP_NUM_THREADS=100000 is out of range (1..256)"),
+    ("257", "OMP_NUM_THREADS=257 is out of range (1..256)"),
+    ("0", "OMP_NUM_THREADS=0 is out of range (1..256)"),
+    ("abc", "OMP_NUM_THREADS needs a thread count (1..256), got 'abc'"),
+    ("4x", "OMP_NUM_THREADS needs a thread count (1..256), got '4x'"),
+    ("", "OMP_NUM_THREADS needs a thread count (1..256), got ''"),
+    ("2,99999", "OMP_NUM_THREADS=2,99999 is out of range (1..256)"),
+])
+def test_omp_num_threads_refused(ckpt, value, message):
+    env = dict(os.environ, OMP_NUM_THREADS=value)
+    p = subprocess.run([RUN, ckpt, "-n", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=120)
+    assert p.stderr.decode() == f"run: {message}\n" and p.returncode == 2 and p.stdout == b""  # no libgomp line either
+
+
+def test_omp_num_threads_in_range(ckpt):
+    outs = set()
+    for value in ["1", "256", " 2 ", "2,2"]:
+        env = dict(os.environ, OMP_NUM_THREADS=value)
+        p = subprocess.run([RUN, ckpt, "-k", "1", "-n", "6", "-q", "--ignore-eos"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env=env, timeout=300)
+        assert p.returncode == 0, (value, p.stderr.decode())
+        assert f"threads {value.split(',')[0].strip()} " in p.stderr.decode()
+        outs.add(p.stdout)
+    assert len(outs) == 1
+    # --threads wins: OMP_NUM_THREADS is then never used, so a bad one is no error
+    env = dict(os.environ, OMP_NUM_THREADS="abc")
+    p = subprocess.run([RUN, ckpt, "--threads", "1", "-k", "1", "-n", "6", "-q", "--ignore-eos"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout in outs and "libgomp" not in p.stderr.decode()
+
+
 def run_with_stack(args, kb, env=None):
     def limit():
         resource.setrlimit(resource.RLIMIT_STACK, (kb << 10, resource.RLIM_INFINITY))
