@@ -19,10 +19,10 @@ SPM_LIBS := $(shell pkg-config --libs sentencepiece 2>/dev/null || echo -lsenten
 LDLIBS = $(SPM_LIBS) -lm
 B = build
 
-ENGINE = loader.c scheduler.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c utf8.c json.c cli.c \
+ENGINE = fileio.c loader.c scheduler.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c utf8.c json.c cli.c \
   version.c output.c
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/spm_c.o
-HEADERS = config.h loader.h scheduler.h timer.h json.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h utf8.h spm_c.h cli.h \
+HEADERS = config.h fileio.h loader.h scheduler.h timer.h json.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h utf8.h spm_c.h cli.h \
   version.h output.h
 
 .PHONY: all test test-unit test-isa test-py bench clean demo FORCE

@@ -194,6 +194,18 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
         attn_scratch_free(a);
         return -1;
     }
+    a->scores_stride = ((size_t)max_keys + 15) / 16 * 16;
+    a->blocks_per_row = kv_blocks_for(max_keys);
+    const size_t threads = PARALLEL_MAX_THREADS, per_thread_blocks = (size_t)a->blocks_per_row;
+    void *scores = NULL;
+    if (posix_memalign(&scores, 64, threads * 2 * a->scores_stride * sizeof(float)) != 0) scores = NULL;
+    a->scores = scores;
+    a->row_blocks = malloc(threads * per_thread_blocks * sizeof *a->row_blocks);
+    a->row_scales = malloc(threads * per_thread_blocks * sizeof *a->row_scales);
+    if (!a->scores || !a->row_blocks || !a->row_scales) {
+        attn_scratch_free(a);
+        return -1;
+    }
     return 0;
 }
 
@@ -202,6 +214,9 @@ void attn_scratch_free(AttnScratch *a) {
                      a->v_exp, a->window_rows};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
+    free(a->scores);
+    free(a->row_blocks);
+    free(a->row_scales);
     memset(a, 0, sizeof *a);
 }
 
@@ -216,11 +231,14 @@ typedef struct {
     int windowed;  /* the keys and values were gathered into a->window_rows / a->latents */
 } AttnPass;
 
-/* The rows of one sequence's cache for keys 0 .. n-1, block by block (pool row `row`). */
-static RowBlocks cache_rows(const void **blocks, const float **scales, const KVCache *c, int layer, int row, int n) {
+/* The rows of one sequence's cache for keys 0 .. n-1 of the pass's layer, block by block
+ * (pool row `row`), listed in thread `thread`'s tables. */
+static RowBlocks cache_rows(const AttnPass *pass, int thread, const KVCache *c, int row, int n) {
     const KVPool *p = c->pool;
+    const void **blocks = pass->a->row_blocks + (size_t)thread * pass->a->blocks_per_row;
+    const float **scales = pass->a->row_scales + (size_t)thread * pass->a->blocks_per_row;
     for (int b = 0; b < kv_blocks_for(n); b++) {
-        const KVRow first = kv_row(c, layer, row, b * KV_BLOCK_TOKENS);
+        const KVRow first = kv_row(c, pass->l, row, b * KV_BLOCK_TOKENS);
         blocks[b] = first.data;
         scales[b] = first.scales;
     }
@@ -235,7 +253,7 @@ static const float *window_head(const AttnPass *p, int row) {
 /* -- the arithmetic of one (head h, token t) item: scores into att, then the mix of the
  * probabilities softmax made of them -- */
 
-static void kv_heads_scores(const AttnPass *p, int h, int t, float *att) {
+static void kv_heads_scores(const AttnPass *p, int h, int t, int thread, float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
     const int hd = c->head_dim, g = kv_head_of(c, h), pos = p->slots->pos[t], n = kv_window_length(cache->pool, pos);
@@ -244,13 +262,11 @@ static void kv_heads_scores(const AttnPass *p, int h, int t, float *att) {
     if (p->windowed) {
         dot_rows(att, q, window_head(p, g), (size_t)hd, n, hd, p->scale);
     } else {
-        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        dot_row_blocks(att, q, cache_rows(blocks, scales, cache, p->l, g, n), n, hd, p->scale);
+        dot_row_blocks(att, q, cache_rows(p, thread, cache, g, n), n, hd, p->scale);
     }
 }
 
-static void kv_heads_mix(const AttnPass *p, int h, int t, const float *att) {
+static void kv_heads_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
     const int hd = c->head_dim, g = kv_head_of(c, h), n = kv_window_length(cache->pool, p->slots->pos[t]);
@@ -258,15 +274,14 @@ static void kv_heads_mix(const AttnPass *p, int h, int t, const float *att) {
     if (p->windowed) {
         weighted_sum_rows(out, att, window_head(p, c->n_kv_heads + g), (size_t)hd, n, hd);
     } else {
-        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        weighted_sum_row_blocks(out, att, cache_rows(blocks, scales, cache, p->l, c->n_kv_heads + g, n), n, hd);
+        weighted_sum_row_blocks(out, att, cache_rows(p, thread, cache, c->n_kv_heads + g, n), n, hd);
     }
 }
 
 /* The expanded form reads one sequence's latents, gathered into a->latents, and its keys
  * and values expanded from them into a->k_exp and a->v_exp. */
-static void mla_expanded_scores(const AttnPass *p, int h, int t, float *att) {
+static void mla_expanded_scores(const AttnPass *p, int h, int t, int thread, float *att) {
+    (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = &p->m->cfg;
     const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
     const int n = kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
@@ -275,14 +290,15 @@ static void mla_expanded_scores(const AttnPass *p, int h, int t, float *att) {
                  p->a->latents + dc, (size_t)(dc + rd), rd);
 }
 
-static void mla_expanded_mix(const AttnPass *p, int h, int t, const float *att) {
+static void mla_expanded_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
+    (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = &p->m->cfg;
     const int hd = c->head_dim, n = kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
     weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att, p->a->v_exp + (size_t)h * hd,
                       (size_t)mla_exp_stride(c), n, hd);
 }
 
-static void mla_absorbed_scores(const AttnPass *p, int h, int t, float *att) {
+static void mla_absorbed_scores(const AttnPass *p, int h, int t, int thread, float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, lw = dc + rd;
@@ -294,13 +310,11 @@ static void mla_absorbed_scores(const AttnPass *p, int h, int t, float *att) {
     if (p->windowed) {
         dot_rows(att, q_abs, p->a->latents, (size_t)lw, n, lw, p->scale);
     } else {
-        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        dot_row_blocks(att, q_abs, cache_rows(blocks, scales, cache, p->l, 0, n), n, lw, p->scale);
+        dot_row_blocks(att, q_abs, cache_rows(p, thread, cache, 0, n), n, lw, p->scale);
     }
 }
 
-static void mla_absorbed_mix(const AttnPass *p, int h, int t, const float *att) {
+static void mla_absorbed_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
     const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = kv_window_length(cache->pool, p->slots->pos[t]);
@@ -308,9 +322,7 @@ static void mla_absorbed_mix(const AttnPass *p, int h, int t, const float *att) 
     if (p->windowed) {
         weighted_sum_rows(ctx_lat, att, p->a->latents, (size_t)(dc + c->rope_dim), n, dc);
     } else {
-        const void *blocks[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        const float *scales[MAX_SEQ_LEN / KV_BLOCK_TOKENS];
-        weighted_sum_row_blocks(ctx_lat, att, cache_rows(blocks, scales, cache, p->l, 0, n), n, dc);
+        weighted_sum_row_blocks(ctx_lat, att, cache_rows(p, thread, cache, 0, n), n, dc);
     }
     matmul_serial(p->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(p->m->w.layers[p->l].wuv_heads, h, hd), 1);
 }
@@ -337,8 +349,9 @@ static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int 
     return n;
 }
 
-typedef void (*ScoresFn)(const AttnPass *p, int h, int t, float *att);
-typedef void (*MixFn)(const AttnPass *p, int h, int t, const float *att);
+/* thread: the one running the item, whose tables of cache blocks it may use */
+typedef void (*ScoresFn)(const AttnPass *p, int h, int t, int thread, float *att);
+typedef void (*MixFn)(const AttnPass *p, int h, int t, int thread, const float *att);
 typedef struct {
     const AttnPass *p;
     ScoresFn scores;
@@ -355,7 +368,7 @@ static long queries_part_count(const void *ctx, int part, int parts) {
 /* Items [lo, hi) of a part, software-pipelined: item i+1's scores are computed before
  * item i's softmax and mix, so softmax's first load never waits on the scores just
  * stored. */
-static void queries_part_items(const void *ctx, int part, int parts, long lo, long hi) {
+static void queries_part_items(const void *ctx, int part, int parts, long lo, long hi, int thread) {
     const Queries *qs = ctx;
     const AttnPass *p = qs->p;
     const int *items = p->a->items;
@@ -363,14 +376,16 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
     parallel_share(qs->n_items, part, parts, &first, &last);
     lo += first;
     hi += first;
-    _Alignas(64) float att[2][MAX_SEQ_LEN];  /* two items' scores, then probabilities: in L1 on this thread's stack */
-    if (lo < hi) qs->scores(p, items[2 * lo], items[2 * lo + 1], att[0]);
+    float *att[2];  /* two items' scores, then probabilities: this thread's own, small enough to stay in L1 */
+    att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_stride;
+    att[1] = att[0] + p->a->scores_stride;
+    if (lo < hi) qs->scores(p, items[2 * lo], items[2 * lo + 1], thread, att[0]);
     for (long i = lo; i < hi; i++) {
         float *probs = att[(i - lo) % 2];
         const int h = items[2 * i], t = items[2 * i + 1];
-        if (i + 1 < hi) qs->scores(p, items[2 * i + 2], items[2 * i + 3], att[(i + 1 - lo) % 2]);
+        if (i + 1 < hi) qs->scores(p, items[2 * i + 2], items[2 * i + 3], thread, att[(i + 1 - lo) % 2]);
         softmax(probs, kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]));
-        qs->mix(p, h, t, probs);
+        qs->mix(p, h, t, thread, probs);
     }
 }
 

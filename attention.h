@@ -39,6 +39,13 @@ typedef struct {
     float *window_rows;   /* (2*n_kv_heads, max_keys, head_dim) one sequence's window, gathered */
     int *items;           /* (n_heads*max_tokens, 2) the (head, token) order of the queries */
     int max_keys;
+    /* each thread's own (PARALLEL_MAX_THREADS of each, touched only by the threads that run):
+     * on the heap rather than the threads' stacks, whose size the user sets */
+    float *scores;        /* (threads, 2, scores_stride) two items' scores, then probabilities */
+    size_t scores_stride; /* max_keys, rounded up to a 64-byte line */
+    const void **row_blocks;   /* (threads, blocks_per_row) the blocks a cache row spans */
+    const float **row_scales;  /* (threads, blocks_per_row) their int8 scales */
+    int blocks_per_row;
 } AttnScratch;
 
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys);

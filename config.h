@@ -13,7 +13,7 @@
 
 #include "kernels.h"
 
-/* the longest context a checkpoint may have: a query's scores live on its thread's stack */
+/* the longest context a checkpoint may have */
 enum { MAX_SEQ_LEN = 8192 };
 
 typedef enum { VARIANT_MHA = 0, VARIANT_GQA = 1, VARIANT_MQA = 2, VARIANT_MLA = 3 } Variant;

@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
 /* Writes the message into err (errlen bytes, always NUL-terminated when errlen > 0; cut
  * when longer; err may be NULL when errlen is 0) and returns code. */
@@ -18,6 +19,28 @@ __attribute__((format(printf, 4, 5))) static inline int errmsg(char *err, size_t
         va_end(ap);
     }
     return code;
+}
+
+/* A path as a message shows it: whole, or when longer than MSG_PATH_BYTES its last bytes
+ * after "...", so that what a message says after the path (an errno text) is never what a
+ * full buffer cuts off. */
+enum { MSG_PATH_BYTES = 160 };
+typedef struct {
+    char s[MSG_PATH_BYTES + 4];
+} MsgPath;
+
+static inline MsgPath msg_path(const char *path) {
+    MsgPath m;
+    const size_t n = strlen(path);
+    if (n <= MSG_PATH_BYTES) {
+        memcpy(m.s, path, n + 1);
+        return m;
+    }
+    const char *tail = path + n - (MSG_PATH_BYTES - 3);
+    while (((unsigned char)*tail & 0xC0) == 0x80) tail++;  /* start at a character, not inside one */
+    memcpy(m.s, "...", 3);
+    memcpy(m.s + 3, tail, strlen(tail) + 1);
+    return m;
 }
 
 #endif /* ERRMSG_H */

@@ -494,7 +494,8 @@ static long jobs_tokens_count(const void *ctx, int part, int parts) {
     return ((const Jobs *)ctx)->tiles;
 }
 
-static void jobs_tokens_items(const void *ctx, int p, int parts, long lo, long hi) {
+static void jobs_tokens_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
+    (void)thread;
     const Jobs *c = ctx;
     long b_lo, b_hi;
     parallel_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
@@ -508,7 +509,8 @@ static long jobs_rows_count(const void *ctx, int p, int parts) {
     return hi - lo;
 }
 
-static void jobs_rows_items(const void *ctx, int p, int parts, long lo, long hi) {
+static void jobs_rows_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
+    (void)thread;
     const Jobs *c = ctx;
     long first, last;
     parallel_share(c->tiles, p, parts, &first, &last);
@@ -562,7 +564,8 @@ static long swiglu_part_count(const void *ctx, int p, int parts) {
     return (hi - lo + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
 }
 
-static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long hi) {
+static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
+    (void)thread;
     const SwigluRows *c = ctx;
     long t_lo, t_hi;
     parallel_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &t_lo, &t_hi);
@@ -643,4 +646,31 @@ float *alloc_floats_touched(size_t n) {
     if (posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) != 0) return NULL;
     memset(p, 0, (n ? n : 1) * sizeof(float));  /* writes every page */
     return p;
+}
+
+/* An exponent of all ones, looked for a chunk at a time so that the test of a chunk
+ * vectorizes; the bits are read with memcpy, which is how C lets a float be seen as bits. */
+static int nonfinite_at(const unsigned char *p, size_t i, DType dt) {
+    if (dt == DTYPE_BF16) {
+        uint16_t u;
+        memcpy(&u, p + 2 * i, sizeof u);
+        return (u & 0x7F80u) == 0x7F80u;
+    }
+    uint32_t u;
+    memcpy(&u, p + 4 * i, sizeof u);
+    return (u & 0x7F800000u) == 0x7F800000u;
+}
+
+long first_nonfinite(const void *data, size_t n, DType dt) {
+    enum { CHUNK = 1024 };
+    const unsigned char *p = data;
+    for (size_t lo = 0; lo < n; lo += CHUNK) {
+        const size_t hi = n - lo < CHUNK ? n : lo + CHUNK;
+        int any = 0;
+        for (size_t i = lo; i < hi; i++) any |= nonfinite_at(p, i, dt);
+        if (any)
+            for (size_t i = lo; i < hi; i++)
+                if (nonfinite_at(p, i, dt)) return (long)i;
+    }
+    return -1;
 }

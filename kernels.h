@@ -67,6 +67,9 @@ void mat_pack(void *dst, const void *src, int rows, int cols, DType dt);
 size_t dtype_size(DType dt);
 const char *kernels_simd_name(void);   /* "avx512", "avx2" or "portable" */
 
+/* Index of the first NaN or infinity among n values of type dt (fp32 or bf16), or -1. */
+long first_nonfinite(const void *data, size_t n, DType dt);
+
 /* Block i of a stack of matrices of n rows each, every block packed on its own
  * (rows [i*n, (i+1)*n) of a matrix built with mat_pack_blocks). */
 Mat mat_block(Mat stack, int i, int n);

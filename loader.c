@@ -3,20 +3,20 @@
 #include "loader.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "attention.h"
 #include "errmsg.h"
+#include "fileio.h"
 #include "spm_c.h"
 
 #define HEADER_SIZE 128
+#define RESERVED_OFFSET 104  /* the header's last 24 bytes, zero in version 1 */
 #define FORMAT_VERSION 1
 #define MAX_DIM 65536
 /* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
@@ -41,36 +41,39 @@ const char *variant_name(const Config *c) {
     return mla;
 }
 
+/* visit for one tensor: its field, shape, name and layer */
+#define VISIT(field, rows, cols, name, layer) visit(ctx, &(TensorRef){field, rows, cols, name, layer})
+
 void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *ctx) {
     const int H = c->n_heads, hd = c->head_dim, D = c->dim;
-    visit(ctx, &w->tok_embeddings, c->vocab_size, D);
+    VISIT(&w->tok_embeddings, c->vocab_size, D, "tok_embeddings", -1);
     for (int l = 0; l < c->n_layers; l++) {
         LayerWeights *L = &w->layers[l];
-        visit(ctx, &L->attn_norm, 1, D);
+        VISIT(&L->attn_norm, 1, D, "attn_norm", l);
         if (c->variant == VARIANT_MLA) {
-            visit(ctx, &L->wq, H * (hd + c->rope_dim), D);
-            visit(ctx, &L->wdkv, c->kv_latent, D);
-            visit(ctx, &L->kv_norm, 1, c->kv_latent);
-            visit(ctx, &L->wkr, c->rope_dim, D);
-            visit(ctx, &L->wuk, H * hd, c->kv_latent);
-            visit(ctx, &L->wuv, H * hd, c->kv_latent);
+            VISIT(&L->wq, H * (hd + c->rope_dim), D, "wq", l);
+            VISIT(&L->wdkv, c->kv_latent, D, "wdkv", l);
+            VISIT(&L->kv_norm, 1, c->kv_latent, "kv_norm", l);
+            VISIT(&L->wkr, c->rope_dim, D, "wkr", l);
+            VISIT(&L->wuk, H * hd, c->kv_latent, "wuk", l);
+            VISIT(&L->wuv, H * hd, c->kv_latent, "wuv", l);
         } else {
-            visit(ctx, &L->wq, H * hd, D);
-            visit(ctx, &L->wk, c->n_kv_heads * hd, D);
-            visit(ctx, &L->wv, c->n_kv_heads * hd, D);
+            VISIT(&L->wq, H * hd, D, "wq", l);
+            VISIT(&L->wk, c->n_kv_heads * hd, D, "wk", l);
+            VISIT(&L->wv, c->n_kv_heads * hd, D, "wv", l);
         }
-        visit(ctx, &L->wo, D, H * hd);
-        visit(ctx, &L->ffn_norm, 1, D);
-        visit(ctx, &L->w1, c->hidden_dim, D);
-        visit(ctx, &L->w2, D, c->hidden_dim);
-        visit(ctx, &L->w3, c->hidden_dim, D);
+        VISIT(&L->wo, D, H * hd, "wo", l);
+        VISIT(&L->ffn_norm, 1, D, "ffn_norm", l);
+        VISIT(&L->w1, c->hidden_dim, D, "w1", l);
+        VISIT(&L->w2, D, c->hidden_dim, "w2", l);
+        VISIT(&L->w3, c->hidden_dim, D, "w3", l);
     }
-    visit(ctx, &w->final_norm, 1, D);
+    VISIT(&w->final_norm, 1, D, "final_norm", -1);
 }
+#undef VISIT
 
-static void count_elements(void *ctx, Mat *mat, int rows, int cols) {
-    (void)mat;
-    *(uint64_t *)ctx += (uint64_t)rows * (uint64_t)cols;
+static void count_elements(void *ctx, const TensorRef *t) {
+    *(uint64_t *)ctx += (uint64_t)t->rows * (uint64_t)t->cols;
 }
 
 size_t model_param_count(const Config *c) {
@@ -139,13 +142,22 @@ static int parse_header(Config *c, const unsigned char *h, char *err, size_t err
     uint32_t variant = rd_u32(h + 8), dtype = rd_u32(h + 12);
     if (variant > VARIANT_MLA) return errmsg(err, errlen, -1, "checkpoint: unknown variant %u", variant);
     if (dtype > DTYPE_BF16) return errmsg(err, errlen, -1, "checkpoint: unknown dtype %u", dtype);
+    for (int i = RESERVED_OFFSET; i < HEADER_SIZE; i++)
+        if (h[i] != 0)
+            return errmsg(err, errlen, -1, "checkpoint: reserved header byte %d is %u, not 0 (a newer format?)", i, h[i]);
     c->variant = (Variant)variant;
     c->dtype = (DType)dtype;
-    int *fields[] = {&c->dim, &c->n_layers, &c->n_heads, &c->head_dim, &c->n_kv_heads, &c->kv_latent,
-                     &c->rope_dim, &c->hidden_dim, &c->vocab_size, &c->max_seq_len};
+    /* the u32 fields from offset 16 on, in order, and the least value each may take */
+    const struct { int *field; const char *name; int min; } dims[] = {
+        {&c->dim, "dim", 1}, {&c->n_layers, "n_layers", 1}, {&c->n_heads, "n_heads", 1}, {&c->head_dim, "head_dim", 1},
+        {&c->n_kv_heads, "n_kv_heads", 0}, {&c->kv_latent, "kv_latent", 0}, {&c->rope_dim, "rope_dim", 0},
+        {&c->hidden_dim, "hidden_dim", 1}, {&c->vocab_size, "vocab_size", 1}, {&c->max_seq_len, "max_seq_len", 1},
+    };
     for (int i = 0; i < 10; i++) {
         uint32_t v = rd_u32(h + 16 + 4 * i);
-        *fields[i] = v > (uint32_t)MAX_DIM ? -1 : (int)v;  /* out of range either way */
+        if (v > (uint32_t)MAX_DIM)  /* here, while the file's own number is at hand for the message */
+            return errmsg(err, errlen, -1, "checkpoint: %s = %u is out of range (%d..%d)", dims[i].name, v, dims[i].min, MAX_DIM);
+        *dims[i].field = (int)v;
     }
     c->rope_theta = rd_f32(h + 56);
     c->norm_eps = rd_f32(h + 60);
@@ -197,10 +209,10 @@ static int derive_absorbed(Model *m) {
     return 0;
 }
 
-/* The weights leave the file mapping for a heap copy in the packed layout of kernels.h,
- * 2 MB-aligned and advised as transparent huge pages: a decode step streams all ~30 MB
- * of them, through ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of
- * a file are never huge). The copy is exactly w_size long, so a read past the last
+/* The weights live in a heap copy in the packed layout of kernels.h, 2 MB-aligned and
+ * advised as transparent huge pages: a decode step streams all ~30 MB of them, through
+ * ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of a file are never
+ * huge). The copy is exactly w_size long, so a read past the last
  * tensor is a heap overflow that ASan reports. */
 #define HUGE_PAGE ((size_t)2 << 20)
 static void *alloc_weights(size_t w_size) {
@@ -212,36 +224,74 @@ static void *alloc_weights(size_t w_size) {
     return p;
 }
 
-typedef struct { const char *src; char *dst; DType dt; } PackCursor;
+/* Reading the weights tensor by tensor: each is read into `rowmajor`, checked, and packed
+ * into the heap copy. The first failure stops the walk's work and keeps its message. */
+typedef struct {
+    int fd;
+    const char *path;
+    size_t offset;       /* in the file, of the next tensor */
+    char *dst;           /* in the heap copy */
+    DType dt;
+    char *rowmajor;      /* (rowmajor_bytes) one tensor as the file holds it */
+    size_t rowmajor_bytes;
+    char *err;
+    size_t errlen;
+    int failed;
+} PackCursor;
 
-/* Visitor: the next tensor of the file (row-major) goes packed into the heap copy. */
-static void pack_tensor(void *ctx, Mat *mat, int rows, int cols) {
+/* Visitor: the next tensor of the file goes, checked and packed, into the heap copy. */
+static void pack_tensor(void *ctx, const TensorRef *t) {
     PackCursor *cur = ctx;
-    size_t bytes = (size_t)rows * (size_t)cols * dtype_size(cur->dt);
-    mat_pack(cur->dst, cur->src, rows, cols, cur->dt);
-    *mat = (Mat){cur->dst, rows, cols, cur->dt};
-    cur->src += bytes;
+    const size_t n = (size_t)t->rows * (size_t)t->cols, bytes = n * dtype_size(cur->dt);
+    if (cur->failed) return;
+    if (bytes > cur->rowmajor_bytes) {
+        free(cur->rowmajor);
+        cur->rowmajor_bytes = bytes;
+        if (!(cur->rowmajor = malloc(bytes))) {
+            cur->failed = errmsg(cur->err, cur->errlen, 1, "out of memory loading %s", msg_path(cur->path).s);
+            return;
+        }
+    }
+    if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
+        cur->failed = errno ? errmsg(cur->err, cur->errlen, 1, "cannot read checkpoint %s: %s", msg_path(cur->path).s, strerror(errno))
+                            : errmsg(cur->err, cur->errlen, 1, "checkpoint %s shrank while it was being read (truncated?)",
+                                     msg_path(cur->path).s);
+        return;
+    }
+    const long bad = first_nonfinite(cur->rowmajor, n, cur->dt);
+    if (bad >= 0) {
+        const int row = (int)(bad / t->cols), col = (int)(bad % t->cols);
+        const char *what = cur->dt == DTYPE_BF16 ? ((const uint16_t *)cur->rowmajor)[bad] & 0x7Fu ? "NaN" : "infinite"
+                                                 : ((const uint32_t *)cur->rowmajor)[bad] & 0x7FFFFFu ? "NaN" : "infinite";
+        if (t->layer >= 0)
+            cur->failed = errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s in layer %d is %s", row, col,
+                                 t->name, t->layer, what);
+        else
+            cur->failed = errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s is %s", row, col, t->name, what);
+        return;
+    }
+    mat_pack(cur->dst, cur->rowmajor, t->rows, t->cols, cur->dt);
+    *t->mat = (Mat){cur->dst, t->rows, t->cols, cur->dt};
+    cur->offset += bytes;
     cur->dst += bytes;
 }
 
+/* The file is read with pread, never mapped: a mapped file that shrinks under the reader
+ * kills it with SIGBUS, while a read just comes up short. */
 int model_load(Model *m, const char *path, char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return errmsg(err, errlen, -1, "cannot open checkpoint %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return errmsg(err, errlen, -1, "checkpoint %s is not a regular file", path);
-    }
-    size_t size = (size_t)st.st_size;
+    size_t size;
+    const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
+    if (fd < 0) return -1;
+    unsigned char h[HEADER_SIZE];
+    char *tokenizer = NULL;
+    PackCursor cur = {.fd = fd, .path = path, .err = err, .errlen = errlen};
     if (size < HEADER_SIZE) {
-        close(fd);
-        return errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", path, size, HEADER_SIZE);
+        errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", msg_path(path).s,
+               size, HEADER_SIZE);
+        goto bad;
     }
-    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (map == MAP_FAILED) return errmsg(err, errlen, -1, "cannot mmap checkpoint %s: %s", path, strerror(errno));
-    const unsigned char *h = map;
+    if (read_at(fd, h, HEADER_SIZE, 0) != 0) goto unreadable;
     Config *c = &m->cfg;
     if (parse_header(c, h, err, errlen) != 0) goto bad;
 
@@ -263,10 +313,14 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
         goto bad;
     }
 
+    if (!(tokenizer = malloc((size_t)tok_size))) goto out_of_memory;
+    if (read_at(fd, tokenizer, (size_t)tok_size, (size_t)tok_off) != 0) goto unreadable;
     char why[256];
-    m->tokenizer = spm_load_bytes((const char *)map + tok_off, (size_t)tok_size, why, sizeof why);
+    m->tokenizer = spm_load_bytes(tokenizer, (size_t)tok_size, why, sizeof why);
+    free(tokenizer);
+    tokenizer = NULL;
     if (!m->tokenizer) {
-        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer is corrupt: %s", why);
+        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer: %s", why);
         goto bad;
     }
     if (spm_vocab_size(m->tokenizer) != c->vocab_size || spm_bos_id(m->tokenizer) != c->bos_id ||
@@ -278,20 +332,27 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
 
     m->weights = alloc_weights((size_t)w_size);
     m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
-    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) {
-        errmsg(err, errlen, -1, "out of memory loading %s", path);
-        goto bad;
-    }
-    PackCursor cur = {(const char *)map + w_off, m->weights, c->dtype};
+    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) goto out_of_memory;
+    cur.offset = (size_t)w_off;
+    cur.dst = m->weights;
+    cur.dt = c->dtype;
     model_walk_tensors(c, &m->w, pack_tensor, &cur);
-    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) {
-        errmsg(err, errlen, -1, "out of memory loading %s", path);
-        goto bad;
-    }
-    munmap(map, size);
+    free(cur.rowmajor);
+    cur.rowmajor = NULL;
+    if (cur.failed) goto bad;
+    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) goto out_of_memory;
+    close(fd);
     return 0;
+unreadable:
+    if (errno) errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
+    else errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
+    goto bad;
+out_of_memory:
+    errmsg(err, errlen, -1, "out of memory loading %s", msg_path(path).s);
 bad:
-    munmap(map, size);
+    free(tokenizer);
+    free(cur.rowmajor);
+    close(fd);
     model_free(m);
     return -1;
 }

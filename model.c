@@ -135,17 +135,18 @@ static int place_tokens(const Model *m, RunState *s, const Batch *b) {
 }
 
 int model_forward_batch(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits) {
-    if (place_tokens(m, s, b) != 0) return -1;
+    if (place_tokens(m, s, b) != 0) return MODEL_ERR_BATCH;
     const TokenSlots slots = {b->n_tokens, b->cache, s->pos};
     ForwardArgs f = {m, s, b, &slots, form, logits};
     parallel_team(forward_in_team, &f);  /* inside a team already (run.c's generation): just runs it */
     for (int t = 0; t < b->n_tokens; t++) b->cache[t]->len = s->pos[t] + 1;
+    if (first_nonfinite(logits, (size_t)b->n_logits * (size_t)m->cfg.vocab_size, DTYPE_F32) >= 0) return MODEL_ERR_NONFINITE;
     return 0;
 }
 
 int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form, float *logits,
                   int all_logits) {
-    if (T < 1 || T > s->max_tokens) return -1;
+    if (T < 1 || T > s->max_tokens) return MODEL_ERR_BATCH;
     for (int t = 0; t < T; t++) {
         s->caches[t] = cache;
         s->logit_tokens[t] = t;

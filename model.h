@@ -44,17 +44,23 @@ typedef struct {
     const int *logit_tokens; /* (n_logits) */
 } Batch;
 
+/* What a forward pass can fail with: a batch it cannot run, or logits that are not finite
+ * numbers (finite weights whose arithmetic overflows float), which no sampler or NLL may
+ * take for a result. */
+enum { MODEL_ERR_BATCH = -1, MODEL_ERR_NONFINITE = -2 };
+
 /* Runs a batch: every token through the projections and the FFN together (the weights are
  * read once for all), each token's attention over its own sequence's cache. Reserves the
- * caches' positions (kv_reserve) and advances their len. Returns -1 before computing
- * anything when the batch is malformed or larger than s->max_tokens, or a cache cannot
- * reserve its positions (caches reserved before it keep their new blocks). The kernels share the work among the threads of a team (parallel.h):
+ * caches' positions (kv_reserve) and advances their len. Returns MODEL_ERR_BATCH before
+ * computing anything when the batch is malformed or larger than s->max_tokens, or a cache
+ * cannot reserve its positions (caches reserved before it keep their new blocks);
+ * MODEL_ERR_NONFINITE after the pass when a logit is NaN or infinite. The kernels share the work among the threads of a team (parallel.h):
  * the caller's, or one opened for this pass. Batch invariance: every token's logits are
  * the same bits whatever else the batch holds. */
 int model_forward_batch(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits);
 
 /* One sequence: T tokens appended to cache; the logits of the last token (vocab_size
- * floats), or of all T ((T, vocab_size)) when all_logits. */
+ * floats), or of all T ((T, vocab_size)) when all_logits. Returns as model_forward_batch. */
 int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form, float *logits,
                   int all_logits);
 

@@ -7,6 +7,18 @@
 #include <omp.h>
 #endif
 
+#include "errmsg.h"
+
+/* The threads a team gets: what OpenMP would start, at most PARALLEL_MAX_THREADS. */
+static int team_size(void) {
+#ifdef _OPENMP
+    const int n = omp_get_max_threads();
+    return n < PARALLEL_MAX_THREADS ? n : PARALLEL_MAX_THREADS;
+#else
+    return 1;
+#endif
+}
+
 /* The team's mailbox. Thread 0 writes fn and ctx, then bumps `posted`; each other
  * thread, having seen the bump, runs fn and bumps `finished`. Thread 0 writes the next
  * job only once every thread has finished this one, so a job is never overwritten while
@@ -62,7 +74,7 @@ void parallel_team(void (*body)(void *arg), void *arg) {
         return;
     }
     Team team = {.threads = 1};
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
         if (omp_get_thread_num() == 0) {
             team.threads = omp_get_num_threads();  /* read by the others after a post */
@@ -106,7 +118,7 @@ void parallel_run(ParallelFn fn, const void *ctx, ParallelMode mode) {
         return;
     }
 #ifdef _OPENMP
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     fn(ctx, omp_get_thread_num(), omp_get_num_threads());
 #else
     fn(ctx, 0, 1);
@@ -116,7 +128,7 @@ void parallel_run(ParallelFn fn, const void *ctx, ParallelMode mode) {
 int parallel_threads(void) {
     if (my_team) return my_team->in_job ? 1 : my_team->threads;
 #ifdef _OPENMP
-    return omp_in_parallel() ? 1 : omp_get_max_threads();
+    return omp_in_parallel() ? 1 : team_size();
 #else
     return 1;
 #endif
@@ -155,7 +167,7 @@ static void parts_thread(const void *ctx, int thread, int threads) {
     const ParallelParts *w = r->w;
     if (!r->take_over) {
         const long n = w->count(w->ctx, thread, threads);
-        if (n > 0) w->items(w->ctx, thread, threads, 0, n);
+        if (n > 0) w->items(w->ctx, thread, threads, 0, n, thread);
         return;
     }
     for (int k = 0; k < threads; k++) {
@@ -168,7 +180,7 @@ static void parts_thread(const void *ctx, int thread, int threads) {
             const long take = (n - seen) / 4 > 1 ? (n - seen) / 4 : 1;
             const long i = atomic_fetch_add_explicit(&r->claims[p].next, take, memory_order_relaxed);
             if (i >= n) break;
-            w->items(w->ctx, p, threads, i, i + take < n ? i + take : n);
+            w->items(w->ctx, p, threads, i, i + take < n ? i + take : n, thread);
         }
     }
 }
@@ -183,14 +195,81 @@ void parallel_run_parts(const ParallelParts *w, ParallelMode mode) {
 
 void parallel_set_threads(int n) {
 #ifdef _OPENMP
-    omp_set_num_threads(n);
+    omp_set_num_threads(n < 1 ? 1 : n < PARALLEL_MAX_THREADS ? n : PARALLEL_MAX_THREADS);
 #else
     (void)n;
 #endif
 }
 
 void parallel_warm_up(void) {
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
     }
+}
+
+/* ---- OMP_NUM_THREADS ---- */
+
+/* What check_env_threads found: the value it took out of the environment (cut to fit), and
+ * whether it was a number out of range or no list of numbers at all. */
+static char bad_env_threads[64];
+static enum { ENV_THREADS_FINE, ENV_THREADS_OUT_OF_RANGE, ENV_THREADS_NOT_A_COUNT } env_threads_state;
+
+/* OpenMP's syntax: counts separated by commas, white space around each; a count of more
+ * digits than any count in range is out of range, not a parse failure. */
+static int env_threads_verdict(const char *v) {
+    int out_of_range = 0;
+    for (;;) {
+        while (*v == ' ' || *v == '\t') v++;
+        long n = 0;
+        int digits = 0;
+        for (; *v >= '0' && *v <= '9'; v++, digits++)
+            if (n <= PARALLEL_MAX_THREADS) n = 10 * n + (*v - '0');
+        if (digits == 0) return ENV_THREADS_NOT_A_COUNT;
+        out_of_range |= n < 1 || n > PARALLEL_MAX_THREADS;
+        while (*v == ' ' || *v == '\t') v++;
+        if (*v == '\0') return out_of_range ? ENV_THREADS_OUT_OF_RANGE : ENV_THREADS_FINE;
+        if (*v++ != ',') return ENV_THREADS_NOT_A_COUNT;
+    }
+}
+
+/* Runs from .preinit_array, before any library's constructor, so before the OpenMP runtime
+ * reads the variable: a bad value is kept for parallel_check_env and its entry removed from
+ * the environment. Plain loops only: no library is initialized yet. */
+static void check_env_threads(int argc, char **argv, char **envp) {
+    static const char name[] = "OMP_NUM_THREADS=";
+    (void)argc;
+    (void)argv;
+    for (char **e = envp; e && *e;) {
+        size_t k = 0;
+        while (name[k] && (*e)[k] == name[k]) k++;
+        const int verdict = name[k] == '\0' ? env_threads_verdict(*e + k) : ENV_THREADS_FINE;
+        if (verdict == ENV_THREADS_FINE) {
+            e++;
+            continue;
+        }
+        if (env_threads_state == ENV_THREADS_FINE) {
+            env_threads_state = verdict;
+            size_t i = 0;
+            for (; (*e)[k + i] && i + 1 < sizeof bad_env_threads; i++) {
+                const unsigned char ch = (unsigned char)(*e)[k + i];
+                bad_env_threads[i] = ch < 0x20 || ch == 0x7F ? '?' : (char)ch;  /* no control sequence reaches the terminal */
+            }
+            bad_env_threads[i] = '\0';
+        }
+        for (char **f = e; *f; f++) f[0] = f[1];  /* as unsetenv does */
+    }
+}
+
+#ifdef __ELF__
+__attribute__((section(".preinit_array"), used)) static void (*check_env_threads_first)(int, char **, char **) =
+    check_env_threads;
+#endif
+
+int parallel_check_env(char *err, size_t errlen) {
+    if (env_threads_state == ENV_THREADS_OUT_OF_RANGE)
+        return errmsg(err, errlen, -1, "OMP_NUM_THREADS=%s is out of range (1..%d)", bad_env_threads, PARALLEL_MAX_THREADS);
+    if (env_threads_state == ENV_THREADS_NOT_A_COUNT)
+        return errmsg(err, errlen, -1, "OMP_NUM_THREADS needs a thread count (1..%d), got '%s'", PARALLEL_MAX_THREADS,
+                      bad_env_threads);
+    return 0;
 }

@@ -14,6 +14,8 @@
 #ifndef PARALLEL_H
 #define PARALLEL_H
 
+#include <stddef.h>
+
 /* Work for each thread: this is thread `thread` of `threads`. */
 typedef void (*ParallelFn)(const void *ctx, int thread, int threads);
 
@@ -44,7 +46,9 @@ void parallel_run(ParallelFn fn, const void *ctx, ParallelMode mode);
 void parallel_for(long n_items, void (*item)(const void *ctx, long i), const void *ctx, ParallelMode mode);
 
 /* Work in parts, one per thread: part p of `parts` has count(p) items, and items does
- * items [lo, hi) of a part. Thread p does part p; with PARALLEL_TAKE_OVER, a thread that
+ * items [lo, hi) of a part on thread `thread` (< parts; no two threads that run items of
+ * one parallel_run_parts at the same time have the same number, so it can index scratch
+ * of each thread's own). Thread p does part p; with PARALLEL_TAKE_OVER, a thread that
  * has done its own part then helps with the others' remaining items, claiming them from
  * the part's counter (one cache line each), a quarter of what is left at a time, so
  * claims are few while a part is long. Every item is done once, by one thread, so the
@@ -52,18 +56,30 @@ void parallel_for(long n_items, void (*item)(const void *ctx, long i), const voi
  * other takes over the end of its share instead of waiting. */
 typedef struct {
     long (*count)(const void *ctx, int part, int parts);
-    void (*items)(const void *ctx, int part, int parts, long lo, long hi);
+    void (*items)(const void *ctx, int part, int parts, long lo, long hi, int thread);
     const void *ctx;
 } ParallelParts;
 void parallel_run_parts(const ParallelParts *w, ParallelMode mode);
 
-/* The thread count for the runs to come (n >= 1), and starting the thread pool now
- * rather than inside the first timed step. */
+/* The most threads a team has, whatever OMP_NUM_THREADS or parallel_set_threads ask for:
+ * a thread's scratch is sized for this many (attention.h), and parallel_run_parts keeps
+ * one claim a thread on the stack. */
+enum { PARALLEL_MAX_THREADS = 256 };
+
+/* The thread count for the runs to come (1 <= n <= PARALLEL_MAX_THREADS), and starting the
+ * thread pool now rather than inside the first timed step. */
 void parallel_set_threads(int n);
 void parallel_warm_up(void);
 
 /* The n that parallel_run(.., 1) would pass. */
 int parallel_threads(void);
+
+/* OMP_NUM_THREADS as the process was started with it: 0 when unset or a list of thread
+ * counts 1..PARALLEL_MAX_THREADS (OpenMP's syntax: one count a nesting level), else -1
+ * and one sentence in err. A bad value is taken out of the environment before the OpenMP
+ * runtime reads it (which would print a warning of its own and carry on), so that the
+ * caller can refuse it with this sentence alone. */
+int parallel_check_env(char *err, size_t errlen);
 
 /* Thread i's share [*lo, *hi) of n items split among n_threads, in order. */
 static inline void parallel_share(long n, int i, int n_threads, long *lo, long *hi) {

@@ -14,10 +14,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "errmsg.h"
 #include "loader.h"
 #include "model.h"
 #include "output.h"
@@ -32,6 +34,8 @@
 #include "version.h"
 
 #define EXIT_USAGE 2
+
+_Static_assert(CLI_MAX_THREADS == PARALLEL_MAX_THREADS, "--threads and OMP_NUM_THREADS have one bound");
 
 static void die(int code, const char *fmt, ...) {
     va_list ap;
@@ -64,6 +68,14 @@ typedef struct {
     MlaForm form;
 } Engine;
 
+/* Ends the run when a forward pass (or scheduler_run) returned an error code. */
+static void check_forward(int rc) {
+    if (rc == MODEL_ERR_NONFINITE)
+        die(1, "the model computes logits that are not finite numbers (NaN or infinity): its weights overflow "
+               "float arithmetic");
+    if (rc != 0) die(1, "out of memory");
+}
+
 /* The logits after tokens[0..n): with the cache, the forward pass runs the tokens the
  * cache does not hold yet; without it, the whole sequence on an emptied cache. A window
  * takes at most what it holds without sliding in one pass, then one token a pass, as
@@ -75,15 +87,18 @@ static void engine_step(Engine *e, const int *tokens, int n, float *logits) {
         const int from = e->cache->len;
         int count = n - from;
         if (window && count > 1) count = window - from > 1 ? (count < window - from ? count : window - from) : 1;
-        if (model_forward(e->model, e->state, e->cache, tokens + from, count, e->form, logits, 0) != 0)
-            die(1, "internal error: a forward pass of %d tokens at position %d does not fit", count, from);
+        const int rc = model_forward(e->model, e->state, e->cache, tokens + from, count, e->form, logits, 0);
+        if (rc == MODEL_ERR_BATCH) die(1, "internal error: a forward pass of %d tokens at position %d does not fit", count, from);
+        check_forward(rc);
     }
 }
 
 /* What a negative spm_encode result means, after "the prompt" or "story N". */
 static const char *encode_error(int code) {
+    static char too_long[96];
+    snprintf(too_long, sizeof too_long, "is over %d bytes, more than the tokenizer encodes at once", SPM_MAX_TEXT_BYTES);
     return code == SPM_ERR_TEXT ? "is not valid UTF-8 text" : code == SPM_ERR_NOMEM ? "cannot be encoded: out of memory"
-                                                                                  : "cannot be encoded by the tokenizer";
+         : code == SPM_ERR_TOO_LONG ? too_long : "cannot be encoded by the tokenizer";
 }
 
 /* BOS and the prompt's tokens; `where` ("" or "FILE:LINE: ") starts any error message. */
@@ -402,7 +417,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
  * spinning, while tokens are sampled and printed. */
 static void run_in_team(void *arg) {
     Scheduler *sch = arg;
-    if (scheduler_run(sch) != 0) die(1, "out of memory");
+    check_forward(scheduler_run(sch));
 }
 
 /* B requests of one prompt, request i with seed + i. */
@@ -443,9 +458,8 @@ static void warm_up(const Scheduler *sch, Generation *g) {
     KVCache scratch;
     const double t0 = now_ms();
     const int n = sch->pool->window && r->n_prompt > sch->pool->window ? sch->pool->window : r->n_prompt;  /* one pass */
-    if (kv_init(&scratch, sch->pool, sch->model->cfg.max_seq_len) != 0 ||
-        model_forward(sch->model, sch->state, &scratch, r->tokens, n, sch->form, sch->logits, 0) != 0)
-        die(1, "out of memory");
+    if (kv_init(&scratch, sch->pool, sch->model->cfg.max_seq_len) != 0) die(1, "out of memory");
+    check_forward(model_forward(sch->model, sch->state, &scratch, r->tokens, n, sch->form, sch->logits, 0));
     kv_free(&scratch);
     if (g->step_lines) {
         start_stderr_line(g);
@@ -810,7 +824,7 @@ static void score_in_windows(Engine *e, const int *ids, int n, float *logits, Nl
     for (int start = 0; start < n - 1; start += ctx) {
         const int len = n - start < ctx + 1 ? n - start : ctx + 1;  /* inputs len-1, targets len-1 */
         kv_reset(e->cache);
-        if (model_forward(m, e->state, e->cache, ids + start, len - 1, e->form, logits, 1) != 0) die(1, "out of memory");
+        check_forward(model_forward(m, e->state, e->cache, ids + start, len - 1, e->form, logits, 1));
         for (int t = 0; t < len - 1; t++) add_nll(sum, token_nll(logits + (size_t)t * V, V, ids[start + t + 1]), start + t + 1, ctx);
     }
 }
@@ -821,10 +835,10 @@ static void score_through_window(Engine *e, const int *ids, int n, float *logits
     const Model *m = e->model;
     const int V = m->cfg.vocab_size, first = n - 1 < e->cache->pool->window ? n - 1 : e->cache->pool->window;
     kv_reset(e->cache);
-    if (model_forward(m, e->state, e->cache, ids, first, e->form, logits, 1) != 0) die(1, "out of memory");
+    check_forward(model_forward(m, e->state, e->cache, ids, first, e->form, logits, 1));
     for (int t = 0; t < first; t++) add_nll(sum, token_nll(logits + (size_t)t * V, V, ids[t + 1]), t + 1, m->cfg.max_seq_len);
     for (int t = first; t < n - 1; t++) {
-        if (model_forward(m, e->state, e->cache, ids + t, 1, e->form, logits, 0) != 0) die(1, "out of memory");
+        check_forward(model_forward(m, e->state, e->cache, ids + t, 1, e->form, logits, 0));
         add_nll(sum, token_nll(logits, V, ids[t + 1]), t + 1, m->cfg.max_seq_len);
     }
 }
@@ -988,7 +1002,20 @@ static char *read_prompt(const char *path) {
     return text;
 }
 
+/* The least stack limit (ulimit -s) this program runs under, refused below rather than met by
+ * SIGSEGV: its large scratch is on the heap, but the libraries' own frames take several KB. */
+enum { MIN_STACK_BYTES = 32 << 10 };
+
 int main(int argc, char **argv) {
+    struct rlimit stack;
+    if (getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY && stack.rlim_cur < MIN_STACK_BYTES) {
+        /* a string and _exit: printf to the unbuffered stderr and exit's handlers need more stack */
+        char line[128];
+        snprintf(line, sizeof line, "run: the stack limit (ulimit -s) is %llu KB, below the %d KB this program needs\n",
+                 (unsigned long long)stack.rlim_cur >> 10, MIN_STACK_BYTES >> 10);
+        fputs(line, stderr);
+        _exit(EXIT_USAGE);
+    }
     Options o;
     size_t errlen = 256;  /* room for the longest message with every argument in it */
     for (int i = 0; i < argc; i++) errlen += strlen(argv[i]);
@@ -1004,11 +1031,12 @@ int main(int argc, char **argv) {
         if (o.usage_on_error) cli_usage(stderr);
         die(EXIT_USAGE, "%s", usage_err);
     }
-    free(usage_err);
     check_standard_streams(&o);
     char *prompt_text = o.prompt_path ? read_prompt(o.prompt_path) : NULL;
     if (prompt_text) o.prompt = prompt_text;
     if (o.threads > 0) parallel_set_threads(o.threads);
+    else if (parallel_check_env(usage_err, errlen) != 0) die(EXIT_USAGE, "%s", usage_err);
+    free(usage_err);
 
     Model m;
     char err[512];
@@ -1069,7 +1097,7 @@ int main(int argc, char **argv) {
             for (int i = 0; i < file.n_prompts; i++) {  /* every line is checked before anything runs */
                 Request *r = &sch.requests[i];
                 char where[320];
-                snprintf(where, sizeof where, "%s:%d: ", o.prompts_path, file.line_numbers[i]);
+                snprintf(where, sizeof where, "%s:%d: ", msg_path(o.prompts_path).s, file.line_numbers[i]);
                 r->cap_tokens = m.cfg.max_seq_len + 1;
                 if (!(r->tokens = malloc((size_t)r->cap_tokens * sizeof(int)))) die(1, "out of memory");
                 r->n_prompt = encode_prompt(&m, file.prompts[i], r->tokens, m.cfg.max_seq_len + 1, where);

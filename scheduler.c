@@ -212,7 +212,8 @@ static int step_cached(Run *run, int step) {
      * computes at least one row of logits */
     if (run->n_sampling == 0) run->logit_tokens[0] = T - 1;
     const Batch batch = {T, run->ids, run->caches, run->n_sampling ? run->n_sampling : 1, run->logit_tokens};
-    if (model_forward_batch(sch->model, sch->state, &batch, sch->form, sch->logits) != 0) return -1;
+    const int rc = model_forward_batch(sch->model, sch->state, &batch, sch->form, sch->logits);
+    if (rc != 0) return rc;
     return sample_and_retire(run, step, T, prefill_tokens, now_ms() - t0);
 }
 
@@ -234,7 +235,7 @@ static int step_uncached(Run *run, int step) {
         kv_reset(&r->cache);
         const int rc = model_forward(sch->model, sch->state, &r->cache, r->tokens, r->n_tokens, sch->form, row, 0);
         kv_reset(&r->cache);
-        if (rc != 0) return -1;
+        if (rc != 0) return rc;
         run->computed_prompt[i] = r->generated == 0;
         if (r->generated == 0) prefill_tokens += r->n_tokens;
         T += r->n_tokens;

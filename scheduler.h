@@ -106,8 +106,9 @@ typedef struct {
 static inline int scheduler_max_tokens(const Config *c, int max_batch) { return c->max_seq_len + max_batch; }
 
 /* Runs every request to its end. Each request's tokens, cap_tokens and n_prompt must be
- * set; the rest of it is initialized here. Returns 0, or -1 when out of memory or when the
- * pool cannot hold one sequence of the full context. */
+ * set; the rest of it is initialized here. Returns 0, -1 when out of memory or when the
+ * pool cannot hold one sequence of the full context, or MODEL_ERR_NONFINITE (model.h) when
+ * a forward pass gives logits that are not finite (nothing is sampled from them). */
 int scheduler_run(Scheduler *sch);
 /* Frees what scheduler_run allocated in the requests. */
 void scheduler_free_requests(Scheduler *sch);

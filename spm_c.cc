@@ -517,6 +517,7 @@ int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos,
     try {
         if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return SPM_ERR_OTHER;
         if (len > 0 && !utf8_valid(text, len)) return SPM_ERR_TEXT;
+        if (len > SPM_MAX_TEXT_BYTES) return SPM_ERR_TOO_LONG;
         if (add_bos && t->bos < 0) return SPM_ERR_OTHER;
         std::vector<int> out;
         if (len > 0 && !t->sp.Encode(std::string_view(text, len), &out).ok()) return SPM_ERR_OTHER;

@@ -39,7 +39,12 @@ enum {
     SPM_ERR_NOMEM = -2, /* out of memory */
     SPM_ERR_OTHER = -3, /* bad arguments, add_bos on a model without BOS, more than INT_MAX
                            ids, or the library reported an error */
+    SPM_ERR_TOO_LONG = -4, /* valid text of more than SPM_MAX_TEXT_BYTES bytes */
 };
+
+/* The longest text spm_encode takes: the library's memory grows with the text it encodes
+ * at once, many times faster than the text, so a longer one is refused before it gets there. */
+enum { SPM_MAX_TEXT_BYTES = 1 << 18 };
 
 /* Encodes text (len bytes, not necessarily NUL-terminated). Prepends BOS when add_bos.
  * Returns the number of ids (may exceed max_ids: then only max_ids were written, so callers

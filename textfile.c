@@ -2,11 +2,12 @@
 #include "textfile.h"
 
 #include <errno.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "errmsg.h"
+#include "fileio.h"
 #include "utf8.h"
 
 #define SEPARATOR "<|endoftext|>"
@@ -31,13 +32,14 @@ static int add_story(StoryFile *f, char *b, char *e, int *cap) {
     return 0;
 }
 
-int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size_t errlen) {
+/* Splits text (size bytes and a NUL, which f now owns) into stories. */
+static int split_stories(StoryFile *f, char *text, size_t size, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
-    if (memchr(data, '\0', size)) return errmsg(err, errlen, -1, "the text holds a NUL byte");
-    f->text = malloc(size + 1);
-    if (!f->text) return errmsg(err, errlen, -1, "out of memory reading stories");
-    memcpy(f->text, data, size);
-    f->text[size] = '\0';
+    f->text = text;
+    if (memchr(text, '\0', size)) {
+        storyfile_free(f);
+        return errmsg(err, errlen, -1, "the text holds a NUL byte");
+    }
     int cap = 0;
     char *story = f->text, *line = f->text, *end = f->text + size;
     while (line <= end) {
@@ -73,28 +75,37 @@ oom:
     return -1;
 }
 
-/* The whole file in a new buffer (*n bytes, NUL-terminated), or -1 with the reason in err. */
+int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    char *text = malloc(size + 1);
+    if (!text) return errmsg(err, errlen, -1, "out of memory reading stories");
+    memcpy(text, data, size);
+    text[size] = '\0';
+    return split_stories(f, text, size, err, errlen);
+}
+
+/* The whole file in a new buffer (*n bytes, NUL-terminated), or -1 with the reason in err.
+ * Its size is known before the first read, so the buffer is allocated once. */
 static int read_whole(const char *path, char **out, size_t *n_out, char *err, size_t errlen) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return errmsg(err, errlen, -1, "cannot open %s: %s", path, strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    for (;;) {
-        if (!buf) { fclose(fp); return errmsg(err, errlen, -1, "out of memory reading %s", path); }
-        n += fread(buf + n, 1, cap - n - 1, fp);
-        if (n < cap - 1) break;
-        if (cap >= (size_t)MAX_FILE_BYTES) { free(buf); fclose(fp); return errmsg(err, errlen, -1, "%s is over 1 GiB", path); }
-        char *nb = realloc(buf, cap * 2);
-        if (!nb) free(buf);
-        buf = nb;
-        cap *= 2;
+    size_t size;
+    const int fd = open_regular(path, "", &size, err, errlen);
+    if (fd < 0) return -1;
+    char *buf = NULL;
+    if (size > (size_t)MAX_FILE_BYTES) {
+        errmsg(err, errlen, -1, "%s is over 1 GiB", msg_path(path).s);
+    } else if (!(buf = malloc(size + 1))) {
+        errmsg(err, errlen, -1, "out of memory reading %s", msg_path(path).s);
+    } else if (read_at(fd, buf, size, 0) != 0) {
+        if (errno) errmsg(err, errlen, -1, "cannot read %s: %s", msg_path(path).s, strerror(errno));
+        else errmsg(err, errlen, -1, "%s shrank while it was being read", msg_path(path).s);
+        free(buf);
+        buf = NULL;
     }
-    int bad = ferror(fp);
-    fclose(fp);
-    if (bad) { free(buf); return errmsg(err, errlen, -1, "cannot read %s", path); }
-    buf[n] = '\0';
+    close(fd);
+    if (!buf) return -1;
+    buf[size] = '\0';
     *out = buf;
-    *n_out = n;
+    *n_out = size;
     return 0;
 }
 
@@ -104,9 +115,8 @@ int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
     size_t n;
     if (read_whole(path, &buf, &n, err, errlen) != 0) return -1;
     char inner[256];
-    int rc = storyfile_parse(f, buf, n, inner, sizeof inner);
-    free(buf);
-    if (rc != 0) errmsg(err, errlen, -1, "%s: %s", path, inner);
+    int rc = split_stories(f, buf, n, inner, sizeof inner);
+    if (rc != 0) errmsg(err, errlen, -1, "%s: %s", msg_path(path).s, inner);
     return rc;
 }
 
@@ -122,7 +132,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
     if (read_whole(path, &f->text, &n, err, errlen) != 0) return -1;
     if (memchr(f->text, '\0', n)) {
         promptfile_free(f);
-        return errmsg(err, errlen, -1, "%s holds a NUL byte", path);
+        return errmsg(err, errlen, -1, "%s holds a NUL byte", msg_path(path).s);
     }
     int cap = 0, line_no = 0;
     for (char *line = f->text; line < f->text + n || line_no == 0;) {
@@ -135,7 +145,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
         if (b < end) {  /* a blank line holds no prompt */
             if (!utf8_valid(line, (size_t)(end - line))) {
                 promptfile_free(f);
-                return errmsg(err, errlen, -1, "%s:%d: the prompt is not valid UTF-8 text", path, line_no);
+                return errmsg(err, errlen, -1, "%s:%d: the prompt is not valid UTF-8 text", msg_path(path).s, line_no);
             }
             if (f->n_prompts == cap) {
                 cap = cap ? 2 * cap : 64;
@@ -145,7 +155,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
                 if (nl_no) f->line_numbers = nl_no;
                 if (!np || !nl_no) {
                     promptfile_free(f);
-                    return errmsg(err, errlen, -1, "out of memory reading %s", path);
+                    return errmsg(err, errlen, -1, "out of memory reading %s", msg_path(path).s);
                 }
             }
             f->prompts[f->n_prompts] = line;
@@ -156,7 +166,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
     }
     if (f->n_prompts == 0) {
         promptfile_free(f);
-        return errmsg(err, errlen, -1, "%s holds no prompt (one prompt a line)", path);
+        return errmsg(err, errlen, -1, "%s holds no prompt (one prompt a line)", msg_path(path).s);
     }
     return 0;
 }

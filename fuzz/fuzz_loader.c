@@ -8,7 +8,9 @@
  * their size, and the derived MLA matrices into another). Models whose scratch would exceed
  * FUZZ_LOADER_SCRATCH_MB (default 256) are loaded and freed without a forward pass: they
  * are legal, just too big to run thousands of times a second. Every loaded checkpoint's
- * embedded tokenizer also encodes 16 of the input's bytes, made printable. */
+ * embedded tokenizer is untrusted input too: it encodes a fixed prompt, the input's last 64
+ * bytes as they are (invalid UTF-8 included) and 16 of its bytes made printable, and decodes
+ * each result, under tokenizer_checks.h's promises. */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
@@ -21,6 +23,7 @@
 #include "model.h"
 #include "sampler.h"
 #include "spm_c.h"
+#include "tokenizer_checks.h"
 
 static int g_fd = -1;
 static char g_path[64];
@@ -75,16 +78,38 @@ static void forward_once(const Model *m, MlaForm form, int t1) {
     int tokens[3] = {c->bos_id, t1, c->eos_id};
     int T = c->max_seq_len < 2 ? c->max_seq_len : 2;
     float *logits = malloc((size_t)3 * c->vocab_size * sizeof(float));
+    /* a pass either runs or finds its logits not finite (weights that overflow): never refuses the batch */
     if (logits) {
-        if (model_forward(m, &s, &cache, tokens, T, form, logits, 1) != 0) abort();
-        volatile int best = sampler_argmax(logits + (size_t)(T - 1) * c->vocab_size, c->vocab_size);
-        (void)best;
-        if (c->max_seq_len > T && model_forward(m, &s, &cache, tokens + T, 1, form, logits, 0) != 0) abort();  /* a decode step */
+        const int rc = model_forward(m, &s, &cache, tokens, T, form, logits, 1);
+        if (rc == MODEL_ERR_BATCH) abort();
+        if (rc == 0) {
+            volatile int best = sampler_argmax(logits + (size_t)(T - 1) * c->vocab_size, c->vocab_size);
+            (void)best;
+        }
+        if (c->max_seq_len > T && model_forward(m, &s, &cache, tokens + T, 1, form, logits, 0) == MODEL_ERR_BATCH)
+            abort();  /* a decode step */
         free(logits);
     }
     kv_free(&cache);
     kv_pool_free(&pool);
     runstate_free(&s);
+}
+
+/* The loaded tokenizer on a fixed prompt and on pieces of the input (a loaded file has more
+ * than a header's 128 bytes); the library may refuse valid text only with SPM_ERR_OTHER. */
+static void encode_and_decode(const SpmTokenizer *t, const uint8_t *data, size_t size) {
+    static int ids[CHECK_MAX_IDS + 1];
+    static const char prompt[] = "Once upon a time, Lily saw a caf\xC3\xA9 by the sea. \xE2\x80\x9CHi!\xE2\x80\x9D 123";
+    char printable[16];
+    for (size_t i = 0; i < sizeof printable; i++) printable[i] = (char)(0x20 + data[i * 7 % size] % 95);
+    const size_t tail = size < 64 ? size : 64;
+    const struct { const char *text; size_t len; } texts[] = {
+        {prompt, sizeof prompt - 1}, {(const char *)data + size - tail, tail}, {printable, sizeof printable},
+    };
+    for (size_t k = 0; k < sizeof texts / sizeof texts[0]; k++) {
+        const int n = check_encode(t, texts[k].text, texts[k].len, 1, (int)(data[size - 1 - k] % 4), 1, ids);
+        if (n >= 0) check_decode(t, ids, n, data[size - 4 - k] % 32);
+    }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -99,11 +124,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (err[0] == '\0' || memchr(err, '\n', strlen(err)) || strlen(err) >= sizeof err) abort();
         return 0;
     }
-    /* the embedded tokenizer is untrusted too: encode a few input bytes, made printable */
-    char text[16];
-    int ids[sizeof text + 1];
-    for (size_t i = 0; i < sizeof text; i++) text[i] = (char)(0x20 + data[i * 7 % size] % 95);
-    if (spm_encode(m.tokenizer, text, sizeof text, 1, ids, (int)(sizeof ids / sizeof ids[0])) < SPM_ERR_OTHER) abort();
+    encode_and_decode(m.tokenizer, data, size);
     const Config *c = &m.cfg;
     if (scratch_floats(c) <= g_scratch_floats) {
         int t1 = size ? data[size - 1] % c->vocab_size : 0;

@@ -25,7 +25,9 @@ int check_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bo
                  int *ids) {
     const int full = spm_encode(t, text, len, add_bos, NULL, 0);
     const int valid = len == 0 || utf8_valid(text, len);
-    if ((full == SPM_ERR_TEXT) == valid || (full < 0 && full != SPM_ERR_TEXT && !(library_may_fail && full == SPM_ERR_OTHER))) {
+    const int too_long = valid && len > SPM_MAX_TEXT_BYTES;
+    if ((full == SPM_ERR_TEXT) == valid || (full == SPM_ERR_TOO_LONG) != too_long ||
+        (full < 0 && full != SPM_ERR_TEXT && full != SPM_ERR_TOO_LONG && !(library_may_fail && full == SPM_ERR_OTHER))) {
         fprintf(stderr, "spm_encode says %d, utf8_valid says %d\n", full, valid);
         abort();
     }

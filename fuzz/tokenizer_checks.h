@@ -10,8 +10,9 @@
 enum { CHECK_MAX_IDS = 4096 };
 
 /* Encodes text[0..len) with room for the full count (room 0), none (1), half (2) or one id
- * (3), and checks: SPM_ERR_TEXT exactly when utf8_valid refuses the text; for valid text a
- * count, or SPM_ERR_OTHER when library_may_fail (a fuzzed model's library error); the same
+ * (3), and checks: SPM_ERR_TEXT exactly when utf8_valid refuses the text, SPM_ERR_TOO_LONG
+ * exactly for valid text over SPM_MAX_TEXT_BYTES; for other valid text a count, or
+ * SPM_ERR_OTHER when library_may_fail (a fuzzed model's library error); the same
  * full count whatever the room, nothing written past it, only ids inside the vocabulary, BOS
  * first when asked. Returns how many ids it wrote to ids (CHECK_MAX_IDS + 1 of room), or -1
  * when the text was refused or gives more than CHECK_MAX_IDS. */

@@ -1,8 +1,9 @@
 """The documented behaviour at every limit of ./run (docs/ROBUSTNESS.md): the prompt against
 the context, -n, -k, -t and --threads at and just past their bounds, and the --ppl story
 length. test_cli.py::test_bad_flags and ::test_bad_prompts hold the plain out-of-range
-cases; these are the boundaries and the cases they leave out. The small checkpoints have a
-64-token context and the real 4096-piece tokenizer."""
+cases; these are the boundaries and the cases they leave out (test_robustness.py: limits
+set from outside the flags). The small checkpoints have a 64-token context and the real
+4096-piece tokenizer."""
 import re
 
 import pytest
@@ -125,9 +126,11 @@ def test_threads_bounds(ckpt):
     assert one == most
 
 
-# ---- --ppl: a story may encode to at most 65535 tokens ----
+# ---- --ppl: a story may hold at most 262144 bytes (what the tokenizer takes at once) and 65535 tokens ----
 
 def test_ppl_story_too_long(ckpt, tmp_path):
     text = tmp_path / "long.txt"
-    text.write_text("word " * 70000 + "\n<|endoftext|>\n")
+    text.write_text("a " * 70000 + "\n<|endoftext|>\n")  # 140,000 bytes
     error([ckpt, "--ppl", text], 1, f"{text}: story 1 is longer than 65535 tokens")
+    text.write_text("word " * 70000 + "\n<|endoftext|>\n")  # 350,000 bytes
+    error([ckpt, "--ppl", text], 1, f"{text}: story 1 is over 262144 bytes, more than the tokenizer encodes at once")

@@ -1,7 +1,8 @@
 /* The loader accepts a valid file and refuses every bad one with a message:
  * truncated at every header field and inside every section, bad magic, version,
- * variant, dtype, absurd or inconsistent dimensions, bad offsets, corrupt or
- * mismatched tokenizers. The files are made here. */
+ * variant, dtype, absurd or inconsistent dimensions, non-zero reserved bytes, bad
+ * offsets, corrupt or mismatched tokenizers, NaN or infinite weights, special files;
+ * a long path never costs the message its reason. The files are made here. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "loader.h"
 #include "model.h"
@@ -75,6 +77,30 @@ static void test_missing_file(void **state) {
     assert_non_null(strstr(err, "cannot open"));
 }
 
+/* A path of 4000 bytes is shortened in the message (run.c's buffer holds 512), never the
+ * reason after it. */
+static void test_long_path_keeps_the_reason(void **state) {
+    char path[4001];
+    long_missing_path(path);
+    Model m;
+    char err[512];
+    assert_int_equal(model_load(&m, path, err, sizeof err), -1);
+    const char *reason = ": No such file or directory";
+    assert_true(strlen(err) > strlen(reason));
+    assert_string_equal(err + strlen(err) - strlen(reason), reason);
+    assert_non_null(strstr(err, "cannot open checkpoint ...d/d/d"));  /* the path's end */
+}
+
+static int load_path(const char *path, char *err, size_t errlen) {
+    Model m;
+    const int rc = model_load(&m, path, err, errlen);
+    if (rc == 0) model_free(&m);
+    return rc;
+}
+
+/* a FIFO, a device, a directory: refused at once */
+static void test_special_files(void **state) { expect_special_files_refused(load_path); }
+
 /* truncated at every header field (every 4 bytes), then inside the tokenizer and the weights */
 static void test_truncated_everywhere(void **state) {
     for (size_t n = 0; n < 128; n += 4) expect_refused(g_valid, n, n < 128 ? "truncated" : NULL);
@@ -96,6 +122,91 @@ static void expect_field_refused(size_t offset, uint32_t value, const char *need
     free(b);
 }
 
+static uint64_t rd_u64_at(const unsigned char *b, size_t offset) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | b[offset + i];
+    return v;
+}
+
+/* where a tensor starts among the weights, in elements, found by walking the file order */
+typedef struct {
+    const char *name;
+    int layer;
+    size_t elements_before, found;
+    int seen;
+} TensorSearch;
+
+static void find_tensor(void *ctx, const TensorRef *t) {
+    TensorSearch *s = ctx;
+    if (!s->seen && t->layer == s->layer && strcmp(t->name, s->name) == 0) {
+        s->found = s->elements_before;
+        s->seen = 1;
+    }
+    s->elements_before += (size_t)t->rows * (size_t)t->cols;
+}
+
+static size_t tensor_start(const Config *c, const char *name, int layer) {
+    TensorSearch s = {name, layer, 0, 0, 0};
+    Weights w = {0};
+    w.layers = calloc((size_t)c->n_layers, sizeof *w.layers);
+    model_walk_tensors(c, &w, find_tensor, &s);
+    free(w.layers);
+    assert_true(s.seen);
+    return s.found;
+}
+
+/* A valid checkpoint of c with the weight at `element` of tensor `name` (of `layer`) set
+ * to the bits `bits` (a bf16 or fp32 pattern), expected to be refused with `needle`. */
+static void expect_weight_refused(const Config *c, const char *name, int layer, size_t element, uint32_t bits,
+                                  const char *needle) {
+    const char *path = temp_path("nonfinite.bin");
+    assert_int_equal(write_test_checkpoint(path, c, g_tokenizer_path, 6), 0);
+    size_t n;
+    unsigned char *b = read_whole_file(path, &n);
+    assert_non_null(b);
+    const size_t es = dtype_size(c->dtype), at = rd_u64_at(b, 88) + (tensor_start(c, name, layer) + element) * es;
+    for (size_t i = 0; i < es; i++) b[at + i] = (unsigned char)(bits >> (8 * i));
+    expect_refused(b, n, needle);
+    free(b);
+}
+
+/* NaN and infinite weights are refused at load, naming the tensor and the element: no run
+ * may compute with them. */
+static void test_nonfinite_weights(void **state) {
+    const Config bf = test_config(VARIANT_GQA, 0, g_vocab, DTYPE_BF16);
+    expect_weight_refused(&bf, "tok_embeddings", -1, 0, 0x7FC0, "weight [0][0] of tok_embeddings is NaN");
+    expect_weight_refused(&bf, "tok_embeddings", -1, (size_t)5 * bf.dim + 7, 0xFF80, "weight [5][7] of tok_embeddings is infinite");
+    expect_weight_refused(&bf, "wv", 1, (size_t)3 * bf.dim + 2, 0x7F81, "weight [3][2] of wv in layer 1 is NaN");
+    expect_weight_refused(&bf, "final_norm", -1, (size_t)bf.dim - 1, 0x7F80, "weight [0][63] of final_norm is infinite");
+    const Config f32 = test_config(VARIANT_MLA, 16, g_vocab, DTYPE_F32);
+    expect_weight_refused(&f32, "wuk", 0, 17, 0x7FC00000u, "weight [1][1] of wuk in layer 0 is NaN");
+    expect_weight_refused(&f32, "w2", 1, (size_t)f32.hidden_dim * f32.dim - 1, 0xFF800000u, "of w2 in layer 1 is infinite");
+    /* the largest finite numbers load: they are numbers */
+    const char *path = temp_path("largest.bin");
+    assert_int_equal(write_test_checkpoint(path, &bf, g_tokenizer_path, 6), 0);
+    size_t n;
+    unsigned char *b = read_whole_file(path, &n);
+    const size_t at = rd_u64_at(b, 88);
+    b[at] = 0x7F, b[at + 1] = 0x7F;  /* bf16 0x7F7F, about 3.4e38 */
+    char err[512];
+    assert_int_equal(load_bytes(b, n, err, sizeof err), 0);
+    free(b);
+}
+
+/* docs/FORMAT.md: the header's last 24 bytes are reserved and zero; a file that uses them
+ * is of a format this program does not know. */
+static void test_reserved_header_bytes(void **state) {
+    for (size_t at = 104; at < 128; at += 23) {
+        unsigned char *b = malloc(g_size);
+        memcpy(b, g_valid, g_size);
+        b[at] = 0x01;
+        char needle[64];
+        snprintf(needle, sizeof needle, "reserved header byte %zu is 1, not 0", at);
+        expect_refused(b, g_size, needle);
+        free(b);
+    }
+}
+
 static void test_bad_header_fields(void **state) {
     expect_field_refused(0, 0x46554747, "magic");        /* "GGUF" */
     expect_field_refused(4, 2, "version");
@@ -107,17 +218,18 @@ static void test_bad_header_fields(void **state) {
     expect_field_refused(12, 2, "dtype");
     expect_field_refused(12, 0, "weights");              /* fp32 doubles the expected size */
     expect_field_refused(16, 0, "dim");                  /* zero */
-    expect_field_refused(16, 0xFFFFFFFF, "dim");         /* absurd */
+    expect_field_refused(16, 0xFFFFFFFF, "dim = 4294967295 is out of range (1..65536)");  /* the file's number */
     expect_field_refused(16, 65536, "weights");          /* plausible but does not add up */
-    expect_field_refused(20, 1000000, "n_layers");
+    expect_field_refused(20, 1000000, "n_layers = 1000000 is out of range");
     expect_field_refused(24, 0, "n_heads");
     expect_field_refused(24, 3, "GQA");                  /* 2 KV heads do not divide 3 heads */
     expect_field_refused(28, 15, "odd");                 /* head_dim odd */
     expect_field_refused(32, 4, "GQA");                  /* n_kv_heads == n_heads */
     expect_field_refused(36, 16, "kv_latent");           /* a latent on a GQA model */
     expect_field_refused(44, 97, "weights");             /* hidden_dim */
-    expect_field_refused(48, 0x7FFFFFFF, "vocab_size");
-    expect_field_refused(52, 100000, "max_seq_len");
+    expect_field_refused(48, 0x7FFFFFFF, "vocab_size = 2147483647 is out of range");
+    expect_field_refused(52, 100000, "max_seq_len = 100000 is out of range");
+    expect_field_refused(36, 70000, "kv_latent = 70000 is out of range (0..65536)");
     expect_field_refused(56, 0x7FC00000, "rope_theta");  /* NaN */
     {   /* a valid 530 KB file (dim 1, context 8192, heads 4 x 16384) once made the loader fill two
          * 256 MB RoPE tables, 4 s of cos/sin (docs/ROBUSTNESS.md); now its header is refused */
@@ -198,6 +310,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_truncated_everywhere), cmocka_unit_test(test_bad_header_fields),
         cmocka_unit_test(test_bad_offsets),      cmocka_unit_test(test_corrupt_tokenizer),
         cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_every_variant_loads),
+        cmocka_unit_test(test_nonfinite_weights), cmocka_unit_test(test_reserved_header_bytes),
+        cmocka_unit_test(test_long_path_keeps_the_reason), cmocka_unit_test(test_special_files),
     };
     return cmocka_run_group_tests_name("loader", tests, setup, teardown);
 }

@@ -152,7 +152,7 @@ static void test_nested_calls_run_alone(void **state) {
  * with take-overs or without (then each part by its own thread), parts of 0 to 999 items. */
 typedef struct {
     atomic_int visits[4][1000];  /* [part][item] */
-    atomic_int bad_ranges;
+    atomic_int bad_ranges;        /* calls with a range outside the part or the wrong thread number */
     atomic_int done_by[4][1000];  /* the OpenMP thread that did it */
 } PartsRecord;
 
@@ -161,9 +161,10 @@ static long parts_count(const void *ctx, int part, int parts) {
     return (long)part * 333;  /* 0, 333, 666, 999 */
 }
 
-static void parts_items(const void *ctx, int part, int parts, long lo, long hi) {
+static void parts_items(const void *ctx, int part, int parts, long lo, long hi, int thread) {
     PartsRecord *r = (PartsRecord *)ctx;
     if (lo < 0 || hi <= lo || hi > parts_count(ctx, part, parts)) atomic_fetch_add(&r->bad_ranges, 1);
+    if (thread != omp_get_thread_num()) atomic_fetch_add(&r->bad_ranges, 1);  /* the thread it runs on */
     for (long i = lo; i < hi && i >= 0 && i < 1000; i++) {
         atomic_fetch_add(&r->visits[part][i], 1);
         atomic_store(&r->done_by[part][i], omp_get_thread_num());

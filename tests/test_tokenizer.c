@@ -791,8 +791,8 @@ static size_t address_space_bytes(void) {
 #endif
 
 /* Running out of memory is reported as such, not as bad text: under an address-space limit
- * 64 MB above what the process uses, the library's buffers for 16 MB of text (24 bytes a
- * byte) cannot be had. */
+ * 1 MB above what the process uses, the library's buffers for the longest text it takes
+ * (24 bytes a byte) cannot be had. */
 static void test_encode_out_of_memory(void **state) {
     (void)state;
 #if defined(__SANITIZE_ADDRESS__)
@@ -800,7 +800,7 @@ static void test_encode_out_of_memory(void **state) {
 #else
     const char *preload = getenv("LD_PRELOAD");
     if (preload && strstr(preload, "vgpreload")) skip(); /* valgrind's operator new aborts too */
-    const size_t n = (size_t)16 << 20;
+    const size_t n = SPM_MAX_TEXT_BYTES;
     char *text = malloc(n);
     assert_non_null(text);
     for (size_t i = 0; i < n; i++) text[i] = "ab "[i % 3];
@@ -808,7 +808,7 @@ static void test_encode_out_of_memory(void **state) {
     assert_int_equal(getrlimit(RLIMIT_AS, &old), 0);
     size_t used = address_space_bytes();
     assert_true(used > 0);
-    lim.rlim_cur = used + ((size_t)64 << 20);
+    lim.rlim_cur = used + ((size_t)1 << 20);
     lim.rlim_max = old.rlim_max;
     assert_int_equal(setrlimit(RLIMIT_AS, &lim), 0);
     int rc = spm_encode(s_tok, text, n, 1, NULL, 0);
@@ -816,6 +816,21 @@ static void test_encode_out_of_memory(void **state) {
     free(text);
     assert_int_equal(rc, SPM_ERR_NOMEM);
 #endif
+}
+
+/* A valid text over SPM_MAX_TEXT_BYTES never reaches the library, whose memory would grow
+ * with it; one of exactly that length is encoded. */
+static void test_encode_too_long(void **state) {
+    (void)state;
+    const size_t n = SPM_MAX_TEXT_BYTES + 1;
+    char *text = malloc(n);
+    assert_non_null(text);
+    for (size_t i = 0; i < n; i++) text[i] = "ab "[i % 3];
+    assert_int_equal(spm_encode(s_tok, text, n, 1, NULL, 0), SPM_ERR_TOO_LONG);
+    assert_true(spm_encode(s_tok, text, n - 1, 1, NULL, 0) > 0);
+    text[0] = '\xFF';
+    assert_int_equal(spm_encode(s_tok, text, n, 1, NULL, 0), SPM_ERR_TEXT); /* the text is judged first */
+    free(text);
 }
 
 /* add_bos on a model without BOS: the model's bos_piece (TrainerSpec 46) names no piece */
@@ -859,7 +874,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_crafted_pieces),
         cmocka_unit_test(test_crafted_wire_format),
         cmocka_unit_test(test_trained_normalizers_load),
-        cmocka_unit_test(test_encode_out_of_memory),
+        cmocka_unit_test(test_encode_out_of_memory), cmocka_unit_test(test_encode_too_long),
         cmocka_unit_test(test_encode_bos_without_bos),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -79,11 +79,10 @@ static void put_value(unsigned char *p, DType dt, float v) {
 struct Fill { unsigned char *p; DType dt; uint64_t state; };
 
 /* matrices: uniform in [-0.08, 0.08); vectors (norm weights): 1 +- 0.2 */
-static void fill_tensor(void *ctx, Mat *mat, int rows, int cols) {
+static void fill_tensor(void *ctx, const TensorRef *t) {
     struct Fill *f = ctx;
-    (void)mat;
-    for (long i = 0; i < (long)rows * cols; i++) {
-        float v = rows == 1 ? 1.0f + 0.2f * test_uniform(&f->state) : 0.08f * test_uniform(&f->state);
+    for (long i = 0; i < (long)t->rows * t->cols; i++) {
+        float v = t->rows == 1 ? 1.0f + 0.2f * test_uniform(&f->state) : 0.08f * test_uniform(&f->state);
         put_value(f->p, f->dt, v);
         f->p += dtype_size(f->dt);
     }
@@ -140,6 +139,32 @@ const char *temp_path(const char *name) {
     char *p = buf[next++ % 8];
     snprintf(p, 512, "build/tests/tmp/%d-%s", (int)getpid(), name);
     return p;
+}
+
+void expect_special_files_refused(PathReader read) {
+    const char *fifo = temp_path("fifo");
+    unlink(fifo);
+    if (mkfifo(fifo, 0600) != 0) abort();
+    const struct { const char *path, *kind; } cases[] = {
+        {fifo, "is a FIFO, not a regular file"},
+        {"/dev/zero", "is a character device, not a regular file"},
+        {".", "is a directory, not a regular file"},
+    };
+    alarm(20);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char err[512] = "";
+        if (read(cases[i].path, err, sizeof err) != -1 || !strstr(err, cases[i].kind)) {
+            fprintf(stderr, "%s: '%s', not '%s'\n", cases[i].path, err, cases[i].kind);
+            abort();
+        }
+    }
+    alarm(0);
+    unlink(fifo);
+}
+
+void long_missing_path(char path[4001]) {
+    strcpy(path, "/nonexistent");
+    for (size_t n = strlen(path); n + 2 <= 4000; n += 2) strcat(path, "/d");
 }
 
 static size_t put_varint(unsigned char *out, uint64_t v) {

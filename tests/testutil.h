@@ -23,6 +23,15 @@ unsigned char *read_whole_file(const char *path, size_t *size);
 int write_whole_file(const char *path, const void *data, size_t size);
 /* A unique path under build/tests/tmp for this process. */
 const char *temp_path(const char *name);
+/* Reads path as some reader of the program would: 0 or -1 with one sentence in err. */
+typedef int (*PathReader)(const char *path, char *err, size_t errlen);
+/* Fails the test unless `read` refuses, at once and with what fileio.c calls each, paths
+ * that are not regular files: a new FIFO (whose open would block until a writer came),
+ * /dev/zero (which streams without end) and a directory. An alarm turns a hang into a
+ * failure. */
+void expect_special_files_refused(PathReader read);
+/* A path of 4000 bytes that does not exist (below /nonexistent). */
+void long_missing_path(char path[4001]);
 /* The tokenizer model the tests use (argv[1] of every test binary). */
 extern const char *g_tokenizer_path;
 float test_uniform(uint64_t *state);  /* in [-1, 1) */
