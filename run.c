@@ -996,7 +996,7 @@ static void check_standard_streams(const Options *o) {
 /* The prompt of -f FILE or -p - (standard input), without its trailing line breaks. */
 static char *read_prompt(const char *path) {
     char err[512], *text;
-    if (textfile_read_text(strcmp(path, "-") ? path : "/dev/stdin", &text, err, sizeof err) != 0) die(1, "%s", err);
+    if (textfile_read_text(path, &text, err, sizeof err) != 0) die(1, "%s", err);
     size_t n = strlen(text);
     while (n > 0 && (text[n - 1] == '\n' || text[n - 1] == '\r')) text[--n] = '\0';
     return text;

@@ -86,7 +86,34 @@ int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size
 
 /* The whole file in a new buffer (*n bytes, NUL-terminated), or -1 with the reason in err.
  * Its size is known before the first read, so the buffer is allocated once. */
+/* Standard input may be a pipe or a terminal, so it is read to its end, up to a bound. */
+enum { MAX_STDIN_BYTES = 1 << 20 };
+static int read_stdin(char **out, size_t *n_out, char *err, size_t errlen) {
+    char *buf = malloc(MAX_STDIN_BYTES + 1);
+    if (!buf) return errmsg(err, errlen, -1, "out of memory reading standard input");
+    size_t n = 0;
+    for (;;) {
+        const ssize_t got = read(STDIN_FILENO, buf + n, MAX_STDIN_BYTES + 1 - n);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) {
+            free(buf);
+            return errmsg(err, errlen, -1, "cannot read standard input: %s", strerror(errno));
+        }
+        if (got == 0) break;
+        n += (size_t)got;
+        if (n > MAX_STDIN_BYTES) {
+            free(buf);
+            return errmsg(err, errlen, -1, "standard input is over %d bytes", MAX_STDIN_BYTES);
+        }
+    }
+    buf[n] = '\0';
+    *out = buf;
+    *n_out = n;
+    return 0;
+}
+
 static int read_whole(const char *path, char **out, size_t *n_out, char *err, size_t errlen) {
+    if (!strcmp(path, "-")) return read_stdin(out, n_out, err, errlen);
     size_t size;
     const int fd = open_regular(path, "", &size, err, errlen);
     if (fd < 0) return -1;
@@ -185,5 +212,5 @@ int textfile_read_text(const char *path, char **text, char *err, size_t errlen) 
     if (!bad) return 0;
     free(*text);
     *text = NULL;
-    return errmsg(err, errlen, -1, "%s %s", path, bad);
+    return errmsg(err, errlen, -1, "%s %s", strcmp(path, "-") ? path : "standard input", bad);
 }

@@ -32,8 +32,9 @@ typedef struct {
 int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen);
 void promptfile_free(PromptFile *f);
 
-/* A whole file as one NUL-terminated text (*text, malloc'd), for -f: on failure -1 and one
- * sentence in err naming the file (missing, unreadable, too large, a NUL byte, not UTF-8). */
+/* A whole file ("-": standard input) as one NUL-terminated text (*text, malloc'd), for -f
+ * and -p -: on failure -1 and one sentence in err naming the file (missing, unreadable, too
+ * large, a NUL byte, not UTF-8). */
 int textfile_read_text(const char *path, char **text, char *err, size_t errlen);
 
 #endif /* TEXTFILE_H */
