@@ -170,13 +170,13 @@ static inline int slice_len(int width, int c) { return width - c < 0 ? 0 : width
 
 /* Elements [col, col + n) of a stored row (n <= 16), as the floats they stand for: lane l
  * is element col + l. For int8 each lane takes its part's scale (the parts may meet inside
- * the 16). */
+ * the n); the second scale is read only when they do, as a row of one part has none. */
 static inline __attribute__((always_inline)) v16
 row_load(const void *row, const float *scales, int col, int n, DType dt, int split) {
     if (dt == DTYPE_F32) return v16_load_f32((const float *)row + col, n);
     if (dt == DTYPE_BF16) return v16_load_bf16((const bf16 *)row + col, n);
     const v16 x = v16_load_i8((const int8_t *)row + col, n);
-    if (split >= col + 16 || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
+    if (split >= col + n || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
     if (split <= col) return v16_mul(x, v16_set1(scales[1]));
     const v16 s0 = v16_set1(scales[0]), s1 = v16_set1(scales[1]);  /* lanes below split - col take s0 */
     return v16_mul(x, v16_add(v16_first(s0, split - col), v16_sub(s1, v16_first(s1, split - col))));
