@@ -170,7 +170,7 @@ static inline int slice_len(int width, int c) { return width - c < 0 ? 0 : width
 
 /* Elements [col, col + n) of a stored row (n <= 16), as the floats they stand for: lane l
  * is element col + l. For int8 each lane takes its part's scale (the parts may meet inside
- * the 16). */
+ * the n); the second scale is read only when they do, as a row of one part has none. */
 static inline __attribute__((always_inline)) v16
 row_load(const void *row, const float *scales, int col, int n, DType dt, int split) {
     if (dt == DTYPE_F32) return v16_load_f32((const float *)row + col, n);

@@ -212,8 +212,8 @@ static int derive_absorbed(Model *m) {
 /* The weights live in a heap copy in the packed layout of kernels.h, 2 MB-aligned and
  * advised as transparent huge pages: a decode step streams all ~30 MB of them, through
  * ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of a file are never
- * huge). The copy is exactly w_size long, so a read past the last
- * tensor is a heap overflow that ASan reports. */
+ * huge). The copy is exactly w_size long, so a read past the last tensor is a heap
+ * overflow that ASan reports. */
 #define HUGE_PAGE ((size_t)2 << 20)
 static void *alloc_weights(size_t w_size) {
     void *p = NULL;
