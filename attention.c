@@ -231,6 +231,9 @@ typedef struct {
     int windowed;  /* the keys and values were gathered into a->window_rows / a->latents */
 } AttnPass;
 
+/* How many keys token t of the pass attends to (kvcache.h's kv_window_length). */
+static int keys_of(const AttnPass *p, int t) { return kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]); }
+
 /* The rows of one sequence's cache for keys 0 .. n-1 of the pass's layer, block by block
  * (pool row `row`), listed in thread `thread`'s tables. */
 static RowBlocks cache_rows(const AttnPass *pass, int thread, const KVCache *c, int row, int n) {
@@ -256,7 +259,7 @@ static const float *window_head(const AttnPass *p, int row) {
 static void kv_heads_scores(const AttnPass *p, int h, int t, int thread, float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
-    const int hd = c->head_dim, g = kv_head_of(c, h), pos = p->slots->pos[t], n = kv_window_length(cache->pool, pos);
+    const int hd = c->head_dim, g = kv_head_of(c, h), pos = p->slots->pos[t], n = keys_of(p, t);
     float *q = p->a->q + ((size_t)t * c->n_heads + h) * hd;
     rope(&p->m->rope, c, q, query_place(cache->pool, pos));
     if (p->windowed) {
@@ -269,7 +272,7 @@ static void kv_heads_scores(const AttnPass *p, int h, int t, int thread, float *
 static void kv_heads_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
-    const int hd = c->head_dim, g = kv_head_of(c, h), n = kv_window_length(cache->pool, p->slots->pos[t]);
+    const int hd = c->head_dim, g = kv_head_of(c, h), n = keys_of(p, t);
     float *out = p->heads + ((size_t)t * c->n_heads + h) * hd;
     if (p->windowed) {
         weighted_sum_rows(out, att, window_head(p, c->n_kv_heads + g), (size_t)hd, n, hd);
@@ -284,7 +287,7 @@ static void mla_expanded_scores(const AttnPass *p, int h, int t, int thread, flo
     (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = &p->m->cfg;
     const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
-    const int n = kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
+    const int n = keys_of(p, t);
     const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd);  /* [q_C ; q_R] */
     dot_rows_cat(att, n, p->scale, q, p->a->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd, q + hd,
                  p->a->latents + dc, (size_t)(dc + rd), rd);
@@ -293,7 +296,7 @@ static void mla_expanded_scores(const AttnPass *p, int h, int t, int thread, flo
 static void mla_expanded_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
     (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = &p->m->cfg;
-    const int hd = c->head_dim, n = kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
+    const int hd = c->head_dim, n = keys_of(p, t);
     weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att, p->a->v_exp + (size_t)h * hd,
                       (size_t)mla_exp_stride(c), n, hd);
 }
@@ -302,7 +305,7 @@ static void mla_absorbed_scores(const AttnPass *p, int h, int t, int thread, flo
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, lw = dc + rd;
-    const int n = kv_window_length(cache->pool, p->slots->pos[t]);
+    const int n = keys_of(p, t);
     const float *q = p->a->q + ((size_t)t * H + h) * (hd + rd);  /* [q_C ; q_R] */
     float *q_abs = p->a->q_abs + ((size_t)t * H + h) * lw;       /* [q_lat ; q_R] */
     matmul_serial(q_abs, dc, q, hd, mat_block(p->m->w.layers[p->l].wuk_t, h, dc), 1);
@@ -317,7 +320,7 @@ static void mla_absorbed_scores(const AttnPass *p, int h, int t, int thread, flo
 static void mla_absorbed_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
-    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = kv_window_length(cache->pool, p->slots->pos[t]);
+    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = keys_of(p, t);
     float *ctx_lat = p->a->ctx_lat + ((size_t)t * H + h) * dc;  /* sum_j p_j c_j */
     if (p->windowed) {
         weighted_sum_rows(ctx_lat, att, p->a->latents, (size_t)(dc + c->rope_dim), n, dc);
@@ -384,7 +387,7 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
         float *probs = att[(i - lo) % 2];
         const int h = items[2 * i], t = items[2 * i + 1];
         if (i + 1 < hi) qs->scores(p, items[2 * i + 2], items[2 * i + 3], thread, att[(i + 1 - lo) % 2]);
-        softmax(probs, kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]));
+        softmax(probs, keys_of(p, t));
         qs->mix(p, h, t, thread, probs);
     }
 }
@@ -394,7 +397,7 @@ static void run_queries(const AttnPass *p, int t0, int t1, ScoresFn scores, MixF
     const Queries qs = {p, scores, mix, order_items(p->a->items, p->slots, t0, t1, p->m->cfg.n_heads)};
     const ParallelParts parts = {queries_part_count, queries_part_items, &qs};
     long keys = 0;
-    for (int t = t0; t < t1; t++) keys += kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]);
+    for (int t = t0; t < t1; t++) keys += keys_of(p, t);
     parallel_run_parts(&parts, parallel_mode(keys * p->m->cfg.n_heads * p->m->cfg.head_dim, t1 - t0));
 }
 
@@ -443,8 +446,7 @@ static void kv_heads_window_sequence(const AttnPass *p, int t0, int t1) {
     const Gather g = {p, t1 - 1};
     const Config *c = &p->m->cfg;
     parallel_for(2L * c->n_kv_heads, gather_head, &g,
-                 parallel_mode(2L * c->n_kv_heads * c->head_dim * kv_window_length(p->slots->cache[t0]->pool, p->slots->pos[t1 - 1]),
-                               t1 - t0));
+                 parallel_mode(2L * c->n_kv_heads * c->head_dim * keys_of(p, t1 - 1), t1 - t0));
     run_queries(p, t0, t1, kv_heads_scores, kv_heads_mix);
 }
 
@@ -507,7 +509,7 @@ static void mla_expanded_sequence(const AttnPass *p, int t0, int t1) {
     const LayerWeights *w = &p->m->w.layers[p->l];
     AttnScratch *a = p->a;
     const int lw = c->kv_latent + c->rope_dim, es = mla_exp_stride(c);
-    const int n_keys = kv_window_length(p->slots->cache[t0]->pool, p->slots->pos[t1 - 1]);
+    const int n_keys = keys_of(p, t1 - 1);
     mla_gather(p, t1 - 1);
     /* rows of latents are [c ; k_R]: the products read the first dc floats of each */
     const MatmulJob expand[] = {

@@ -9,7 +9,7 @@
 
 #include "errmsg.h"
 
-static const char *file_kind(mode_t mode) {
+const char *file_kind(mode_t mode) {
     return S_ISDIR(mode) ? "directory" : S_ISFIFO(mode) ? "FIFO" : S_ISSOCK(mode) ? "socket"
          : S_ISCHR(mode) ? "character device" : S_ISBLK(mode) ? "block device" : "special file";
 }
@@ -27,14 +27,18 @@ int open_regular(const char *path, const char *what, size_t *size, char *err, si
         close(fd);
         return errmsg(err, errlen, -1, "%s%s is a %s, not a regular file", what, msg_path(path).s, file_kind(st.st_mode));
     }
-    const int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    if (clear_nonblock(fd) != 0) {
         const int e = errno;
         close(fd);
         return errmsg(err, errlen, -1, "cannot read %s%s: %s", what, msg_path(path).s, strerror(e));
     }
     *size = (size_t)st.st_size;
     return fd;
+}
+
+int clear_nonblock(int fd) {
+    const int flags = fcntl(fd, F_GETFL);
+    return flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 ? -1 : 0;
 }
 
 int read_at(int fd, void *buf, size_t n, size_t off) {

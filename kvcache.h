@@ -103,6 +103,14 @@ static inline int kv_window_position(const KVPool *p, int pos, int i) {
     return !p->window || pos < p->window || i < p->sinks ? i : pos + 1 - (p->window - p->sinks) + (i - p->sinks);
 }
 
+/* How many of `count` new tokens one pass may append: all, or with a window what it holds
+ * without sliding (one token once it is full), since a window slides one position a pass. */
+static inline int kv_tokens_per_pass(const KVCache *c, int count) {
+    if (!c->pool->window || count <= 1) return count;
+    const int room = c->pool->window - c->len;
+    return room <= 1 ? 1 : room < count ? room : count;
+}
+
 /* One stored row: its elements (pool dtype) and, for int8, its scales. */
 typedef struct {
     void *data;

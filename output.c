@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "errmsg.h"
+#include "fileio.h"
 
 int output_open(FILE **out, const char *path, const NamedPath *inputs, int n_inputs, char *err, size_t errlen) {
     *out = NULL;
@@ -17,16 +18,14 @@ int output_open(FILE **out, const char *path, const NamedPath *inputs, int n_inp
             if (inputs[i].path && stat(inputs[i].path, &input) == 0 && input.st_dev == target.st_dev &&
                 input.st_ino == target.st_ino)
                 return errmsg(err, errlen, 2, "cannot write %s: it is %s", path, inputs[i].what);
-        const char *kind = S_ISDIR(target.st_mode) ? "a directory" : S_ISSOCK(target.st_mode) ? "a socket"
-                           : S_ISBLK(target.st_mode) ? "a block device" : NULL;
-        if (kind) return errmsg(err, errlen, 2, "cannot write %s: it is %s", path, kind);
+        if (S_ISDIR(target.st_mode) || S_ISSOCK(target.st_mode) || S_ISBLK(target.st_mode))
+            return errmsg(err, errlen, 2, "cannot write %s: it is a %s", path, file_kind(target.st_mode));
     }
     /* O_NONBLOCK: opening a FIFO for writing waits for a reader; without one it fails at once */
     const int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0666);
     if (fd < 0 && errno == ENXIO) return errmsg(err, errlen, 1, "cannot write %s: it is a FIFO no process reads", path);
     if (fd < 0) return errmsg(err, errlen, 1, "cannot write %s: %s", path, strerror(errno));
-    const int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 || !(*out = fdopen(fd, "w"))) {
+    if (clear_nonblock(fd) != 0 || !(*out = fdopen(fd, "w"))) {
         const int e = errno;
         close(fd);
         return errmsg(err, errlen, 1, "cannot write %s: %s", path, strerror(e));

@@ -82,11 +82,8 @@ static void check_forward(int rc) {
  * the scheduler feeds it. */
 static void engine_step(Engine *e, const int *tokens, int n, float *logits) {
     if (!e->kv) kv_reset(e->cache);
-    const int window = e->cache->pool->window;
     while (e->cache->len < n) {
-        const int from = e->cache->len;
-        int count = n - from;
-        if (window && count > 1) count = window - from > 1 ? (count < window - from ? count : window - from) : 1;
+        const int from = e->cache->len, count = kv_tokens_per_pass(e->cache, n - from);
         const int rc = model_forward(e->model, e->state, e->cache, tokens + from, count, e->form, logits, 0);
         if (rc == MODEL_ERR_BATCH) die(1, "internal error: a forward pass of %d tokens at position %d does not fit", count, from);
         check_forward(rc);

@@ -186,7 +186,6 @@ static int sample_and_retire(Run *run, int step, int n_tokens, int prefill_token
  * once it is full). */
 static int step_cached(Run *run, int step) {
     Scheduler *sch = run->sch;
-    const int window = sch->pool->window;
     const double t0 = now_ms();
     admit(run);
     if (run->n_running == 0 || reserve_or_preempt(run) != 0) return -1;
@@ -194,9 +193,7 @@ static int step_cached(Run *run, int step) {
     run->n_sampling = 0;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        const int from = r->cache.len;
-        int count = r->n_tokens - from;
-        if (window && count > 1) count = min_int(count, window - from > 1 ? window - from : 1);
+        const int from = r->cache.len, count = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
         run->computed_prompt[i] = r->generated == 0;
         if (count > 1 || r->generated == 0) prefill_tokens += count;
         for (int p = from; p < from + count; p++, T++) {

@@ -84,8 +84,6 @@ int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size
     return split_stories(f, text, size, err, errlen);
 }
 
-/* The whole file in a new buffer (*n bytes, NUL-terminated), or -1 with the reason in err.
- * Its size is known before the first read, so the buffer is allocated once. */
 /* Standard input may be a pipe or a terminal, so it is read to its end, up to a bound. */
 enum { MAX_STDIN_BYTES = 1 << 20 };
 static int read_stdin(char **out, size_t *n_out, char *err, size_t errlen) {
@@ -112,6 +110,9 @@ static int read_stdin(char **out, size_t *n_out, char *err, size_t errlen) {
     return 0;
 }
 
+/* The whole file ("-": standard input) in a new buffer (*n bytes, NUL-terminated), or -1
+ * with the reason in err. A file's size is known before the first read, so the buffer is
+ * allocated once. */
 static int read_whole(const char *path, char **out, size_t *n_out, char *err, size_t errlen) {
     if (!strcmp(path, "-")) return read_stdin(out, n_out, err, errlen);
     size_t size;
