@@ -50,12 +50,12 @@ static void die(int code, const char *fmt, ...) {
 /* Dies with one line when f could not be written (a full disk, a closed descriptor, a
  * broken pipe with SIGPIPE ignored): a run whose output is lost must not exit 0. */
 static void check_written(FILE *f, const char *name) {
-    if (fflush(f) != 0 || ferror(f)) die(1, "cannot write %s: %s", name, strerror(errno ? errno : EIO));
+    if (fflush(f) != 0 || ferror(f)) die(1, "cannot write %s: %s", msg_path(name).s, strerror(errno ? errno : EIO));
 }
 
 static void close_written(FILE *f, const char *name) {
     check_written(f, name);
-    if (fclose(f) != 0) die(1, "cannot write %s: %s", name, strerror(errno));
+    if (fclose(f) != 0) die(1, "cannot write %s: %s", msg_path(name).s, strerror(errno));
 }
 
 /* ---- generation ---- */
@@ -221,7 +221,7 @@ static void on_logits(void *ctx, Request *r, const float *logits) {
     Generation *g = ctx;
     (void)r;
     if (g->dump && fwrite(logits, sizeof(float), (size_t)g->model->cfg.vocab_size, g->dump) != (size_t)g->model->cfg.vocab_size)
-        die(1, "cannot write %s: %s", g->o->dump_path, strerror(errno));
+        die(1, "cannot write %s: %s", msg_path(g->o->dump_path).s, strerror(errno));
 }
 
 static void on_token(void *ctx, Request *r, int token) {
@@ -863,7 +863,7 @@ static void perplexity(Engine *e, const Options *o) {
             free(logits);
             storyfile_free(&sf);
             if (progress) fputs("\r\033[K", stderr);
-            die(1, "%s: story %d %s", path, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
+            die(1, "%s: story %d %s", msg_path(path).s, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }
         ids[n++] = m->cfg.eos_id;
         const double nll_before = sum.nll;

@@ -213,5 +213,5 @@ int textfile_read_text(const char *path, char **text, char *err, size_t errlen) 
     if (!bad) return 0;
     free(*text);
     *text = NULL;
-    return errmsg(err, errlen, -1, "%s %s", strcmp(path, "-") ? path : "standard input", bad);
+    return errmsg(err, errlen, -1, "%s %s", strcmp(path, "-") ? msg_path(path).s : "standard input", bad);
 }

@@ -200,6 +200,10 @@ def test_long_paths_keep_the_reason(ckpt, tmp_path):
         err = one_line_error(run(args, check=False), 1, "cannot open")
         assert err.endswith(": No such file or directory\n"), err
         assert len(err) < 300, err
+    for args in ([ckpt, "-n", "2", "--log", path], [ckpt, "-n", "2", "--dump-logits", path]):
+        err = one_line_error(run(args, check=False), 1, "cannot write")
+        assert err.endswith(": No such file or directory\n"), err
+        assert len(err) < 300, err
 
 
 def test_header_numbers_are_the_files(ckpt, tmp_path):
