@@ -332,22 +332,27 @@ static void mla_absorbed_mix(const AttnPass *p, int h, int t, int thread, const 
 
 /* -- the scheduling of the (head, token) items among the threads -- */
 
+/* The end of the run of tokens in [t0, t1) that belong to t0's sequence. */
+static int sequence_end(const TokenSlots *slots, int t0, int t1) {
+    int end = t0 + 1;
+    while (end < t1 && slots->cache[end] == slots->cache[t0]) end++;
+    return end;
+}
+
 /* The order of the items: sequence by sequence, and inside one sequence's tokens head by
  * head. A decode step (one token a sequence) thus runs a token's heads together, which
  * share its cache rows (GQA's groups, MLA's latents); a prefill runs each head over all
  * its tokens, which share that head's rows. Returns the number of items written. */
 static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int n_heads) {
     int n = 0;
-    for (int r0 = t0; r0 < t1;) {
-        int r1 = r0 + 1;
-        while (r1 < t1 && slots->cache[r1] == slots->cache[r0]) r1++;
+    for (int r0 = t0, r1; r0 < t1; r0 = r1) {
+        r1 = sequence_end(slots, r0, t1);
         for (int h = 0; h < n_heads; h++)
             for (int t = r0; t < r1; t++) {
                 items[2 * n] = h;
                 items[2 * n + 1] = t;
                 n++;
             }
-        r0 = r1;
     }
     return n;
 }
@@ -403,9 +408,8 @@ static void run_queries(const AttnPass *p, int t0, int t1, ScoresFn scores, MixF
 
 /* Runs fn over the pass's sequences, one after another: tokens [t0, t1) of one sequence. */
 static void for_each_sequence(const AttnPass *p, void (*fn)(const AttnPass *p, int t0, int t1)) {
-    const TokenSlots *slots = p->slots;
-    for (int t0 = 0, t1; t0 < slots->T; t0 = t1) {
-        for (t1 = t0 + 1; t1 < slots->T && slots->cache[t1] == slots->cache[t0];) t1++;
+    for (int t0 = 0, t1; t0 < p->slots->T; t0 = t1) {
+        t1 = sequence_end(p->slots, t0, p->slots->T);
         fn(p, t0, t1);
     }
 }
