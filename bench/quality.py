@@ -12,6 +12,7 @@ context (the baseline). Writes Markdown and CSV to --out.
 import argparse
 import csv
 import glob
+import hashlib
 import json
 import os
 import re
@@ -124,15 +125,29 @@ def main(argv=None):
                                     "tokens": r["tokens"], "nll": r["nll"], "past_tokens": r["past_tokens"],
                                     "past_nll": r["past_nll"]})
         os.unlink(long_path)
+        measured_on = provenance(ckpts)
     except QualityError as e:
         sys.exit(f"quality: {e}")
-    write(args, dtype_rows, window_rows)
+    write(args, dtype_rows, window_rows, measured_on)
 
 
-def write(args, dtype_rows, window_rows):
+def provenance(ckpts):
+    """What the tables were measured on: the engine's --version and each checkpoint's sha256."""
+    lines = [f"Engine: `{run(['--version']).stdout.strip()}`. Checkpoints (sha256, first 12 hex digits): "]
+    sums = []
+    for ckpt in ckpts:
+        h = hashlib.sha256()
+        with open(ckpt, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        sums.append(f"`{os.path.basename(ckpt)}` {h.hexdigest()[:12]}")
+    return lines[0] + ", ".join(sums) + "."
+
+
+def write(args, dtype_rows, window_rows, measured_on):
     os.makedirs(args.out, exist_ok=True)
     md = ["# Quality of the cache's levers", "",
-          f"Real runs of `./run` on `{os.path.relpath(args.valid, ROOT)}` (bench/quality.py).", "",
+          f"Real runs of `./run` on `{os.path.relpath(args.valid, ROOT)}` (bench/quality.py).", "", measured_on, "",
           "## Cache precision", "",
           "Mean NLL (nats/token) of `--ppl` with `--kv-dtype`, each story scored in windows of the context; "
           "greedy agreement: leading tokens equal to fp32's from \"Once upon a time\" (greedy, to the full context).", "",

@@ -1,6 +1,7 @@
 """bench/quality.py (make quality) on small checkpoints: the tables it writes hold the
 numbers the engine gives, and the cache bytes follow the variants' shapes."""
 import csv
+import hashlib
 import os
 import subprocess
 import sys
@@ -67,3 +68,8 @@ def test_quality_tables(small_checkpoints, tmp_path):
             assert rows[("window", variant, policy, "past_tokens")] == restart["past_tokens"]
             assert rows[("window", variant, policy, "past_nll")] != restart["past_nll"]
         assert f"| {variant} | int8 |" in md
+    version = subprocess.run([RUN, "--version"], stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
+    assert f"Engine: `{version}`." in md
+    for path, _ in ckpts.values():
+        with open(path, "rb") as f:
+            assert f"`{os.path.basename(path)}` {hashlib.sha256(f.read()).hexdigest()[:12]}" in md
