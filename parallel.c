@@ -9,10 +9,12 @@
 
 #include "errmsg.h"
 
-/* The threads a team gets: what OpenMP would start, at most PARALLEL_MAX_THREADS. */
+/* The threads a team gets: what OpenMP would start (OMP_THREAD_LIMIT caps it below
+ * omp_get_max_threads), at most PARALLEL_MAX_THREADS. */
 static int team_size(void) {
 #ifdef _OPENMP
-    const int n = omp_get_max_threads();
+    int n = omp_get_max_threads();
+    if (n > omp_get_thread_limit()) n = omp_get_thread_limit();
     return n < PARALLEL_MAX_THREADS ? n : PARALLEL_MAX_THREADS;
 #else
     return 1;

@@ -279,6 +279,20 @@ def test_omp_num_threads_in_range(ckpt):
     assert p.returncode == 0 and p.stdout in outs and "libgomp" not in p.stderr.decode()
 
 
+def test_omp_thread_limit_caps_the_team(ckpt, tmp_path):
+    """OMP_THREAD_LIMIT below --threads: the settings line names the threads that run, and
+    the logits are those of any other thread count."""
+    dumps = []
+    for limit in ("1", "2"):
+        dump = tmp_path / f"limit{limit}.bin"
+        env = dict(os.environ, OMP_THREAD_LIMIT=limit)
+        p = subprocess.run([RUN, ckpt, "--threads", "2", "-k", "1", "-n", "6", "-q", "--ignore-eos", "--dump-logits", dump],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
+        assert p.returncode == 0 and f"| threads {limit} |" in p.stderr.decode(), (limit, p.stderr.decode())
+        dumps.append(dump.read_bytes())
+    assert dumps[0] == dumps[1] and len(dumps[0]) > 0
+
+
 def run_with_stack(args, kb, env=None):
     def limit():
         resource.setrlimit(resource.RLIMIT_STACK, (kb << 10, resource.RLIM_INFINITY))
