@@ -128,6 +128,11 @@ static int read_whole(const char *path, char **out, size_t *n_out, char *err, si
         else errmsg(err, errlen, -1, "%s shrank while it was being read", msg_path(path).s);
         free(buf);
         buf = NULL;
+    } else if (pread(fd, &(char){0}, 1, (off_t)size) > 0) {  /* more than its size said: never a silent cut */
+        errmsg(err, errlen, -1, "%s grew while it was being read, or does not report its size (as files in /proc do)",
+               msg_path(path).s);
+        free(buf);
+        buf = NULL;
     }
     close(fd);
     if (!buf) return -1;

@@ -138,6 +138,23 @@ def test_checkpoint_shrinking_while_loading(ckpt, tmp_path, shrink_shim, keep):
     one_line_error(p, 1, "shrank while it was being read")
 
 
+@pytest.mark.parametrize("how", ["-f", "--prompts", "--ppl"])
+def test_text_files_that_grow_or_hide_their_size(ckpt, tmp_path, stories, shrink_shim, how):
+    """A text file longer than its size said when it was opened (it grew; or, as in /proc, it
+    reports 0) is refused, never read short."""
+    victim = tmp_path / "grows.txt"
+    shutil.copy(stories, victim)
+    to = os.path.getsize(victim) + 100
+    env = dict(os.environ, LD_PRELOAD=str(shrink_shim), SHRINK_FILE=str(victim.resolve()), SHRINK_TO=str(to),
+               ASAN_OPTIONS=os.environ.get("ASAN_OPTIONS", "") + ":verify_asan_link_order=0")
+    p = subprocess.run([RUN, ckpt, how, str(victim), "-n", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                       timeout=60)
+    assert os.path.getsize(victim) == to  # the shim did grow it
+    one_line_error(p, 1, "grew while it was being read")
+    one_line_error(run([ckpt, how, "/proc/self/status", "-n", "2"], check=False, timeout=30), 1,
+                   "/proc/self/status grew while it was being read, or does not report its size")
+
+
 def run_measured(args):
     """./run with args in a child of its own: (returncode, stdout, stderr, peak RSS in KB)."""
     import sys
