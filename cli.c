@@ -62,7 +62,9 @@ static int parse_long(const char *flag, const char *s, long lo, long hi, long *o
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (errno || end == s || *end) return errmsg(err, errlen, 2, "%s needs an integer, got '%s'", flag, s);
+    if (end == s || *end) return errmsg(err, errlen, 2, "%s needs an integer, got '%s'", flag, s);
+    if (errno == ERANGE)  /* an integer all the same, past what a long holds */
+        return errmsg(err, errlen, 2, "%s %s is out of range (%ld..%ld)", flag, s, lo, hi);
     if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %ld is out of range (%ld..%ld)", flag, v, lo, hi);
     *out = v;
     return 0;
@@ -72,7 +74,9 @@ static int parse_float(const char *flag, const char *s, float lo, float hi, floa
     char *end;
     errno = 0;
     float v = strtof(s, &end);
-    if (errno || end == s || *end || !isfinite(v)) return errmsg(err, errlen, 2, "%s needs a number, got '%s'", flag, s);
+    if (end == s || *end || isnan(v)) return errmsg(err, errlen, 2, "%s needs a number, got '%s'", flag, s);
+    if (isinf(v))  /* 1e39 overflows a float (ERANGE) as inf does: a number, out of range */
+        return errmsg(err, errlen, 2, "%s %s is out of range (%g..%g)", flag, s, lo, hi);
     if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %g is out of range (%g..%g)", flag, v, lo, hi);
     *out = v;
     return 0;

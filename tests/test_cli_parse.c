@@ -196,10 +196,16 @@ static void test_messages(void **state) {
     expect_usage_error(ARGC(c), c, "-n 0 is out of range (1..1048576)");
     char *d[] = {"run", "m.bin", "-n", "ten"};
     expect_usage_error(ARGC(d), d, "-n needs an integer, got 'ten'");
+    char *d2[] = {"run", "m.bin", "-s", "99999999999999999999"};  /* past a long: out of range too */
+    expect_usage_error(ARGC(d2), d2, "-s 99999999999999999999 is out of range (0..9223372036854775807)");
     char *e[] = {"run", "m.bin", "-t", "-1"};
     expect_usage_error(ARGC(e), e, "-t -1 is out of range (0..100)");
     char *f[] = {"run", "m.bin", "-t", "nan"};
     expect_usage_error(ARGC(f), f, "-t needs a number, got 'nan'");
+    char *f2[] = {"run", "m.bin", "-t", "1e39"};  /* overflows a float: out of range, not "needs a number" */
+    expect_usage_error(ARGC(f2), f2, "-t 1e39 is out of range (0..100)");
+    char *f3[] = {"run", "m.bin", "--kv-mem", "-inf"};
+    expect_usage_error(ARGC(f3), f3, "--kv-mem -inf is out of range (0..1.04858e+06)");
     char *g[] = {"run", "m.bin", "--threads", "10000"};
     expect_usage_error(ARGC(g), g, "--threads 10000 is out of range (1..256)");
     char *h[] = {"run", "m.bin", "-s", "-1"};
