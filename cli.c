@@ -72,8 +72,7 @@ static int parse_long(const char *flag, const char *s, long lo, long hi, long *o
 
 static int parse_float(const char *flag, const char *s, float lo, float hi, float *out, char *err, size_t errlen) {
     char *end;
-    errno = 0;
-    float v = strtof(s, &end);
+    float v = strtof(s, &end);  /* ERANGE needs no check: an overflow is inf, an underflow rounds */
     if (end == s || *end || isnan(v)) return errmsg(err, errlen, 2, "%s needs a number, got '%s'", flag, s);
     if (isinf(v))  /* 1e39 overflows a float (ERANGE) as inf does: a number, out of range */
         return errmsg(err, errlen, 2, "%s %s is out of range (%g..%g)", flag, s, lo, hi);

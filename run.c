@@ -863,7 +863,7 @@ static void perplexity(Engine *e, const Options *o) {
             free(logits);
             storyfile_free(&sf);
             if (progress) fputs("\r\033[K", stderr);
-            die(1, "%s: story %d %s", msg_path(path).s, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
+            die(1, "%s: story %d %s", input_name(path).s, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }
         ids[n++] = m->cfg.eos_id;
         const double nll_before = sum.nll;
@@ -1094,7 +1094,7 @@ int main(int argc, char **argv) {
             for (int i = 0; i < file.n_prompts; i++) {  /* every line is checked before anything runs */
                 Request *r = &sch.requests[i];
                 char where[320];
-                snprintf(where, sizeof where, "%s:%d: ", msg_path(o.prompts_path).s, file.line_numbers[i]);
+                snprintf(where, sizeof where, "%s:%d: ", input_name(o.prompts_path).s, file.line_numbers[i]);
                 r->cap_tokens = m.cfg.max_seq_len + 1;
                 if (!(r->tokens = malloc((size_t)r->cap_tokens * sizeof(int)))) die(1, "out of memory");
                 r->n_prompt = encode_prompt(&m, file.prompts[i], r->tokens, m.cfg.max_seq_len + 1, where);

@@ -84,6 +84,8 @@ int storyfile_parse(StoryFile *f, const char *data, size_t size, char *err, size
     return split_stories(f, text, size, err, errlen);
 }
 
+MsgPath input_name(const char *path) { return msg_path(strcmp(path, "-") ? path : "standard input"); }
+
 /* Standard input may be a pipe or a terminal, so it is read to its end, up to a bound. */
 enum { MAX_STDIN_BYTES = 1 << 20 };
 static int read_stdin(char **out, size_t *n_out, char *err, size_t errlen) {
@@ -120,17 +122,17 @@ static int read_whole(const char *path, char **out, size_t *n_out, char *err, si
     if (fd < 0) return -1;
     char *buf = NULL;
     if (size > (size_t)MAX_FILE_BYTES) {
-        errmsg(err, errlen, -1, "%s is over 1 GiB", msg_path(path).s);
+        errmsg(err, errlen, -1, "%s is over 1 GiB", input_name(path).s);
     } else if (!(buf = malloc(size + 1))) {
-        errmsg(err, errlen, -1, "out of memory reading %s", msg_path(path).s);
+        errmsg(err, errlen, -1, "out of memory reading %s", input_name(path).s);
     } else if (read_at(fd, buf, size, 0) != 0) {
-        if (errno) errmsg(err, errlen, -1, "cannot read %s: %s", msg_path(path).s, strerror(errno));
-        else errmsg(err, errlen, -1, "%s shrank while it was being read", msg_path(path).s);
+        if (errno) errmsg(err, errlen, -1, "cannot read %s: %s", input_name(path).s, strerror(errno));
+        else errmsg(err, errlen, -1, "%s shrank while it was being read", input_name(path).s);
         free(buf);
         buf = NULL;
     } else if (pread(fd, &(char){0}, 1, (off_t)size) > 0) {  /* more than its size said: never a silent cut */
         errmsg(err, errlen, -1, "%s grew while it was being read, or does not report its size (as files in /proc do)",
-               msg_path(path).s);
+               input_name(path).s);
         free(buf);
         buf = NULL;
     }
@@ -149,7 +151,7 @@ int storyfile_read(StoryFile *f, const char *path, char *err, size_t errlen) {
     if (read_whole(path, &buf, &n, err, errlen) != 0) return -1;
     char inner[256];
     int rc = split_stories(f, buf, n, inner, sizeof inner);
-    if (rc != 0) errmsg(err, errlen, -1, "%s: %s", msg_path(path).s, inner);
+    if (rc != 0) errmsg(err, errlen, -1, "%s: %s", input_name(path).s, inner);
     return rc;
 }
 
@@ -165,7 +167,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
     if (read_whole(path, &f->text, &n, err, errlen) != 0) return -1;
     if (memchr(f->text, '\0', n)) {
         promptfile_free(f);
-        return errmsg(err, errlen, -1, "%s holds a NUL byte", msg_path(path).s);
+        return errmsg(err, errlen, -1, "%s holds a NUL byte", input_name(path).s);
     }
     int cap = 0, line_no = 0;
     for (char *line = f->text; line < f->text + n || line_no == 0;) {
@@ -178,7 +180,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
         if (b < end) {  /* a blank line holds no prompt */
             if (!utf8_valid(line, (size_t)(end - line))) {
                 promptfile_free(f);
-                return errmsg(err, errlen, -1, "%s:%d: the prompt is not valid UTF-8 text", msg_path(path).s, line_no);
+                return errmsg(err, errlen, -1, "%s:%d: the prompt is not valid UTF-8 text", input_name(path).s, line_no);
             }
             if (f->n_prompts == cap) {
                 cap = cap ? 2 * cap : 64;
@@ -188,7 +190,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
                 if (nl_no) f->line_numbers = nl_no;
                 if (!np || !nl_no) {
                     promptfile_free(f);
-                    return errmsg(err, errlen, -1, "out of memory reading %s", msg_path(path).s);
+                    return errmsg(err, errlen, -1, "out of memory reading %s", input_name(path).s);
                 }
             }
             f->prompts[f->n_prompts] = line;
@@ -199,7 +201,7 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
     }
     if (f->n_prompts == 0) {
         promptfile_free(f);
-        return errmsg(err, errlen, -1, "%s holds no prompt (one prompt a line)", msg_path(path).s);
+        return errmsg(err, errlen, -1, "%s holds no prompt (one prompt a line)", input_name(path).s);
     }
     return 0;
 }
@@ -218,5 +220,5 @@ int textfile_read_text(const char *path, char **text, char *err, size_t errlen) 
     if (!bad) return 0;
     free(*text);
     *text = NULL;
-    return errmsg(err, errlen, -1, "%s %s", strcmp(path, "-") ? msg_path(path).s : "standard input", bad);
+    return errmsg(err, errlen, -1, "%s %s", input_name(path).s, bad);
 }

@@ -6,6 +6,8 @@
 
 #include <stddef.h>
 
+#include "errmsg.h"
+
 typedef struct {
     char *text;          /* the file, split in place */
     char **stories;      /* NUL-terminated, valid UTF-8 without NUL bytes */
@@ -31,6 +33,9 @@ typedef struct {
  * unreadable, a NUL byte, a line that is not valid UTF-8, or no prompt at all. */
 int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen);
 void promptfile_free(PromptFile *f);
+
+/* How a message names an input file: "standard input" for "-", else msg_path's form. */
+MsgPath input_name(const char *path);
 
 /* A whole file ("-": standard input) as one NUL-terminated text (*text, malloc'd), for -f
  * and -p -: on failure -1 and one sentence in err naming the file (missing, unreadable, too

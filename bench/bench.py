@@ -1719,8 +1719,9 @@ def batch_figures(b, ck, kind, batch):
     t = st["median"] / 1e3
     f = {"batch": batch, "step": st, "pos": pos, "flops": flops, "bytes": nbytes, "kv": kv, "ai": flops / nbytes,
          "post": post_intensity(ck.info, batch),
-         "tps": {k: batch * 1e3 / st[j] for k, j in (("median", "median"), ("min", "max"), ("max", "min"))}}
-    f["tps"]["n"] = st["n"]   # one formula for all three, so rounding cannot put the median outside its range
+         # one formula for all three, so rounding cannot put the median outside its range
+         "tps": {"median": batch * 1e3 / st["median"], "min": batch * 1e3 / st["max"],
+                 "max": batch * 1e3 / st["min"], "n": st["n"]}}
     if b.roof:
         bw, where = batch_bandwidth(b, nbytes)
         peak = float(b.roof["peak_best_GFLOPs"]) * 1e9

@@ -133,15 +133,12 @@ def main(argv=None):
 
 def provenance(ckpts):
     """What the tables were measured on: the engine's --version and each checkpoint's sha256."""
-    lines = [f"Engine: `{run(['--version']).stdout.strip()}`. Checkpoints (sha256, first 12 hex digits): "]
     sums = []
     for ckpt in ckpts:
-        h = hashlib.sha256()
         with open(ckpt, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        sums.append(f"`{os.path.basename(ckpt)}` {h.hexdigest()[:12]}")
-    return lines[0] + ", ".join(sums) + "."
+            sums.append(f"`{os.path.basename(ckpt)}` {hashlib.sha256(f.read()).hexdigest()[:12]}")
+    return (f"Engine: `{run(['--version']).stdout.strip()}`. Checkpoints (sha256, first 12 hex digits): "
+            + ", ".join(sums) + ".")
 
 
 def write(args, dtype_rows, window_rows, measured_on):
