@@ -25,8 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "Once upon a time"
 
 
+RUN = os.environ.get("RUN_BINARY") or os.path.join(ROOT, "run")   # make test-asan: the ASan build
+
+
 def run(args):
-    p = subprocess.run([os.path.join(ROOT, "run")] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.run([RUN] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if p.returncode != 0:
         sys.exit(f"report: ./run {' '.join(args)} failed: {p.stderr.strip()}")
     return p
