@@ -13,7 +13,6 @@ short sample. Prints Markdown to stdout."""
 import argparse
 import csv
 import json
-import math
 import os
 import re
 import sys
@@ -36,7 +35,9 @@ def info(path):
 
 
 def c_nll(path, valid):
-    return float(re.search(r"mean NLL ([\d.]+)", run([path, "--ppl", valid]).stdout).group(1))
+    """(mean NLL, perplexity) as ./run --ppl prints them"""
+    m = re.search(r"mean NLL ([\d.]+) nats/token \| perplexity ([\d.]+)", run([path, "--ppl", valid]).stdout)
+    return m.group(1), m.group(2)
 
 
 def equal_token_losses(run_dir):
@@ -103,10 +104,10 @@ def main():
     for path in args.checkpoints:
         variant = os.path.basename(path)[:-4]   # as the run's folder and the bench report name it
         kv, params = info(path)
-        nll = c_nll(path, args.valid)
+        nll, ppl = c_nll(path, args.valid)
         agreement = greedy_agreement(path, prompts)
         ms, tps = bench_figures(args.bench, variant)
-        rows.append(f"| {variant} | {kv:,} | {params / 1e6:.2f} M | {nll:.4f} | {math.exp(nll):.3f} | "
+        rows.append(f"| {variant} | {kv:,} | {params / 1e6:.2f} M | {nll} | {ppl} | "
                     f"{agreement} | {ms:.3f} | {tps:,.0f} |")
         curves[variant] = equal_token_losses(os.path.join(args.runs, variant))
         samples[variant] = sample(path)
