@@ -7,28 +7,12 @@ import re
 import subprocess
 import sys
 
-import torch
-
-from conftest import ROOT, RUN
+import report
+from conftest import ROOT, RUN, TOKENIZER
 
 STORIES = ["Once upon a time, a little fox named Pip lived near a big green hill.",
            "Tom had a red ball. He liked to throw it to his dog every day.",
            "The sun was hot. Lily went to the pond to look at the ducks."]
-
-
-def pytorch_nll(model, stories):
-    """Mean NLL per token over the stories as ./run --ppl scores them, computed here."""
-    import sentencepiece as spm
-    from model import story_windows
-    sp = spm.SentencePieceProcessor(model_file=os.path.join(ROOT, "tokenizer", "tokenizer.model"))
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for s in stories:
-            for x, y in story_windows([sp.bos_id()] + sp.encode(s) + [sp.eos_id()], model.cfg.max_seq_len):
-                logits = model(torch.tensor([x]))[0].double()
-                total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum"))
-                count += len(y)
-    return total / count
 
 
 def test_capability_table(small_checkpoints, tmp_path):
@@ -55,6 +39,8 @@ def test_capability_table(small_checkpoints, tmp_path):
     table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
              for line in p.stdout.splitlines() if re.match(r"\| (mha|mla64) \| [\d,]+ \|", line)}
     assert set(table) == {"mha", "mla64"}
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
     for i, v in enumerate(("mha", "mla64")):
         model = small_checkpoints[v][1]
         cfg = model.cfg
@@ -62,7 +48,7 @@ def test_capability_table(small_checkpoints, tmp_path):
         per_token = 4 * cfg.n_layers * (2 * cfg.n_kv_heads * cfg.head_dim if v == "mha" else cfg.kv_latent + cfg.rope_dim)
         assert int(kv.replace(",", "")) == per_token
         assert params == f"{sum(t.numel() for t in model.state_dict().values()) / 1e6:.2f} M"
-        assert abs(float(nll) - pytorch_nll(model, STORIES)) < 1e-3
+        assert abs(float(nll) - report.pytorch_nll(model, STORIES, sp)[0]) < 1e-3
         assert abs(float(ppl) - math.exp(float(nll))) < 2e-3 * float(ppl)
         assert agreement.startswith("3/3, "), agreement
         assert float(ms) == 0.5 + i and tps == f"{1000 * (i + 2):,}"

@@ -41,7 +41,7 @@ def c_nll(path, valid):
 
 
 def equal_token_losses(run_dir):
-    """{tokens rounded to the 2M grid: validation loss} from the run's log"""
+    """{tokens in millions, rounded: validation loss} from the run's log"""
     out = {}
     with open(os.path.join(run_dir, "log.csv")) as f:
         for row in csv.DictReader(f):

@@ -22,10 +22,8 @@ from model import onednn_copy, story_windows  # noqa: E402
 from prepare import read_stories  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPT = "Once upon a time"
-
-
 RUN = os.environ.get("RUN_BINARY") or os.path.join(ROOT, "run")   # make test-asan: the ASan build
+PROMPT = "Once upon a time"
 
 
 def run(args):
