@@ -338,7 +338,10 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
  * reducing them one at a time costs a large share of the kernel. With 16 (AVX2: two parts per
  * accumulator) a tile's accumulators would not fit; there, a 4x3 tile computes one part
  * of its accumulators per pass over the group, which stays in L1 between the passes,
- * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains. */
+ * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains.
+ * Where many tokens pass over a group held in L1 (a batched step, a prompt), AVX-512
+ * takes wide tiles of 4 to 6 tokens first (tile_wide): the 8x3 tile spends one of its
+ * two vector ports' slots on widening for every 3 FMAs, a wide tile one for every 6. */
 #define RB MAT_GROUP_ROWS
 #define TB 3
 _Static_assert(TB == 3, "tile_any has one case per token count, 1 to TB");
@@ -425,6 +428,68 @@ tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0,
         for (int r = 0; r < nr; r++) out[(size_t)(t0 + t) * ldo + r0 + r] = v16_reduce(v16_from_parts(parts[r][t]));
 }
 
+#if ISA_AVX512
+/* A wide tile (AVX-512): a full group of full bf16 chunks x TW tokens, in two passes of
+ * RW rows. Each widened weight serves TW tokens rather than TB, so fewer of the two vector
+ * ports' slots go to widening; each token's 16 columns are loaded once for RW rows, and
+ * the TW tokens' x stays in L1 for the second pass. Each output's order is tile_pass's. */
+enum { TW = 6, RW = 4 };
+_Static_assert(RB == 2 * RW && TW == 6 && TB == 3, "two passes of a 4x6 tile cover a group; tile_wide_any: 4 to 6 tokens");
+
+static inline __attribute__((always_inline)) void
+tile_wide(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, const int nt) {
+    const int n = w->cols;
+    const bf16 *group = (const bf16 *)w->data + (size_t)r0 * (size_t)n;  /* 8 rows, packed */
+    const float *xt = x + (size_t)t0 * ldx;
+    for (int rr = 0; rr < RB; rr += RW) {
+        vp acc[RW][TW];
+        for (int r = 0; r < RW; r++)
+            for (int t = 0; t < nt; t++) acc[r][t] = vp_zero();
+        for (int k = 0; k < n; k += 32) {  /* a full bf16 chunk: RW rows x 16 pairs (c, c + 16) */
+            const bf16 *chunk = group + (size_t)k * RB + 32 * rr;
+            if (t0 == 0)  /* the group's first tokens: as in tile_pass, ahead of the stream */
+                for (int r = 0; r < RW; r++) __builtin_prefetch((const char *)(chunk + 32 * r) + PREFETCH_BYTES, 0, 3);
+            for (int half = 0; half < 2; half++) {  /* each half loads the pairs again: registers are short */
+                vp wv[RW];
+                for (int r = 0; r < RW; r++) {
+                    const vpairs pairs = vp_load_pairs(chunk + 32 * r);
+                    wv[r] = half ? vp_pairs_second(pairs) : vp_pairs_first(pairs);
+                }
+                for (int t = 0; t < nt; t++) {
+                    const vp xv = vp_load_f32(xt + (size_t)t * ldx + k + 16 * half, VP_LANES);
+                    for (int r = 0; r < RW; r++) acc[r][t] = vp_fma(wv[r], xv, acc[r][t]);
+                }
+            }
+        }
+        for (int t = 0; t < nt; t += 2) {  /* two tokens' RW outputs reduced side by side */
+            v16 a[8];
+            for (int i = 0; i < 8; i++) a[i] = t + i / RW < nt ? acc[i % RW][t + i / RW] : v16_zero();
+            float sums[8];
+            _mm256_storeu_ps(sums, avx512_reduce8(a));
+            for (int i = 0; i < 2 && t + i < nt; i++)
+                memcpy(out + (size_t)(t0 + t + i) * ldo + r0 + rr, sums + i * RW, RW * sizeof(float));
+        }
+    }
+}
+
+/* A wide tile of nt tokens, TB < nt <= TW (fewer take tile_any's 8x3); one function per
+ * nt, since GCC allocates a 6-token tile's 24 accumulators without a spill only alone. */
+#define TILE_WIDE_NT(nt) \
+    static __attribute__((noinline)) void tile_wide_##nt(float *out, int ldo, const float *x, int ldx, const Mat *w, \
+                                                          int r0, int t0) { tile_wide(out, ldo, x, ldx, w, r0, t0, nt); }
+TILE_WIDE_NT(6)
+TILE_WIDE_NT(5)
+TILE_WIDE_NT(4)
+static void tile_wide_any(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, int nt) {
+    (nt == 6 ? tile_wide_6 : nt == 5 ? tile_wide_5 : tile_wide_4)(out, ldo, x, ldx, w, r0, t0);
+}
+
+/* Whether tile tl of w takes wide tiles: a full group, of full bf16 chunks only. */
+static int wide_tiles(const Mat *w, int tl) {
+    return chunks_paired(w->dtype, w->rows) && w->cols % 32 == 0 && (tl + 1) * RB <= w->rows;
+}
+#endif
+
 /* Tile tl (rows tl*RB ..) for the token block at t0 of T tokens. */
 static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w, int tl, int t0, int T) {
     const int r0 = tl * RB, nr = w->rows - r0 < RB ? w->rows - r0 : RB, nt = T - t0 < TB ? T - t0 : TB;
@@ -444,8 +509,14 @@ static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w,
  * memory: token blocks outside, so w is read as one unbroken stream. */
 static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat *w, int T, int tile_lo, int tile_hi) {
     if (T > 2 * TB) {
-        for (int tl = tile_lo; tl < tile_hi; tl++)
-            for (int t0 = 0; t0 < T; t0 += TB) tile_any(out, ldo, x, ldx, w, tl, t0, T);
+        for (int tl = tile_lo; tl < tile_hi; tl++) {
+            int t0 = 0;
+#if ISA_AVX512
+            if (wide_tiles(w, tl))
+                for (int nt; (nt = T - t0 < TW ? T - t0 : TW) > TB; t0 += nt) tile_wide_any(out, ldo, x, ldx, w, tl * RB, t0, nt);
+#endif
+            for (; t0 < T; t0 += TB) tile_any(out, ldo, x, ldx, w, tl, t0, T);
+        }
     } else {
         for (int t0 = 0; t0 < T; t0 += TB)
             for (int tl = tile_lo; tl < tile_hi; tl++) tile_any(out, ldo, x, ldx, w, tl, t0, T);

@@ -267,6 +267,32 @@ static void check_jobs_and_swiglu(int T) {
     free(x);
 }
 
+/* Every token count from 1 to 19 on one thread: each tile shape a product can take (the
+ * wide tiles of 4 to 6 tokens and the 8x3 tiles of 1 to 3 after them, in both loop
+ * orders) gives every output the canonical scalar dot, bit for bit. */
+static void test_matmul_every_token_count(void **state) {
+    const int rows = 24, cols = 512, max_T = 19;
+    float *x = random_floats(max_T * cols, 41), *wrow = malloc((size_t)cols * sizeof(float));
+    uint16_t *wb = random_bf16(rows * cols, 42, 0.3f);
+    Mat w = packed(wb, rows, cols, DTYPE_BF16);
+    float *out = malloc((size_t)max_T * rows * sizeof(float));
+    for (int T = 1; T <= max_T; T++) {
+        matmul_serial(out, rows, x, cols, w, T);
+        for (int r = 0; r < rows; r++) {
+            for (int k = 0; k < cols; k++) wrow[k] = bf(wb[(size_t)r * cols + k]);
+            for (int t = 0; t < T; t++) {
+                float s = dot_canonical_scalar(wrow, x + (size_t)t * cols, cols);
+                assert_memory_equal(&s, &out[(size_t)t * rows + r], sizeof(float));
+            }
+        }
+    }
+    free(x);
+    free(wrow);
+    free(wb);
+    free((void *)w.data);
+    free(out);
+}
+
 static void test_matmul_jobs_and_swiglu(void **state) {
     check_jobs_and_swiglu(2);  /* two token blocks: split by rows */
     check_jobs_and_swiglu(7);  /* more: split by tokens (3 blocks: with 4 or 5 threads some get none) */
@@ -535,6 +561,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_dot_cat),
         cmocka_unit_test(test_matmul_reference),
         cmocka_unit_test(test_matmul_batch_invariant),
+        cmocka_unit_test(test_matmul_every_token_count),
         cmocka_unit_test(test_matmul_thread_invariant),
         cmocka_unit_test(test_matmul_jobs_and_swiglu),
         cmocka_unit_test(test_exp_nonpositive),
