@@ -476,7 +476,7 @@ tile_wide(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, in
             v16 a[8];
             for (int i = 0; i < 8; i++) a[i] = t + i / RW < nt ? acc[i % RW][t + i / RW] : v16_zero();
             float sums[8];
-            _mm256_storeu_ps(sums, avx512_reduce8(a));
+            v16_reduce8_store(sums, a);
             for (int i = 0; i < 2 && t + i < nt; i++)
                 memcpy(out + (size_t)(t0 + t + i) * ldo + r0 + rr, sums + i * RW, RW * sizeof(float));
         }

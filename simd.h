@@ -125,17 +125,16 @@ static inline v16 v16_reduce16(const v16 a[16]) {
     return _mm512_permutexvar_ps(order, r);  /* lane j: a(j) */
 }
 
-/* lane j = v16_reduce(a[j]) for j < 8: v16_reduce16's tree on 8 vectors side by side */
-static inline __m256 avx512_reduce8(const v16 a[8]) {
+/* out[j] = v16_reduce(a[j]) for j < 8: v16_reduce16's tree on 8 vectors side by side */
+static inline void v16_reduce8_store(float *out, const v16 a[8]) {
     __m512 s4[2];
     for (int i = 0; i < 2; i++) s4[i] = avx512_fold4(avx512_fold8(a[4 * i], a[4 * i + 1]), avx512_fold8(a[4 * i + 2], a[4 * i + 3]));
     __m512 s2 = avx512_fold2(s4[0], s4[1]);  /* block b: [a(b) l+(l+2) ; a(b+4) l+(l+2)], l < 2 */
     /* block b: [a(b), a(b+4), a(b), a(b+4)], each lane 0 + lane 1 */
     __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));  /* lane j: a(j) */
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r)));  /* lane j: a(j) */
 }
-static inline void v16_reduce8_store(float *out, const v16 a[8]) { _mm256_storeu_ps(out, avx512_reduce8(a)); }
 
 #elif ISA_AVX2
 #include <immintrin.h>
