@@ -190,7 +190,9 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
             return -1;
         }
     }
-    if (!(a->items = malloc(2 * H * T * sizeof(int)))) {
+    a->items = malloc(2 * H * T * sizeof(int));
+    a->head_jobs = malloc(H * sizeof *a->head_jobs);
+    if (!a->items || !a->head_jobs) {
         attn_scratch_free(a);
         return -1;
     }
@@ -214,6 +216,7 @@ void attn_scratch_free(AttnScratch *a) {
                      a->v_exp, a->window_rows};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
+    free(a->head_jobs);
     free(a->scores);
     free(a->row_blocks);
     free(a->row_scales);
@@ -301,15 +304,14 @@ static void mla_expanded_mix(const AttnPass *p, int h, int t, int thread, const 
                       (size_t)mla_exp_stride(c), n, hd);
 }
 
+/* MLA, absorbed: the queries were taken into the latent space beforehand (mla_absorb_queries)
+ * and the weighted latents are taken out after every item (mla_expand_contexts), each as one
+ * product per head over the pass's tokens, so an item reads only the cache. */
 static void mla_absorbed_scores(const AttnPass *p, int h, int t, int thread, float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
-    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, lw = dc + rd;
-    const int n = keys_of(p, t);
-    const float *q = p->a->q + ((size_t)t * H + h) * (hd + rd);  /* [q_C ; q_R] */
-    float *q_abs = p->a->q_abs + ((size_t)t * H + h) * lw;       /* [q_lat ; q_R] */
-    matmul_serial(q_abs, dc, q, hd, mat_block(p->m->w.layers[p->l].wuk_t, h, dc), 1);
-    memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));
+    const int lw = c->kv_latent + c->rope_dim, n = keys_of(p, t);
+    const float *q_abs = p->a->q_abs + ((size_t)t * c->n_heads + h) * lw;  /* [q_lat ; q_R] */
     if (p->windowed) {
         dot_rows(att, q_abs, p->a->latents, (size_t)lw, n, lw, p->scale);
     } else {
@@ -320,14 +322,13 @@ static void mla_absorbed_scores(const AttnPass *p, int h, int t, int thread, flo
 static void mla_absorbed_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
     const Config *c = &p->m->cfg;
     const KVCache *cache = p->slots->cache[t];
-    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent, n = keys_of(p, t);
-    float *ctx_lat = p->a->ctx_lat + ((size_t)t * H + h) * dc;  /* sum_j p_j c_j */
+    const int dc = c->kv_latent, n = keys_of(p, t);
+    float *ctx_lat = p->a->ctx_lat + ((size_t)t * c->n_heads + h) * dc;  /* sum_j p_j c_j */
     if (p->windowed) {
         weighted_sum_rows(ctx_lat, att, p->a->latents, (size_t)(dc + c->rope_dim), n, dc);
     } else {
         weighted_sum_row_blocks(ctx_lat, att, cache_rows(p, thread, cache, 0, n), n, dc);
     }
-    matmul_serial(p->heads + ((size_t)t * H + h) * hd, hd, ctx_lat, dc, mat_block(p->m->w.layers[p->l].wuv_heads, h, hd), 1);
 }
 
 /* -- the scheduling of the (head, token) items among the threads -- */
@@ -524,6 +525,30 @@ static void mla_expanded_sequence(const AttnPass *p, int t0, int t1) {
     run_queries(p, t0, t1, mla_expanded_scores, mla_expanded_mix);
 }
 
+/* q_abs = [W_UK,h^T q_C ; q_R] for every token and head: (T, H, dc + rd) */
+static void mla_absorb_queries(const AttnPass *p) {
+    const Config *c = &p->m->cfg;
+    AttnScratch *a = p->a;
+    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, lw = dc + rd;
+    const int T = p->slots->T;
+    for (int h = 0; h < H; h++)  /* head h's q_C of every token, at a stride of H queries */
+        a->head_jobs[h] = (MatmulJob){a->q_abs + (size_t)h * lw, H * lw, a->q + (size_t)h * qw, H * qw,
+                                      mat_block(p->m->w.layers[p->l].wuk_t, h, dc), T};
+    matmul_jobs(a->head_jobs, H);
+    for (size_t i = 0; i < (size_t)T * H; i++) memcpy(a->q_abs + i * lw + dc, a->q + i * qw + hd, (size_t)rd * sizeof(float));
+}
+
+/* heads = W_UV,h ctx_lat for every token and head: (T, H*hd) */
+static void mla_expand_contexts(const AttnPass *p) {
+    const Config *c = &p->m->cfg;
+    AttnScratch *a = p->a;
+    const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
+    for (int h = 0; h < H; h++)
+        a->head_jobs[h] = (MatmulJob){p->heads + (size_t)h * hd, H * hd, a->ctx_lat + (size_t)h * dc, H * dc,
+                                      mat_block(p->m->w.layers[p->l].wuv_heads, h, hd), p->slots->T};
+    matmul_jobs(a->head_jobs, H);
+}
+
 static void mla_absorbed_window_sequence(const AttnPass *p, int t0, int t1) {
     mla_gather(p, t1 - 1);
     run_queries(p, t0, t1, mla_absorbed_scores, mla_absorbed_mix);
@@ -538,7 +563,11 @@ void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int laye
     } else {
         mla_project_and_store(&p, xb);
         if (form == MLA_EXPANDED) for_each_sequence(&p, mla_expanded_sequence);
-        else if (windowed) for_each_sequence(&p, mla_absorbed_window_sequence);
-        else run_queries(&p, 0, slots->T, mla_absorbed_scores, mla_absorbed_mix);
+        else {
+            mla_absorb_queries(&p);
+            if (windowed) for_each_sequence(&p, mla_absorbed_window_sequence);
+            else run_queries(&p, 0, slots->T, mla_absorbed_scores, mla_absorbed_mix);
+            mla_expand_contexts(&p);
+        }
     }
 }

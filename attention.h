@@ -13,6 +13,7 @@
 #define ATTENTION_H
 
 #include "config.h"
+#include "kernels.h"
 #include "kvcache.h"
 
 /* Where the tokens of a pass go: token t is at position pos[t] of the sequence whose
@@ -38,6 +39,7 @@ typedef struct {
     float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
     float *window_rows;   /* (2*n_kv_heads, max_keys, head_dim) one sequence's window, gathered */
     int *items;           /* (n_heads*max_tokens, 2) the (head, token) order of the queries */
+    MatmulJob *head_jobs; /* (n_heads) one product per head (MLA, absorbed) */
     int max_keys;
     /* each thread's own (PARALLEL_MAX_THREADS of each, touched only by the threads that run):
      * on the heap rather than the threads' stacks, whose size the user sets */
