@@ -51,7 +51,8 @@ void rope(const RopeTables *r, const Config *c, float *v, int pos) {
 static float score_scale(const Config *c) { return 1.0f / sqrtf((float)config_query_width(c)); }
 
 /* Query head h reads KV head h / (n_heads / n_kv_heads). */
-static int kv_head_of(const Config *c, int h) { return h / (c->n_heads / c->n_kv_heads); }
+static int kv_group_size(const Config *c) { return c->n_heads / c->n_kv_heads; }
+static int kv_head_of(const Config *c, int h) { return h / kv_group_size(c); }
 
 /* Where a query at pos stands for RoPE: its position, or with a window its place in it. */
 static int query_place(const KVPool *pool, int pos) { return kv_window_length(pool, pos) - 1; }
@@ -200,7 +201,8 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
     a->blocks_per_row = kv_blocks_for(max_keys);
     const size_t threads = PARALLEL_MAX_THREADS, per_thread_blocks = (size_t)a->blocks_per_row;
     void *scores = NULL;
-    if (posix_memalign(&scores, 64, threads * 2 * a->scores_stride * sizeof(float)) != 0) scores = NULL;
+    a->scores_per_item = H * a->scores_stride;
+    if (posix_memalign(&scores, 64, threads * 2 * a->scores_per_item * sizeof(float)) != 0) scores = NULL;
     a->scores = scores;
     a->row_blocks = malloc(threads * per_thread_blocks * sizeof *a->row_blocks);
     a->row_scales = malloc(threads * per_thread_blocks * sizeof *a->row_scales);
@@ -256,82 +258,88 @@ static const float *window_head(const AttnPass *p, int row) {
     return p->a->window_rows + (size_t)row * p->a->max_keys * p->m->cfg.head_dim;
 }
 
-/* -- the arithmetic of one (head h, token t) item: scores into att, then the mix of the
- * probabilities softmax made of them -- */
-
-static void kv_heads_scores(const AttnPass *p, int h, int t, int thread, float *att) {
-    const Config *c = &p->m->cfg;
-    const KVCache *cache = p->slots->cache[t];
-    const int hd = c->head_dim, g = kv_head_of(c, h), pos = p->slots->pos[t], n = keys_of(p, t);
-    float *q = p->a->q + ((size_t)t * c->n_heads + h) * hd;
-    rope(&p->m->rope, c, q, query_place(cache->pool, pos));
-    if (p->windowed) {
-        dot_rows(att, q, window_head(p, g), (size_t)hd, n, hd, p->scale);
-    } else {
-        dot_row_blocks(att, q, cache_rows(p, thread, cache, g, n), n, hd, p->scale);
-    }
+/* Rows gathered from a window (contiguous floats, `stride` apart), as the kernels' blocks
+ * of KV_BLOCK_TOKENS rows, listed in thread `thread`'s tables. */
+static RowBlocks gathered_rows(const AttnPass *pass, int thread, const float *rows, size_t stride, int n) {
+    const void **blocks = pass->a->row_blocks + (size_t)thread * pass->a->blocks_per_row;
+    for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = rows + (size_t)b * KV_BLOCK_TOKENS * stride;
+    return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0};
 }
 
-static void kv_heads_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
+/* -- the arithmetic of one item, token t's heads h0 .. h0+nh-1, which read the same rows:
+ * their scores into att (one row of scores_stride a head), then the mix of the
+ * probabilities softmax made of them -- */
+
+static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int row) {
+    const int n = keys_of(p, t);
+    if (p->windowed) return gathered_rows(p, thread, window_head(p, row), (size_t)p->m->cfg.head_dim, n);
+    return cache_rows(p, thread, p->slots->cache[t], row, n);
+}
+
+static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
     const Config *c = &p->m->cfg;
-    const KVCache *cache = p->slots->cache[t];
-    const int hd = c->head_dim, g = kv_head_of(c, h), n = keys_of(p, t);
-    float *out = p->heads + ((size_t)t * c->n_heads + h) * hd;
-    if (p->windowed) {
-        weighted_sum_rows(out, att, window_head(p, c->n_kv_heads + g), (size_t)hd, n, hd);
-    } else {
-        weighted_sum_row_blocks(out, att, cache_rows(p, thread, cache, c->n_kv_heads + g, n), n, hd);
-    }
+    const int hd = c->head_dim, place = query_place(p->slots->cache[t]->pool, p->slots->pos[t]);
+    float *q = p->a->q + ((size_t)t * c->n_heads + h0) * hd;  /* (nh, hd) */
+    for (int i = 0; i < nh; i++) rope(&p->m->rope, c, q + (size_t)i * hd, place);
+    dot_row_blocks(att, p->a->scores_stride, q, (size_t)hd, nh, kv_head_rows(p, thread, t, kv_head_of(c, h0)),
+                   keys_of(p, t), hd, p->scale);
+}
+
+static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
+    const Config *c = &p->m->cfg;
+    const int hd = c->head_dim;
+    float *out = p->heads + ((size_t)t * c->n_heads + h0) * hd;  /* (nh, hd) */
+    weighted_sum_row_blocks(out, (size_t)hd, att, p->a->scores_stride, nh,
+                            kv_head_rows(p, thread, t, c->n_kv_heads + kv_head_of(c, h0)), keys_of(p, t), hd);
 }
 
 /* The expanded form reads one sequence's latents, gathered into a->latents, and its keys
- * and values expanded from them into a->k_exp and a->v_exp. */
-static void mla_expanded_scores(const AttnPass *p, int h, int t, int thread, float *att) {
+ * and values expanded from them into a->k_exp and a->v_exp: each head its own rows. */
+static void mla_expanded_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
     (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = &p->m->cfg;
     const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
     const int n = keys_of(p, t);
-    const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd);  /* [q_C ; q_R] */
-    dot_rows_cat(att, n, p->scale, q, p->a->k_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), hd, q + hd,
-                 p->a->latents + dc, (size_t)(dc + rd), rd);
+    for (int h = h0; h < h0 + nh; h++) {
+        const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd);  /* [q_C ; q_R] */
+        dot_rows_cat(att + (size_t)(h - h0) * p->a->scores_stride, n, p->scale, q, p->a->k_exp + (size_t)h * hd,
+                     (size_t)mla_exp_stride(c), hd, q + hd, p->a->latents + dc, (size_t)(dc + rd), rd);
+    }
 }
 
-static void mla_expanded_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
+static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
     (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = &p->m->cfg;
     const int hd = c->head_dim, n = keys_of(p, t);
-    weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att, p->a->v_exp + (size_t)h * hd,
-                      (size_t)mla_exp_stride(c), n, hd);
+    for (int h = h0; h < h0 + nh; h++)
+        weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att + (size_t)(h - h0) * p->a->scores_stride,
+                          p->a->v_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), n, hd);
 }
 
 /* MLA, absorbed: the queries were taken into the latent space beforehand (mla_absorb_queries)
  * and the weighted latents are taken out after every item (mla_expand_contexts), each as one
- * product per head over the pass's tokens, so an item reads only the cache. */
-static void mla_absorbed_scores(const AttnPass *p, int h, int t, int thread, float *att) {
-    const Config *c = &p->m->cfg;
-    const KVCache *cache = p->slots->cache[t];
-    const int lw = c->kv_latent + c->rope_dim, n = keys_of(p, t);
-    const float *q_abs = p->a->q_abs + ((size_t)t * c->n_heads + h) * lw;  /* [q_lat ; q_R] */
-    if (p->windowed) {
-        dot_rows(att, q_abs, p->a->latents, (size_t)lw, n, lw, p->scale);
-    } else {
-        dot_row_blocks(att, q_abs, cache_rows(p, thread, cache, 0, n), n, lw, p->scale);
-    }
+ * product per head over the pass's tokens, so an item reads only the latents. */
+static RowBlocks latent_rows(const AttnPass *p, int thread, int t) {
+    const int n = keys_of(p, t);
+    if (p->windowed) return gathered_rows(p, thread, p->a->latents, (size_t)(p->m->cfg.kv_latent + p->m->cfg.rope_dim), n);
+    return cache_rows(p, thread, p->slots->cache[t], 0, n);
 }
 
-static void mla_absorbed_mix(const AttnPass *p, int h, int t, int thread, const float *att) {
+static void mla_absorbed_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
     const Config *c = &p->m->cfg;
-    const KVCache *cache = p->slots->cache[t];
-    const int dc = c->kv_latent, n = keys_of(p, t);
-    float *ctx_lat = p->a->ctx_lat + ((size_t)t * c->n_heads + h) * dc;  /* sum_j p_j c_j */
-    if (p->windowed) {
-        weighted_sum_rows(ctx_lat, att, p->a->latents, (size_t)(dc + c->rope_dim), n, dc);
-    } else {
-        weighted_sum_row_blocks(ctx_lat, att, cache_rows(p, thread, cache, 0, n), n, dc);
-    }
+    const int lw = c->kv_latent + c->rope_dim;
+    const float *q_abs = p->a->q_abs + ((size_t)t * c->n_heads + h0) * lw;  /* (nh, lw): [q_lat ; q_R] */
+    dot_row_blocks(att, p->a->scores_stride, q_abs, (size_t)lw, nh, latent_rows(p, thread, t), keys_of(p, t), lw, p->scale);
 }
 
-/* -- the scheduling of the (head, token) items among the threads -- */
+static void mla_absorbed_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
+    const Config *c = &p->m->cfg;
+    const int dc = c->kv_latent;
+    float *ctx_lat = p->a->ctx_lat + ((size_t)t * c->n_heads + h0) * dc;  /* (nh, dc): sum_j p_j c_j */
+    weighted_sum_row_blocks(ctx_lat, (size_t)dc, att, p->a->scores_stride, nh, latent_rows(p, thread, t), keys_of(p, t), dc);
+}
+
+/* -- the scheduling of the items among the threads -- */
 
 /* The end of the run of tokens in [t0, t1) that belong to t0's sequence. */
 static int sequence_end(const TokenSlots *slots, int t0, int t1) {
@@ -340,15 +348,16 @@ static int sequence_end(const TokenSlots *slots, int t0, int t1) {
     return end;
 }
 
-/* The order of the items: sequence by sequence, and inside one sequence's tokens head by
- * head. A decode step (one token a sequence) thus runs a token's heads together, which
- * share its cache rows (GQA's groups, MLA's latents); a prefill runs each head over all
- * its tokens, which share that head's rows. Returns the number of items written. */
-static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int n_heads) {
+/* The order of the items (first head, token): sequence by sequence, and inside one
+ * sequence's tokens head group by head group. A decode step (one token a sequence) thus
+ * runs a token's heads together, which share its cache rows (GQA's groups, MLA's
+ * latents); a prefill runs each head group over all its tokens, which share those rows.
+ * Returns the number of items written. */
+static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int n_heads, int heads_per_item) {
     int n = 0;
     for (int r0 = t0, r1; r0 < t1; r0 = r1) {
         r1 = sequence_end(slots, r0, t1);
-        for (int h = 0; h < n_heads; h++)
+        for (int h = 0; h < n_heads; h += heads_per_item)
             for (int t = r0; t < r1; t++) {
                 items[2 * n] = h;
                 items[2 * n + 1] = t;
@@ -359,12 +368,13 @@ static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int 
 }
 
 /* thread: the one running the item, whose tables of cache blocks it may use */
-typedef void (*ScoresFn)(const AttnPass *p, int h, int t, int thread, float *att);
-typedef void (*MixFn)(const AttnPass *p, int h, int t, int thread, const float *att);
+typedef void (*ScoresFn)(const AttnPass *p, int h0, int nh, int t, int thread, float *att);
+typedef void (*MixFn)(const AttnPass *p, int h0, int nh, int t, int thread, const float *att);
 typedef struct {
     const AttnPass *p;
     ScoresFn scores;
     MixFn mix;
+    int heads;  /* an item's */
     long n_items;
 } Queries;
 
@@ -380,27 +390,37 @@ static long queries_part_count(const void *ctx, int part, int parts) {
 static void queries_part_items(const void *ctx, int part, int parts, long lo, long hi, int thread) {
     const Queries *qs = ctx;
     const AttnPass *p = qs->p;
-    const int *items = p->a->items;
+    const int *items = p->a->items, nh = qs->heads;
+    const size_t stride = p->a->scores_stride;
     long first, last;
     parallel_share(qs->n_items, part, parts, &first, &last);
     lo += first;
     hi += first;
-    float *att[2];  /* two items' scores, then probabilities: this thread's own, small enough to stay in L1 */
-    att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_stride;
-    att[1] = att[0] + p->a->scores_stride;
-    if (lo < hi) qs->scores(p, items[2 * lo], items[2 * lo + 1], thread, att[0]);
+    float *att[2];  /* two items' scores, then probabilities: this thread's own */
+    att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
+    att[1] = att[0] + p->a->scores_per_item;
+    if (lo < hi) qs->scores(p, items[2 * lo], nh, items[2 * lo + 1], thread, att[0]);
     for (long i = lo; i < hi; i++) {
         float *probs = att[(i - lo) % 2];
-        const int h = items[2 * i], t = items[2 * i + 1];
-        if (i + 1 < hi) qs->scores(p, items[2 * i + 2], items[2 * i + 3], thread, att[(i + 1 - lo) % 2]);
-        softmax(probs, keys_of(p, t));
-        qs->mix(p, h, t, thread, probs);
+        const int h0 = items[2 * i], t = items[2 * i + 1];
+        if (i + 1 < hi) qs->scores(p, items[2 * i + 2], nh, items[2 * i + 3], thread, att[(i + 1 - lo) % 2]);
+        for (int h = 0; h < nh; h++) softmax(probs + (size_t)h * stride, keys_of(p, t));
+        qs->mix(p, h0, nh, t, thread, probs);
     }
 }
 
-/* Runs the queries of tokens [t0, t1). */
-static void run_queries(const AttnPass *p, int t0, int t1, ScoresFn scores, MixFn mix) {
-    const Queries qs = {p, scores, mix, order_items(p->a->items, p->slots, t0, t1, p->m->cfg.n_heads)};
+/* Heads an item takes: the `sharing` heads that read the same rows, halved while the
+ * pass has too few items to share among the threads. */
+static int heads_per_item(int sharing, int tokens, int n_heads) {
+    int k = sharing;
+    while (k % 2 == 0 && (long)tokens * (n_heads / k) < 4L * parallel_threads()) k /= 2;
+    return k;
+}
+
+/* Runs the queries of tokens [t0, t1), `sharing` heads reading the same rows. */
+static void run_queries(const AttnPass *p, int t0, int t1, int sharing, ScoresFn scores, MixFn mix) {
+    const int H = p->m->cfg.n_heads, heads = heads_per_item(sharing, t1 - t0, H);
+    const Queries qs = {p, scores, mix, heads, order_items(p->a->items, p->slots, t0, t1, H, heads)};
     const ParallelParts parts = {queries_part_count, queries_part_items, &qs};
     long keys = 0;
     for (int t = t0; t < t1; t++) keys += keys_of(p, t);
@@ -452,7 +472,7 @@ static void kv_heads_window_sequence(const AttnPass *p, int t0, int t1) {
     const Config *c = &p->m->cfg;
     parallel_for(2L * c->n_kv_heads, gather_head, &g,
                  parallel_mode(2L * c->n_kv_heads * c->head_dim * keys_of(p, t1 - 1), t1 - t0));
-    run_queries(p, t0, t1, kv_heads_scores, kv_heads_mix);
+    run_queries(p, t0, t1, kv_group_size(&p->m->cfg), kv_heads_scores, kv_heads_mix);
 }
 
 static void attention_kv_heads(const AttnPass *p, const float *xb) {
@@ -468,7 +488,7 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
     matmul_jobs(qkv, 3);
     parallel_for((long)T * Hkv, kv_heads_store, p, parallel_mode((long)T * Hkv * hd, T));
     if (p->windowed) for_each_sequence(p, kv_heads_window_sequence);
-    else run_queries(p, 0, T, kv_heads_scores, kv_heads_mix);
+    else run_queries(p, 0, T, kv_group_size(c), kv_heads_scores, kv_heads_mix);
 }
 
 /* Item t: token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R
@@ -522,7 +542,7 @@ static void mla_expanded_sequence(const AttnPass *p, int t0, int t1) {
         {a->v_exp, es, a->latents, lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
     };
     matmul_jobs(expand, 2);
-    run_queries(p, t0, t1, mla_expanded_scores, mla_expanded_mix);
+    run_queries(p, t0, t1, 1, mla_expanded_scores, mla_expanded_mix);
 }
 
 /* q_abs = [W_UK,h^T q_C ; q_R] for every token and head: (T, H, dc + rd) */
@@ -551,7 +571,7 @@ static void mla_expand_contexts(const AttnPass *p) {
 
 static void mla_absorbed_window_sequence(const AttnPass *p, int t0, int t1) {
     mla_gather(p, t1 - 1);
-    run_queries(p, t0, t1, mla_absorbed_scores, mla_absorbed_mix);
+    run_queries(p, t0, t1, p->m->cfg.n_heads, mla_absorbed_scores, mla_absorbed_mix);
 }
 
 void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int layer, const float *xb, float *heads,
@@ -566,7 +586,7 @@ void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int laye
         else {
             mla_absorb_queries(&p);
             if (windowed) for_each_sequence(&p, mla_absorbed_window_sequence);
-            else run_queries(&p, 0, slots->T, mla_absorbed_scores, mla_absorbed_mix);
+            else run_queries(&p, 0, slots->T, m->cfg.n_heads, mla_absorbed_scores, mla_absorbed_mix);
             mla_expand_contexts(&p);
         }
     }

@@ -38,13 +38,14 @@ typedef struct {
     float *latents;       /* (max_keys, kv_latent+rope_dim) one sequence's cached [c ; k_R] (MLA, expanded) */
     float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
     float *window_rows;   /* (2*n_kv_heads, max_keys, head_dim) one sequence's window, gathered */
-    int *items;           /* (n_heads*max_tokens, 2) the (head, token) order of the queries */
+    int *items;           /* (n_heads*max_tokens, 2) the (first head, token) order of the queries */
     MatmulJob *head_jobs; /* (n_heads) one product per head (MLA, absorbed) */
     int max_keys;
     /* each thread's own (PARALLEL_MAX_THREADS of each, touched only by the threads that run):
      * on the heap rather than the threads' stacks, whose size the user sets */
-    float *scores;        /* (threads, 2, scores_stride) two items' scores, then probabilities */
-    size_t scores_stride; /* max_keys, rounded up to a 64-byte line */
+    float *scores;        /* (threads, 2, n_heads, scores_stride) two items' scores, then probabilities */
+    size_t scores_stride; /* a head's: max_keys, rounded up to a 64-byte line */
+    size_t scores_per_item; /* n_heads * scores_stride */
     const void **row_blocks;   /* (threads, blocks_per_row) the blocks a cache row spans */
     const float **row_scales;  /* (threads, blocks_per_row) their int8 scales */
     int blocks_per_row;

@@ -226,55 +226,64 @@ static inline void prefetch_block(const RowBlocks *r, int b, int m) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 3);
 }
 
-void dot_row_blocks(float *out, const float *q, RowBlocks rows, int n, int width, float scale) {
+void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n, int width,
+                    float scale) {
     for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
-        switch (rows.dtype) {  /* fp32 rows take dot_rows' loops with constant widths */
-        case DTYPE_F32: dot_rows(out + j0, q, rows.block[b], rows.stride, m, width, scale); break;
-        case DTYPE_BF16: dot_block_rows(out + j0, q, &rows, b, m, width, scale, DTYPE_BF16); break;
-        case DTYPE_I8: dot_block_rows(out + j0, q, &rows, b, m, width, scale, DTYPE_I8); break;
+        for (int h = 0; h < n_heads; h++) {  /* every head reads the block while it is in L1 */
+            float *o = out + (size_t)h * ld_out + j0;
+            const float *qh = q + (size_t)h * ld_q;
+            switch (rows.dtype) {  /* fp32 rows take dot_rows' loops with constant widths */
+            case DTYPE_F32: dot_rows(o, qh, rows.block[b], rows.stride, m, width, scale); break;
+            case DTYPE_BF16: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_BF16); break;
+            case DTYPE_I8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I8); break;
+            }
         }
     }
 }
 
 static inline __attribute__((always_inline)) void
-weighted_sum_typed(float *out, const float *p, const RowBlocks *rows, int n, int width, DType dt) {
+weighted_sum_typed(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, const RowBlocks *rows, int n,
+                   int width, DType dt) {
     const size_t row_bytes = rows->stride * dtype_size(dt);
-    for (int c = 0; c < width; c += 32) {  /* 32 columns per pass (two slices), each with two chains */
-        const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
-        v16 even0 = v16_zero(), odd0 = v16_zero(), even1 = v16_zero(), odd1 = v16_zero();
-        for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) {  /* blocks start at even j */
-            const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
-            if (c == 0 && j0 + m < n)
-                prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
-            const char *row = rows->block[b];
-            const float *pb = p + j0;
-            int j = 0;
-            for (; j + 2 <= m; j += 2, row += 2 * row_bytes) {
-                const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
-                const float *se = row_scales(rows, b, j), *so = row_scales(rows, b, j + 1);
-                even0 = v16_fma(p_even, row_load(row, se, c, len0, dt, rows->split), even0);
-                odd0 = v16_fma(p_odd, row_load(row + row_bytes, so, c, len0, dt, rows->split), odd0);
-                even1 = v16_fma(p_even, row_load(row, se, c + 16, len1, dt, rows->split), even1);
-                odd1 = v16_fma(p_odd, row_load(row + row_bytes, so, c + 16, len1, dt, rows->split), odd1);
+    for (int c = 0; c < width; c += 32)  /* 32 columns per pass (two slices), each with two chains */
+        for (int h = 0; h < n_heads; h++) {  /* every head reads the slice while it is in L1 */
+            const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
+            v16 even0 = v16_zero(), odd0 = v16_zero(), even1 = v16_zero(), odd1 = v16_zero();
+            for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) {  /* blocks start at even j */
+                const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
+                if (c == 0 && h == 0 && j0 + m < n)
+                    prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
+                const char *row = rows->block[b];
+                const float *pb = p + (size_t)h * ld_p + j0;
+                int j = 0;
+                for (; j + 2 <= m; j += 2, row += 2 * row_bytes) {
+                    const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
+                    const float *se = row_scales(rows, b, j), *so = row_scales(rows, b, j + 1);
+                    even0 = v16_fma(p_even, row_load(row, se, c, len0, dt, rows->split), even0);
+                    odd0 = v16_fma(p_odd, row_load(row + row_bytes, so, c, len0, dt, rows->split), odd0);
+                    even1 = v16_fma(p_even, row_load(row, se, c + 16, len1, dt, rows->split), even1);
+                    odd1 = v16_fma(p_odd, row_load(row + row_bytes, so, c + 16, len1, dt, rows->split), odd1);
+                }
+                if (j < m) {  /* an odd last row: only in the last block */
+                    const float *se = row_scales(rows, b, j);
+                    even0 = v16_fma(v16_set1(pb[j]), row_load(row, se, c, len0, dt, rows->split), even0);
+                    even1 = v16_fma(v16_set1(pb[j]), row_load(row, se, c + 16, len1, dt, rows->split), even1);
+                }
             }
-            if (j < m) {  /* an odd last row: only in the last block */
-                const float *se = row_scales(rows, b, j);
-                even0 = v16_fma(v16_set1(pb[j]), row_load(row, se, c, len0, dt, rows->split), even0);
-                even1 = v16_fma(v16_set1(pb[j]), row_load(row, se, c + 16, len1, dt, rows->split), even1);
-            }
+            float *o = out + (size_t)h * ld_out;
+            v16_store(o + c, v16_add(even0, odd0), len0);
+            if (len1) v16_store(o + c + 16, v16_add(even1, odd1), len1);
         }
-        v16_store(out + c, v16_add(even0, odd0), len0);
-        if (len1) v16_store(out + c + 16, v16_add(even1, odd1), len1);
-    }
 }
 
-void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, int width) {
+void weighted_sum_row_blocks(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, RowBlocks rows, int n,
+                             int width) {
     switch (rows.dtype) {
-    case DTYPE_F32: weighted_sum_typed(out, p, &rows, n, width, DTYPE_F32); break;
-    case DTYPE_BF16: weighted_sum_typed(out, p, &rows, n, width, DTYPE_BF16); break;
-    case DTYPE_I8: weighted_sum_typed(out, p, &rows, n, width, DTYPE_I8); break;
+    case DTYPE_F32: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_F32); break;
+    case DTYPE_BF16: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_BF16); break;
+    case DTYPE_I8: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_I8); break;
     }
 }
 
@@ -320,7 +329,7 @@ void row_dequantize(float *dst, const void *row, const float *scales, int n, int
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
     const void *one[2] = {rows, NULL};  /* [1] is never read, but GCC cannot tell (prefetch_block) */
     const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0};  /* one block holding every row */
-    weighted_sum_typed(out, p, &all, n, width, DTYPE_F32);
+    weighted_sum_typed(out, 0, p, 0, 1, &all, n, width, DTYPE_F32);
 }
 
 float dot_canonical_scalar(const float *a, const float *b, int n) {

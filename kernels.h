@@ -131,10 +131,15 @@ typedef struct {
     DType dtype;
     int n_scales, split;         /* DTYPE_I8 only */
 } RowBlocks;
-/* dot_rows and weighted_sum_rows over such rows, bit for bit what they give on the same
- * rows stored contiguously as the floats they stand for. */
-void dot_row_blocks(float *out, const float *q, RowBlocks rows, int n, int width, float scale);
-void weighted_sum_row_blocks(float *out, const float *p, RowBlocks rows, int n, int width);
+/* dot_rows and weighted_sum_rows over such rows for n_heads heads that read the same rows
+ * (a GQA group, MQA's or MLA's heads): head h's query (or probabilities) at q + h*ld_q
+ * (p + h*ld_p), its output at out + h*ld_out. Bit for bit what dot_rows and
+ * weighted_sum_rows give each head on the same rows stored contiguously as the floats
+ * they stand for; the heads take each part of the rows in turn while it is in L1. */
+void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n, int width,
+                    float scale);
+void weighted_sum_row_blocks(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, RowBlocks rows, int n,
+                             int width);
 
 /* out = w * x / sqrt(mean(x^2) + eps); w is a vector of n (out may be x). */
 void rmsnorm(float *out, const float *x, Mat w, int n, float eps);

@@ -444,10 +444,11 @@ static void test_dot_rows_and_weighted_sum(void **state) {
 
 /* The paged cache's rows: the same rows copied into scattered blocks of 16 give the same
  * scores and weighted sums, bit for bit, for any number of rows (whole blocks, a part of
- * one, an odd count). */
+ * one, an odd count), and for any number of heads reading them at once, each head as
+ * when it reads them alone. */
 static void test_row_blocks_equal_contiguous_rows(void **state) {
-    enum { N = 70, STRIDE = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK };
-    float *rows = random_floats(N * STRIDE, 91), *q = random_floats(144, 92), *p = random_floats(N, 93);
+    enum { N = 70, STRIDE = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 3, LDQ = 150, LDP = 75, LDO = 160 };
+    float *rows = random_floats(N * STRIDE, 91), *q = random_floats(HEADS * LDQ, 92), *p = random_floats(HEADS * LDP, 93);
     float *store = random_floats((size_t)(BLOCKS + 3) * BLOCK * STRIDE, 94);  /* blocks in a scrambled order */
     const void *blocks[BLOCKS];
     for (int b = 0; b < BLOCKS; b++) {
@@ -458,17 +459,20 @@ static void test_row_blocks_equal_contiguous_rows(void **state) {
     }
     const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0};
     const int widths[] = {16, 32, 80, 144, 100}, counts[] = {1, 15, 16, 17, 32, 33, 70};
-    float a[N], b[N], sa[144], sb[144];
+    float a[N], b[HEADS * LDO], sa[144], sb[HEADS * LDO];
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
-        for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
-            const int w = widths[i], n = counts[k];
-            dot_rows(a, q, rows, STRIDE, n, w, 0.3f);
-            dot_row_blocks(b, q, paged, n, w, 0.3f);
-            assert_memory_equal(a, b, (size_t)n * sizeof(float));
-            weighted_sum_rows(sa, p, rows, STRIDE, n, w);
-            weighted_sum_row_blocks(sb, p, paged, n, w);
-            assert_memory_equal(sa, sb, (size_t)w * sizeof(float));
-        }
+        for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
+            for (int nh = 1; nh <= HEADS; nh += HEADS - 1) {
+                const int w = widths[i], n = counts[k];
+                dot_row_blocks(b, LDO, q, LDQ, nh, paged, n, w, 0.3f);
+                weighted_sum_row_blocks(sb, LDO, p, LDP, nh, paged, n, w);
+                for (int h = 0; h < nh; h++) {
+                    dot_rows(a, q + h * LDQ, rows, STRIDE, n, w, 0.3f);
+                    assert_memory_equal(a, b + h * LDO, (size_t)n * sizeof(float));
+                    weighted_sum_rows(sa, p + h * LDP, rows, STRIDE, n, w);
+                    assert_memory_equal(sa, sb + h * LDO, (size_t)w * sizeof(float));
+                }
+            }
     free(rows);
     free(q);
     free(p);
@@ -541,10 +545,10 @@ static void test_typed_rows_equal_their_floats(void **state) {
         for (int n = 1; n <= N; n += 9) {
             float a[N], b[N], sa[W], sb[W];
             dot_rows(a, q, floats, W, n, W, 0.7f);
-            dot_row_blocks(b, q, rows, n, W, 0.7f);
+            dot_row_blocks(b, 0, q, 0, 1, rows, n, W, 0.7f);
             assert_memory_equal(a, b, (size_t)n * sizeof(float));
             weighted_sum_rows(sa, p, floats, W, n, W);
-            weighted_sum_row_blocks(sb, p, rows, n, W);
+            weighted_sum_row_blocks(sb, 0, p, 0, 1, rows, n, W);
             assert_memory_equal(sa, sb, sizeof sa);
         }
     }
