@@ -201,7 +201,7 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
     a->blocks_per_row = kv_blocks_for(max_keys);
     const size_t threads = PARALLEL_MAX_THREADS, per_thread_blocks = (size_t)a->blocks_per_row;
     void *scores = NULL;
-    a->scores_per_item = H * a->scores_stride;
+    a->scores_per_item = (H < ATTN_MAX_HEADS_PER_ITEM ? H : ATTN_MAX_HEADS_PER_ITEM) * a->scores_stride;
     if (posix_memalign(&scores, 64, threads * 2 * a->scores_per_item * sizeof(float)) != 0) scores = NULL;
     a->scores = scores;
     a->row_blocks = malloc(threads * per_thread_blocks * sizeof *a->row_blocks);
@@ -409,10 +409,12 @@ static void queries_part_items(const void *ctx, int part, int parts, long lo, lo
     }
 }
 
-/* Heads an item takes: the `sharing` heads that read the same rows, halved while the
- * pass has too few items to share among the threads. */
+/* Heads an item takes: as many of the `sharing` heads that read the same rows as divide
+ * them, up to ATTN_MAX_HEADS_PER_ITEM, halved while the pass has too few items to share
+ * among the threads. */
 static int heads_per_item(int sharing, int tokens, int n_heads) {
-    int k = sharing;
+    int k = sharing < ATTN_MAX_HEADS_PER_ITEM ? sharing : ATTN_MAX_HEADS_PER_ITEM;
+    while (sharing % k != 0) k--;
     while (k % 2 == 0 && (long)tokens * (n_heads / k) < 4L * parallel_threads()) k /= 2;
     return k;
 }

@@ -25,6 +25,11 @@ typedef struct {
     const int *pos;         /* (T) */
 } TokenSlots;
 
+/* The most heads one item of attention takes together (they read the same rows while
+ * those are in L1); 16 already shares each row among 16 heads. It bounds the scores each
+ * thread keeps. */
+enum { ATTN_MAX_HEADS_PER_ITEM = 16 };
+
 /* Scratch of one layer's attention for passes of up to max_tokens tokens over up to
  * max_keys positions. */
 typedef struct {
@@ -43,9 +48,9 @@ typedef struct {
     int max_keys;
     /* each thread's own (PARALLEL_MAX_THREADS of each, touched only by the threads that run):
      * on the heap rather than the threads' stacks, whose size the user sets */
-    float *scores;        /* (threads, 2, n_heads, scores_stride) two items' scores, then probabilities */
+    float *scores;        /* (threads, 2, heads an item, scores_stride) two items' scores, then probabilities */
     size_t scores_stride; /* a head's: max_keys, rounded up to a 64-byte line */
-    size_t scores_per_item; /* n_heads * scores_stride */
+    size_t scores_per_item; /* min(n_heads, ATTN_MAX_HEADS_PER_ITEM) * scores_stride */
     const void **row_blocks;   /* (threads, blocks_per_row) the blocks a cache row spans */
     const float **row_scales;  /* (threads, blocks_per_row) their int8 scales */
     int blocks_per_row;

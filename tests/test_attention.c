@@ -30,9 +30,11 @@ static void use_cache(Fixture *f, DType dtype, int window, int sinks) {
     assert_int_equal(kv_init(&f->cache, &f->pool, window ? 1 << 16 : f->m.cfg.max_seq_len), 0);
 }
 
-static Fixture *load_variant(Variant v, int latent) {
+/* n_heads, n_kv_heads: 0 keeps test_config's */
+static Fixture *load_shape(Variant v, int latent, int n_heads, int n_kv_heads) {
     Fixture *f = calloc(1, sizeof *f);
     Config c = test_config(v, latent, 320, DTYPE_BF16);
+    if (n_heads) c.n_heads = n_heads, c.n_kv_heads = n_kv_heads;
     const char *path = temp_path("attn.bin");
     /* the vocabulary must match the tokenizer: read it from the tokenizer itself */
     char err[256];
@@ -46,6 +48,8 @@ static Fixture *load_variant(Variant v, int latent) {
     use_cache(f, DTYPE_F32, 0, 0);
     return f;
 }
+
+static Fixture *load_variant(Variant v, int latent) { return load_shape(v, latent, 0, 0); }
 
 static void free_fixture(Fixture *f) {
     kv_free(&f->cache);
@@ -166,8 +170,8 @@ static void attention_pass(Fixture *f, const float *xb, int T, MlaForm form) {
     f->cache.len += T;
 }
 
-static void check_variant(Variant v, int latent, MlaForm form) {
-    Fixture *f = load_variant(v, latent);
+static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_kv_heads) {
+    Fixture *f = load_shape(v, latent, n_heads, n_kv_heads);
     const int absorb = form == MLA_ABSORBED;
     const Config *c = &f->m.cfg;
     const int T = 19, D = c->dim, HD = c->n_heads * c->head_dim;
@@ -249,6 +253,8 @@ static void check_variant(Variant v, int latent, MlaForm form) {
     free_fixture(f);
 }
 
+static void check_variant(Variant v, int latent, MlaForm form) { check_shape(v, latent, form, 0, 0); }
+
 static void test_mha(void **state) { check_variant(VARIANT_MHA, 0, MLA_EXPANDED); }
 static void test_gqa(void **state) { check_variant(VARIANT_GQA, 0, MLA_EXPANDED); }
 static void test_mqa(void **state) { check_variant(VARIANT_MQA, 0, MLA_EXPANDED); }
@@ -259,6 +265,16 @@ static void test_mla_expanded(void **state) {
 static void test_mla_absorbed(void **state) {
     check_variant(VARIANT_MLA, 16, MLA_ABSORBED);
     check_variant(VARIANT_MLA, 32, MLA_ABSORBED);
+}
+
+/* Heads that read the same rows go to the kernels together, as many as divide their group
+ * up to ATTN_MAX_HEADS_PER_ITEM, fewer when a pass has few tokens: groups that are odd (3),
+ * larger than that (24 heads: 12 at a time) or neither a power of two nor odd (MLA, 20) give
+ * every query what its specification gives, bit for bit. */
+static void test_head_groups(void **state) {
+    check_shape(VARIANT_GQA, 0, MLA_EXPANDED, 6, 2);
+    check_shape(VARIANT_MQA, 0, MLA_EXPANDED, 24, 1);
+    check_shape(VARIANT_MLA, 16, MLA_ABSORBED, 20, 0);
 }
 
 /* The whole model: logits of a T-token pass equal, bit for bit, those of a prefill
@@ -311,7 +327,8 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mha),          cmocka_unit_test(test_gqa),
         cmocka_unit_test(test_mqa),          cmocka_unit_test(test_mla_expanded),
-        cmocka_unit_test(test_mla_absorbed), cmocka_unit_test(test_forward_cache_invariance),
+        cmocka_unit_test(test_mla_absorbed), cmocka_unit_test(test_head_groups),
+        cmocka_unit_test(test_forward_cache_invariance),
     };
     return cmocka_run_group_tests_name("attention", tests, NULL, NULL);
 }
