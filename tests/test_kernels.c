@@ -520,10 +520,11 @@ static void test_row_quantize(void **state) {
 }
 
 /* Rows stored as bf16 or int8 (two scale parts, meeting inside a 16-lane chunk) give the
- * scores and weighted sums of the floats they stand for, bit for bit. */
+ * scores and weighted sums of the floats they stand for, bit for bit, for one head and
+ * for two reading them at once. */
 static void test_typed_rows_equal_their_floats(void **state) {
-    enum { N = 37, W = 40, SPLIT = 24, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK };
-    float *x = random_floats(N * W, 71), *q = random_floats(W, 72), *p = random_floats(N, 73);
+    enum { N = 37, W = 40, SPLIT = 24, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 2 };
+    float *x = random_floats(N * W, 71), *q = random_floats(HEADS * W, 72), *p = random_floats(HEADS * N, 73);
     float floats[N * W], scales[N * 2];
     int8_t i8[N * W];
     bf16 h[N * W];
@@ -542,15 +543,18 @@ static void test_typed_rows_equal_their_floats(void **state) {
             block_scales[b] = scales + (size_t)b * BLOCK * 2;
         }
         const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dt == DTYPE_I8 ? 2 : 0, SPLIT};
-        for (int n = 1; n <= N; n += 9) {
-            float a[N], b[N], sa[W], sb[W];
-            dot_rows(a, q, floats, W, n, W, 0.7f);
-            dot_row_blocks(b, 0, q, 0, 1, rows, n, W, 0.7f);
-            assert_memory_equal(a, b, (size_t)n * sizeof(float));
-            weighted_sum_rows(sa, p, floats, W, n, W);
-            weighted_sum_row_blocks(sb, 0, p, 0, 1, rows, n, W);
-            assert_memory_equal(sa, sb, sizeof sa);
-        }
+        for (int n = 1; n <= N; n += 9)
+            for (int nh = 1; nh <= HEADS; nh++) {
+                float a[N], b[HEADS * N], sa[W], sb[HEADS * W];
+                dot_row_blocks(b, N, q, W, nh, rows, n, W, 0.7f);
+                weighted_sum_row_blocks(sb, W, p, N, nh, rows, n, W);
+                for (int hh = 0; hh < nh; hh++) {
+                    dot_rows(a, q + hh * W, floats, W, n, W, 0.7f);
+                    assert_memory_equal(a, b + hh * N, (size_t)n * sizeof(float));
+                    weighted_sum_rows(sa, p + hh * N, floats, W, n, W);
+                    assert_memory_equal(sa, sb + hh * W, sizeof sa);
+                }
+            }
     }
     free(x);
     free(q);
