@@ -243,39 +243,66 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
     }
 }
 
+/* Heads h0 .. h0+nh-1 over columns [c, c + 32) (two slices, each with two chains): each
+ * row's columns are loaded once for the nh heads (nh a constant, 1 or 2). */
+static inline __attribute__((always_inline)) void
+weighted_sum_pass(float *out, size_t ld_out, const float *p, size_t ld_p, const int nh, const RowBlocks *rows, int n,
+                  int c, int width, DType dt, int prefetch) {
+    const size_t row_bytes = rows->stride * dtype_size(dt);
+    const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
+    v16 even0[2], odd0[2], even1[2], odd1[2];
+    for (int h = 0; h < nh; h++) even0[h] = odd0[h] = even1[h] = odd1[h] = v16_zero();
+    for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) {  /* blocks start at even j */
+        const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
+        if (prefetch && j0 + m < n) prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
+        const char *row = rows->block[b];
+        int j = 0;
+        for (; j + 2 <= m; j += 2, row += 2 * row_bytes) {
+            const float *se = row_scales(rows, b, j), *so = row_scales(rows, b, j + 1);
+            const v16 e0 = row_load(row, se, c, len0, dt, rows->split), o0 = row_load(row + row_bytes, so, c, len0, dt, rows->split);
+            const v16 e1 = row_load(row, se, c + 16, len1, dt, rows->split);
+            const v16 o1 = row_load(row + row_bytes, so, c + 16, len1, dt, rows->split);
+            for (int h = 0; h < nh; h++) {
+                const float *pb = p + (size_t)h * ld_p + j0;
+                const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
+                even0[h] = v16_fma(p_even, e0, even0[h]);
+                odd0[h] = v16_fma(p_odd, o0, odd0[h]);
+                even1[h] = v16_fma(p_even, e1, even1[h]);
+                odd1[h] = v16_fma(p_odd, o1, odd1[h]);
+            }
+        }
+        if (j < m) {  /* an odd last row: only in the last block */
+            const float *se = row_scales(rows, b, j);
+            const v16 e0 = row_load(row, se, c, len0, dt, rows->split), e1 = row_load(row, se, c + 16, len1, dt, rows->split);
+            for (int h = 0; h < nh; h++) {
+                const v16 p_last = v16_set1(p[(size_t)h * ld_p + j0 + j]);
+                even0[h] = v16_fma(p_last, e0, even0[h]);
+                even1[h] = v16_fma(p_last, e1, even1[h]);
+            }
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        float *o = out + (size_t)h * ld_out;
+        v16_store(o + c, v16_add(even0[h], odd0[h]), len0);
+        if (len1) v16_store(o + c + 16, v16_add(even1[h], odd1[h]), len1);
+    }
+}
+
+/* Heads two at a time where 32 registers hold their 8 chains and the rows' 4 vectors
+ * (AVX-512), so each row is loaded once for both; every head reads a column pass's rows
+ * while they are in L1. */
 static inline __attribute__((always_inline)) void
 weighted_sum_typed(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, const RowBlocks *rows, int n,
                    int width, DType dt) {
-    const size_t row_bytes = rows->stride * dtype_size(dt);
-    for (int c = 0; c < width; c += 32)  /* 32 columns per pass (two slices), each with two chains */
-        for (int h = 0; h < n_heads; h++) {  /* every head reads the slice while it is in L1 */
-            const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
-            v16 even0 = v16_zero(), odd0 = v16_zero(), even1 = v16_zero(), odd1 = v16_zero();
-            for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) {  /* blocks start at even j */
-                const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
-                if (c == 0 && h == 0 && j0 + m < n)
-                    prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
-                const char *row = rows->block[b];
-                const float *pb = p + (size_t)h * ld_p + j0;
-                int j = 0;
-                for (; j + 2 <= m; j += 2, row += 2 * row_bytes) {
-                    const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
-                    const float *se = row_scales(rows, b, j), *so = row_scales(rows, b, j + 1);
-                    even0 = v16_fma(p_even, row_load(row, se, c, len0, dt, rows->split), even0);
-                    odd0 = v16_fma(p_odd, row_load(row + row_bytes, so, c, len0, dt, rows->split), odd0);
-                    even1 = v16_fma(p_even, row_load(row, se, c + 16, len1, dt, rows->split), even1);
-                    odd1 = v16_fma(p_odd, row_load(row + row_bytes, so, c + 16, len1, dt, rows->split), odd1);
-                }
-                if (j < m) {  /* an odd last row: only in the last block */
-                    const float *se = row_scales(rows, b, j);
-                    even0 = v16_fma(v16_set1(pb[j]), row_load(row, se, c, len0, dt, rows->split), even0);
-                    even1 = v16_fma(v16_set1(pb[j]), row_load(row, se, c + 16, len1, dt, rows->split), even1);
-                }
-            }
-            float *o = out + (size_t)h * ld_out;
-            v16_store(o + c, v16_add(even0, odd0), len0);
-            if (len1) v16_store(o + c + 16, v16_add(even1, odd1), len1);
-        }
+    for (int c = 0; c < width; c += 32) {
+        int h = 0;
+#if ISA_AVX512
+        for (; h + 2 <= n_heads; h += 2)
+            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 2, rows, n, c, width, dt, c == 0 && h == 0);
+#endif
+        for (; h < n_heads; h++)
+            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 1, rows, n, c, width, dt, c == 0 && h == 0);
+    }
 }
 
 void weighted_sum_row_blocks(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, RowBlocks rows, int n,
