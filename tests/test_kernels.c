@@ -442,12 +442,33 @@ static void test_dot_rows_and_weighted_sum(void **state) {
     free(p);
 }
 
+/* Reads `rows` with n_heads heads at once (head h's query at q + h*ld_q, probabilities at
+ * p + h*ld_p) and checks that each head gets what dot_rows and weighted_sum_rows give it
+ * alone on `floats`, the rows they stand for, `stride` apart. */
+static void check_heads_read_alike(RowBlocks rows, const float *floats, size_t stride, int n, int width, int n_heads,
+                                   const float *q, size_t ld_q, const float *p, size_t ld_p, float scale) {
+    float *scores = malloc(sizeof(float) * (size_t)n_heads * (size_t)n);
+    float *sums = malloc(sizeof(float) * (size_t)n_heads * (size_t)width);
+    float *alone = malloc(sizeof(float) * (size_t)(n > width ? n : width));
+    dot_row_blocks(scores, (size_t)n, q, ld_q, n_heads, rows, n, width, scale);
+    weighted_sum_row_blocks(sums, (size_t)width, p, ld_p, n_heads, rows, n, width);
+    for (int h = 0; h < n_heads; h++) {
+        dot_rows(alone, q + h * ld_q, floats, stride, n, width, scale);
+        assert_memory_equal(alone, scores + (size_t)h * n, (size_t)n * sizeof(float));
+        weighted_sum_rows(alone, p + h * ld_p, floats, stride, n, width);
+        assert_memory_equal(alone, sums + (size_t)h * width, (size_t)width * sizeof(float));
+    }
+    free(scores);
+    free(sums);
+    free(alone);
+}
+
 /* The paged cache's rows: the same rows copied into scattered blocks of 16 give the same
  * scores and weighted sums, bit for bit, for any number of rows (whole blocks, a part of
  * one, an odd count), and for any number of heads reading them at once, each head as
  * when it reads them alone. */
 static void test_row_blocks_equal_contiguous_rows(void **state) {
-    enum { N = 70, STRIDE = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 3, LDQ = 150, LDP = 75, LDO = 160 };
+    enum { N = 70, STRIDE = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 3, LDQ = 150, LDP = 75 };
     float *rows = random_floats(N * STRIDE, 91), *q = random_floats(HEADS * LDQ, 92), *p = random_floats(HEADS * LDP, 93);
     float *store = random_floats((size_t)(BLOCKS + 3) * BLOCK * STRIDE, 94);  /* blocks in a scrambled order */
     const void *blocks[BLOCKS];
@@ -459,20 +480,10 @@ static void test_row_blocks_equal_contiguous_rows(void **state) {
     }
     const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0};
     const int widths[] = {16, 32, 80, 144, 100}, counts[] = {1, 15, 16, 17, 32, 33, 70};
-    float a[N], b[HEADS * LDO], sa[144], sb[HEADS * LDO];
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
-            for (int nh = 1; nh <= HEADS; nh += HEADS - 1) {
-                const int w = widths[i], n = counts[k];
-                dot_row_blocks(b, LDO, q, LDQ, nh, paged, n, w, 0.3f);
-                weighted_sum_row_blocks(sb, LDO, p, LDP, nh, paged, n, w);
-                for (int h = 0; h < nh; h++) {
-                    dot_rows(a, q + h * LDQ, rows, STRIDE, n, w, 0.3f);
-                    assert_memory_equal(a, b + h * LDO, (size_t)n * sizeof(float));
-                    weighted_sum_rows(sa, p + h * LDP, rows, STRIDE, n, w);
-                    assert_memory_equal(sa, sb + h * LDO, (size_t)w * sizeof(float));
-                }
-            }
+            for (int nh = 1; nh <= HEADS; nh++)
+                check_heads_read_alike(paged, rows, STRIDE, counts[k], widths[i], nh, q, LDQ, p, LDP, 0.3f);
     free(rows);
     free(q);
     free(p);
@@ -521,9 +532,9 @@ static void test_row_quantize(void **state) {
 
 /* Rows stored as bf16 or int8 (two scale parts, meeting inside a 16-lane chunk) give the
  * scores and weighted sums of the floats they stand for, bit for bit, for one head and
- * for two reading them at once. */
+ * for two and three reading them at once. */
 static void test_typed_rows_equal_their_floats(void **state) {
-    enum { N = 37, W = 40, SPLIT = 24, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 2 };
+    enum { N = 37, W = 40, SPLIT = 24, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 3 };
     float *x = random_floats(N * W, 71), *q = random_floats(HEADS * W, 72), *p = random_floats(HEADS * N, 73);
     float floats[N * W], scales[N * 2];
     int8_t i8[N * W];
@@ -544,17 +555,7 @@ static void test_typed_rows_equal_their_floats(void **state) {
         }
         const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dt == DTYPE_I8 ? 2 : 0, SPLIT};
         for (int n = 1; n <= N; n += 9)
-            for (int nh = 1; nh <= HEADS; nh++) {
-                float a[N], b[HEADS * N], sa[W], sb[HEADS * W];
-                dot_row_blocks(b, N, q, W, nh, rows, n, W, 0.7f);
-                weighted_sum_row_blocks(sb, W, p, N, nh, rows, n, W);
-                for (int hh = 0; hh < nh; hh++) {
-                    dot_rows(a, q + hh * W, floats, W, n, W, 0.7f);
-                    assert_memory_equal(a, b + hh * N, (size_t)n * sizeof(float));
-                    weighted_sum_rows(sa, p + hh * N, floats, W, n, W);
-                    assert_memory_equal(sa, sb + hh * W, sizeof sa);
-                }
-            }
+            for (int nh = 1; nh <= HEADS; nh++) check_heads_read_alike(rows, floats, W, n, W, nh, q, W, p, N, 0.7f);
     }
     free(x);
     free(q);
