@@ -258,11 +258,14 @@ static const float *window_head(const AttnPass *p, int row) {
     return p->a->window_rows + (size_t)row * p->a->max_keys * p->m->cfg.head_dim;
 }
 
-/* Rows gathered from a window (contiguous floats, `stride` apart), as the kernels' blocks
- * of KV_BLOCK_TOKENS rows, listed in thread `thread`'s tables. */
-static RowBlocks gathered_rows(const AttnPass *pass, int thread, const float *rows, size_t stride, int n) {
-    const void **blocks = pass->a->row_blocks + (size_t)thread * pass->a->blocks_per_row;
-    for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = rows + (size_t)b * KV_BLOCK_TOKENS * stride;
+/* Token t's keys in row `row` of the pass's layer, block by block: from the cache, or with
+ * a window from the copy gathered at `gathered` (`stride` floats a row), listed as blocks
+ * of KV_BLOCK_TOKENS rows; either way in thread `thread`'s tables. */
+static RowBlocks item_rows(const AttnPass *p, int thread, int t, int row, const float *gathered, size_t stride) {
+    const int n = keys_of(p, t);
+    if (!p->windowed) return cache_rows(p, thread, p->slots->cache[t], row, n);
+    const void **blocks = p->a->row_blocks + (size_t)thread * p->a->blocks_per_row;
+    for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = gathered + (size_t)b * KV_BLOCK_TOKENS * stride;
     return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0};
 }
 
@@ -270,10 +273,9 @@ static RowBlocks gathered_rows(const AttnPass *pass, int thread, const float *ro
  * their scores into att (one row of scores_stride a head), then the mix of the
  * probabilities softmax made of them -- */
 
+/* KV head row `row` (keys of KV head g, then values): gathered at window_head(row) */
 static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int row) {
-    const int n = keys_of(p, t);
-    if (p->windowed) return gathered_rows(p, thread, window_head(p, row), (size_t)p->m->cfg.head_dim, n);
-    return cache_rows(p, thread, p->slots->cache[t], row, n);
+    return item_rows(p, thread, t, row, window_head(p, row), (size_t)p->m->cfg.head_dim);
 }
 
 static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
@@ -320,9 +322,7 @@ static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int threa
  * and the weighted latents are taken out after every item (mla_expand_contexts), each as one
  * product per head over the pass's tokens, so an item reads only the latents. */
 static RowBlocks latent_rows(const AttnPass *p, int thread, int t) {
-    const int n = keys_of(p, t);
-    if (p->windowed) return gathered_rows(p, thread, p->a->latents, (size_t)(p->m->cfg.kv_latent + p->m->cfg.rope_dim), n);
-    return cache_rows(p, thread, p->slots->cache[t], 0, n);
+    return item_rows(p, thread, t, 0, p->a->latents, (size_t)(p->m->cfg.kv_latent + p->m->cfg.rope_dim));
 }
 
 static void mla_absorbed_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
