@@ -239,41 +239,37 @@ typedef struct {
 /* How many keys token t of the pass attends to (kvcache.h's kv_window_length). */
 static int keys_of(const AttnPass *p, int t) { return kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]); }
 
-/* The rows of one sequence's cache for keys 0 .. n-1 of the pass's layer, block by block
- * (pool row `row`), listed in thread `thread`'s tables. */
-static RowBlocks cache_rows(const AttnPass *pass, int thread, const KVCache *c, int row, int n) {
-    const KVPool *p = c->pool;
-    const void **blocks = pass->a->row_blocks + (size_t)thread * pass->a->blocks_per_row;
-    const float **scales = pass->a->row_scales + (size_t)thread * pass->a->blocks_per_row;
-    for (int b = 0; b < kv_blocks_for(n); b++) {
-        const KVRow first = kv_row(c, pass->l, row, b * KV_BLOCK_TOKENS);
-        blocks[b] = first.data;
-        scales[b] = first.scales;
-    }
-    return (RowBlocks){blocks, scales, KV_BLOCK_TOKENS, (size_t)p->row_width, p->dtype, p->n_scales, p->split};
-}
-
-/* A gathered KV head's rows: keys of KV head g, then (values) the n_kv_heads rows after. */
+/* Row `row` of the gathered copy, laid out as the pool's rows: each KV head's keys, then its values. */
 static const float *window_head(const AttnPass *p, int row) {
     return p->a->window_rows + (size_t)row * p->a->max_keys * p->m->cfg.head_dim;
 }
 
-/* Token t's keys in row `row` of the pass's layer, block by block: from the cache, or with
- * a window from the copy gathered at `gathered` (`stride` floats a row), listed as blocks
- * of KV_BLOCK_TOKENS rows; either way in thread `thread`'s tables. */
+/* Token t's keys 0 .. n-1 in row `row` of the pass's layer, block by block, listed in
+ * thread `thread`'s tables: from the cache's blocks (pool row `row`), or with a window from
+ * the copy gathered at `gathered` (`stride` floats a row), as blocks of KV_BLOCK_TOKENS rows. */
 static RowBlocks item_rows(const AttnPass *p, int thread, int t, int row, const float *gathered, size_t stride) {
     const int n = keys_of(p, t);
-    if (!p->windowed) return cache_rows(p, thread, p->slots->cache[t], row, n);
     const void **blocks = p->a->row_blocks + (size_t)thread * p->a->blocks_per_row;
-    for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = gathered + (size_t)b * KV_BLOCK_TOKENS * stride;
-    return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0};
+    if (p->windowed) {
+        for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = gathered + (size_t)b * KV_BLOCK_TOKENS * stride;
+        return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0};
+    }
+    const KVCache *cache = p->slots->cache[t];
+    const KVPool *pool = cache->pool;
+    const float **scales = p->a->row_scales + (size_t)thread * p->a->blocks_per_row;
+    for (int b = 0; b < kv_blocks_for(n); b++) {
+        const KVRow first = kv_row(cache, p->l, row, b * KV_BLOCK_TOKENS);
+        blocks[b] = first.data;
+        scales[b] = first.scales;
+    }
+    return (RowBlocks){blocks, scales, KV_BLOCK_TOKENS, (size_t)pool->row_width, pool->dtype, pool->n_scales, pool->split};
 }
 
 /* -- the arithmetic of one item, token t's heads h0 .. h0+nh-1, which read the same rows:
  * their scores into att (one row of scores_stride a head), then the mix of the
  * probabilities softmax made of them -- */
 
-/* KV head row `row` (keys of KV head g, then values): gathered at window_head(row) */
+/* KV head row `row` (the keys of a KV head, or n_kv_heads rows on, its values). */
 static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int row) {
     return item_rows(p, thread, t, row, window_head(p, row), (size_t)p->m->cfg.head_dim);
 }
