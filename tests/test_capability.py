@@ -1,6 +1,7 @@
 """train/capability.py, the capability table of weights/README.md: every cell comes from its
-source (./run --info's shape, PyTorch's NLL, the run's log, the bench report), on small
-random checkpoints and a run log and bench report written here."""
+source (./run --info's shape, PyTorch's NLL, the validation tables of the README's checkpoint
+sections, the bench report), on small random checkpoints and a README and bench report
+written here."""
 import math
 import os
 import re
@@ -18,21 +19,22 @@ STORIES = ["Once upon a time, a little fox named Pip lived near a big green hill
 def test_capability_table(small_checkpoints, tmp_path):
     valid = tmp_path / "valid.txt"
     valid.write_text("\n<|endoftext|>\n".join(STORIES) + "\n")
-    runs = tmp_path / "out"
+    readme = tmp_path / "README.md"
     bench = tmp_path / "bench.csv"
     rows = ["section,variant,mode,quantity,value,unit"]
+    sections = ["# weights/\n\n| minutes | tokens | validation loss |\n|---:|---:|---:|\n| 1.0 | 2,002,944 | 9.9999 |\n"]
     for i, v in enumerate(("mha", "mla64")):
-        (runs / v).mkdir(parents=True)
-        (runs / v / "log.csv").write_text(
-            "step,minutes,tokens,lr,train_loss,val_loss\n"
-            f"7,0.5,28672,1e-4,8.3,\n489,38.0,2002944,9e-4,,{2.5 + i:.4f}\n977,80.0,4001792,8e-4,,{2.25 + i:.4f}\n")
+        sections.append(f"## {v}.bin\n\n| | |\n|---|---|\n| tokens seen | 4,001,792 |\n\n"
+                        "| minutes | tokens | validation loss |\n|---:|---:|---:|\n"
+                        f"| 38.0 | 2,002,944 | {2.5 + i:.4f} |\n| 80.0 | 4,001,792 | {2.25 + i:.4f} |\n")
         rows += [f"c,{v},kv,step_ms_median,{0.5 + i},ms", f"c,{v},no-kv,step_ms_median,99,ms",
                  f"batch,{v},B=64,tokens_per_s_median,{1000 * (i + 2)},tokens/s",
                  f"batch,{v},B=1,tokens_per_s_median,7,tokens/s"]
     bench.write_text("\n".join(rows) + "\n")
+    readme.write_text("\n".join(sections))
     paths = [small_checkpoints[v][0] for v in ("mha", "mla64")]
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train", "capability.py"), "--valid", str(valid),
-                        "--bench", str(bench), "--runs", str(runs), "--prompts", "3"] + paths,
+                        "--bench", str(bench), "--readme", str(readme), "--prompts", "3"] + paths,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, RUN_BINARY=RUN),
                        timeout=600)
     assert p.returncode == 0, p.stderr
@@ -52,7 +54,7 @@ def test_capability_table(small_checkpoints, tmp_path):
         assert abs(float(ppl) - math.exp(float(nll))) < 2e-3 * float(ppl)
         assert agreement.startswith("3/3, "), agreement
         assert float(ms) == 0.5 + i and tps == f"{1000 * (i + 2):,}"
-    curve = [line for line in p.stdout.splitlines() if line.startswith("| mla64 | 3.5000")]
-    assert curve == ["| mla64 | 3.5000 | 3.2500 |"], p.stdout
+    curves = [line for line in p.stdout.splitlines() if re.match(r"\| (mha|mla64) \| \d\.\d{4} \|", line)]
+    assert curves == ["| mha | 2.5000 | 2.2500 |", "| mla64 | 3.5000 | 3.2500 |"], p.stdout
     assert "| variant | 2M | 4M |" in p.stdout
     assert p.stdout.count("- mha: Once upon a time") == 1 and p.stdout.count("- mla64: Once upon a time") == 1

@@ -5,10 +5,11 @@ variants trained under one protocol, side by side.
         --bench bench/results/intel-xeon-2c-2t-avx512.csv weights/mha.bin weights/gqa.bin ...
 
 For each checkpoint: ./run --info (KV cache bytes per token, parameters), ./run --ppl
-(validation NLL and perplexity, C engine), the run's log.csv (out/VARIANT, validation loss
-every 2M tokens), greedy agreement of ./run with the PyTorch reference on the first words of
-validation stories, decode ms at batch 1 and tokens/s at batch 64 from
-a make bench report (the speed depends on the shapes, not on the trained values), and one
+(validation NLL and perplexity, C engine), the validation loss every 2M tokens from the
+checkpoint's section of weights/README.md (report.py's table of the run's log.csv, which
+stays on the machine that trained it), greedy agreement of ./run with the PyTorch reference
+on the first words of validation stories, decode ms at batch 1 and tokens/s at batch 64
+from a make bench report (the speed depends on the shapes, not on the trained values), and one
 short sample. Prints Markdown to stdout."""
 import argparse
 import csv
@@ -40,14 +41,18 @@ def c_nll(path, valid):
     return m.group(1), m.group(2)
 
 
-def equal_token_losses(run_dir):
-    """{tokens in millions, rounded: validation loss} from the run's log"""
-    out = {}
-    with open(os.path.join(run_dir, "log.csv")) as f:
-        for row in csv.DictReader(f):
-            if row["val_loss"]:
-                out[round(int(row["tokens"]) / 1e6)] = float(row["val_loss"])
-    return out
+def equal_token_losses(readme, variant):
+    """{tokens in millions, rounded: validation loss} from the table report.py wrote in the
+    checkpoint's section of the README ("## VARIANT.bin")"""
+    with open(readme) as f:
+        text = f.read()
+    section = re.search(rf"^## {re.escape(variant)}\.bin\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    if section is None:
+        sys.exit(f"capability: {readme} has no section \"## {variant}.bin\" (train/report.py writes it)")
+    rows = re.findall(r"^\| [\d.]+ \| ([\d,]+) \| ([\d.]+) \|$", section.group(1), re.M)
+    if not rows:
+        sys.exit(f"capability: the section \"## {variant}.bin\" of {readme} has no validation table")
+    return {round(int(tokens.replace(",", "")) / 1e6): float(loss) for tokens, loss in rows}
 
 
 @torch.no_grad()
@@ -95,7 +100,8 @@ def main():
     ap.add_argument("--valid", required=True, help="validation text (TinyStoriesV2 layout)")
     ap.add_argument("--bench", required=True, help="a make bench report's .csv, from an idle machine")
     ap.add_argument("--prompts", type=int, default=20, help="validation stories whose first words prompt the greedy comparison")
-    ap.add_argument("--runs", default=os.path.join(ROOT, "out"), help="the folder of the training runs (VARIANT/log.csv)")
+    ap.add_argument("--readme", default=os.path.join(ROOT, "weights", "README.md"),
+                    help="the README whose checkpoint sections hold the validation tables")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count())
     prompts = [" ".join(s.split()[:AGREEMENT_WORDS]) for s in read_stories(args.valid)[:args.prompts]]
@@ -109,7 +115,7 @@ def main():
         ms, tps = bench_figures(args.bench, variant)
         rows.append(f"| {variant} | {kv:,} | {params / 1e6:.2f} M | {nll} | {ppl} | "
                     f"{agreement} | {ms:.3f} | {tps:,.0f} |")
-        curves[variant] = equal_token_losses(os.path.join(args.runs, variant))
+        curves[variant] = equal_token_losses(args.readme, variant)
         samples[variant] = sample(path)
 
     out = ["| variant | KV cache bytes/token (fp32) | parameters | validation NLL (C) | perplexity | "
