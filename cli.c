@@ -36,7 +36,7 @@ void cli_usage(FILE *f) {
           "      --log FILE.csv    write the per-step latencies as CSV\n"
           "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
           "      --json            JSON on stdout: one object a sequence and one for the summary, or one\n"
-          "                        for --info, --ppl and --check-kv\n"
+          "                        for --info, --ppl, --check-kv and --check-batch\n"
           "  -v, --verbose         step lines on stderr even when it shares a terminal with stdout\n"
           "  -q, --quiet           no step lines on stderr (the summary stays)\n"
           "      --ignore-eos      keep generating after EOS\n"
@@ -157,7 +157,6 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
     if (output && n) return errmsg(err, errlen, 2, "%s records a generation: it takes no %s", output, given[0]);
     if (o->prompts_path && n && !o->check_batch)
         return errmsg(err, errlen, 2, "--prompts serves a generation: it takes no %s", given[0]);
-    if (o->json && o->check_batch) return errmsg(err, errlen, 2, "--check-batch has no --json form");
     if (o->batch_given && o->check_kv)
         return errmsg(err, errlen, 2, "--check-kv compares one sequence; --check-batch compares a batch");
     if (o->batch_given && o->ppl_path) return errmsg(err, errlen, 2, "--ppl scores one sequence at a time: it takes no --batch");

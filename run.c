@@ -572,6 +572,12 @@ static void run_hashed(Scheduler *sch, LogitHashes *h) {
     parallel_team(run_in_team, sch);
 }
 
+/* One sequence of --check-batch: its steps, the tokens it generated alike, its verdict, and
+ * the first step whose logits differ (-1: none). */
+typedef struct {
+    int steps, same_tokens, identical, first_difference;
+} BatchVerdict;
+
 /* Every sequence of the batch against the same prompt and seed run alone: the same
  * tokens, and logits of the same bits at every step. Returns 1 when any differs. */
 static int check_batch(Scheduler *batch, const Options *o, const char *what) {
@@ -583,8 +589,8 @@ static int check_batch(Scheduler *batch, const Options *o, const char *what) {
     if (!in_batch.hashes || !alone.hashes) die(1, "out of memory");
     run_hashed(batch, &in_batch);
     int differ = 0;
-    char (*lines)[320] = malloc((size_t)B * sizeof *lines);
-    if (!lines) die(1, "out of memory");
+    BatchVerdict *verdicts = malloc((size_t)B * sizeof *verdicts);
+    if (!verdicts) die(1, "out of memory");
     for (int i = 0; i < B; i++) {
         const Request *a = &batch->requests[i];
         Scheduler solo = *batch;
@@ -604,21 +610,34 @@ static int check_batch(Scheduler *batch, const Options *o, const char *what) {
         if (first_difference < 0 && a->generated != b->generated) first_difference = steps;
         const int identical = first_difference < 0 && a->n_tokens == b->n_tokens && same_tokens == a->n_tokens;
         differ |= !identical;
-        snprintf(lines[i], sizeof lines[i],
-                 "check-batch variant=%s mode=%s batch=%d index=%d seed=%llu steps=%d identical_tokens=%d "
-                 "bitwise_identical=%d first_difference=%d",
-                 variant_name(&m->cfg), batch->kv ? "kv" : "no-kv", B, i, (unsigned long long)a->seed, a->generated,
-                 same_tokens - a->n_prompt, identical, first_difference);
+        verdicts[i] = (BatchVerdict){a->generated, same_tokens - a->n_prompt, identical, first_difference};
         free_requests(&solo);
     }
     int n_identical = 0;
-    for (int i = 0; i < B; i++) n_identical += strstr(lines[i], "bitwise_identical=1") != NULL;
-    printf("%s %s, %d sequences of %s\"%s\" in %d slots: %d of %d give the same tokens and bitwise the same logits as "
-           "run alone\n",
-           variant_name(&m->cfg), batch->kv ? "kv" : "no-kv", B, o->prompts_path ? "the prompts of " : "", what,
-           batch->max_batch, n_identical, B);
-    for (int i = 0; i < B; i++) puts(lines[i]);
-    free(lines);
+    for (int i = 0; i < B; i++) n_identical += verdicts[i].identical;
+    if (o->json) {
+        json_begin("check-batch", m, o, batch->kv ? "kv" : "no-kv");
+        printf(", \"batch\": %d, \"slots\": %d, \"identical\": %s, \"sequences_identical\": %d, \"sequences\": [", B,
+               batch->max_batch, differ ? "false" : "true", n_identical);
+        for (int i = 0; i < B; i++)
+            printf("%s{\"index\": %d, \"seed\": %llu, \"steps\": %d, \"identical_tokens\": %d, \"bitwise_identical\": %s, "
+                   "\"first_difference\": %d}", i ? ", " : "", i, (unsigned long long)batch->requests[i].seed,
+                   verdicts[i].steps, verdicts[i].same_tokens, verdicts[i].identical ? "true" : "false",
+                   verdicts[i].first_difference);
+        putchar(']');
+        json_end();
+    } else {
+        printf("%s %s, %d sequences of %s\"%s\" in %d slots: %d of %d give the same tokens and bitwise the same logits as "
+               "run alone\n",
+               variant_name(&m->cfg), batch->kv ? "kv" : "no-kv", B, o->prompts_path ? "the prompts of " : "", what,
+               batch->max_batch, n_identical, B);
+        for (int i = 0; i < B; i++)
+            printf("check-batch variant=%s mode=%s batch=%d index=%d seed=%llu steps=%d identical_tokens=%d "
+                   "bitwise_identical=%d first_difference=%d\n",
+                   variant_name(&m->cfg), batch->kv ? "kv" : "no-kv", B, i, (unsigned long long)batch->requests[i].seed,
+                   verdicts[i].steps, verdicts[i].same_tokens, verdicts[i].identical, verdicts[i].first_difference);
+    }
+    free(verdicts);
     free(in_batch.hashes);
     free(alone.hashes);
     return differ;

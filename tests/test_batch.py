@@ -23,6 +23,13 @@ def check_batch(args):
     return p.returncode, out, rows
 
 
+def check_batch_json(args):
+    p = run(args + ["--check-batch", "--json"], check=False)
+    lines = p.stdout.decode().splitlines()
+    assert len(lines) == 1, lines
+    return p.returncode, json.loads(lines[0])
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kv", [["--kv"], []])
 def test_check_batch_every_variant(small_checkpoints, variant, kv):
@@ -33,6 +40,21 @@ def test_check_batch_every_variant(small_checkpoints, variant, kv):
                                                          "as run alone")
     assert [int(r[3]) for r in rows] == [0, 1, 2, 3] and [int(r[4]) for r in rows] == [3, 4, 5, 6]
     assert all(r[7] == "1" and r[8] == "-1" and int(r[5]) == 12 and int(r[6]) == 12 for r in rows)
+
+
+def test_check_batch_json_agrees_with_solo_runs(small_checkpoints):
+    """--check-batch --json: one object, each sequence's verdict and seed, and its step count
+    equal to what a plain --json run of that seed generates."""
+    path, _ = small_checkpoints["mqa"]
+    base = [path, "-p", PROMPT, "-n", 9, "--ignore-eos", "--kv", "-k", 5]
+    code, verdict = check_batch_json(base + ["-s", 11, "--batch", 3])
+    assert code == 0 and verdict["type"] == "check-batch" and verdict["identical"] is True
+    assert verdict["batch"] == 3 and verdict["sequences_identical"] == 3
+    assert [s["seed"] for s in verdict["sequences"]] == [11, 12, 13]
+    for s in verdict["sequences"]:
+        alone = sequences(base + ["-s", s["seed"]])
+        assert s["bitwise_identical"] is True and s["first_difference"] == -1
+        assert s["steps"] == s["identical_tokens"] == len(alone[0]["tokens"]) == 9
 
 
 def sequences(args):
