@@ -12,26 +12,32 @@ OPT ?= -O3
 # -ffp-contract=off: every fused multiply-add is written out (simd.h), so the compiler
 # never changes a reduction order behind our back.
 CFLAGS ?= $(OPT) $(ARCH) -g
-CFLAGS += -std=c11 -D_POSIX_C_SOURCE=200809L -fopenmp -ffp-contract=off -Wall -Wextra -Wshadow -Werror
+CFLAGS += -std=c11 -D_POSIX_C_SOURCE=200809L -I. -fopenmp -ffp-contract=off -Wall -Wextra -Wshadow -Werror
 CXXFLAGS ?= -O2 -g
-CXXFLAGS += -std=c++17 -Wall -Wextra -Werror
+CXXFLAGS += -std=c++17 -I. -Wall -Wextra -Werror
 SPM_LIBS := $(shell pkg-config --libs sentencepiece 2>/dev/null || echo -lsentencepiece)
 LDLIBS = $(SPM_LIBS) -lm
 B = build
 
-ENGINE = fileio.c loader.c scheduler.c model.c attention.c kvcache.c kernels.c parallel.c sampler.c textfile.c utf8.c json.c cli.c \
-  version.c output.c
-ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/spm_c.o
-HEADERS = config.h fileio.h loader.h scheduler.h timer.h json.h model.h attention.h kvcache.h kernels.h parallel.h simd.h isa.h errmsg.h sampler.h textfile.h utf8.h spm_c.h cli.h \
-  version.h output.h
+# the layers, from the bottom: kernels/ (kernels, SIMD, threads, file helpers); the model
+# (model, attention, kvcache, loader); serve/ (scheduler, sampler, the modes, the command
+# line, output); tokenizer/ on the side; run.c on top.
+KERNELS = kernels/kernels.c kernels/parallel.c kernels/fileio.c
+MODEL = model.c attention.c kvcache.c loader.c
+SERVE = serve/scheduler.c serve/sampler.c serve/cli.c serve/output.c serve/json.c serve/textfile.c serve/version.c
+ENGINE = $(KERNELS) $(MODEL) $(SERVE) tokenizer/utf8.c
+ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/tokenizer/spm_c.o
+HEADERS = $(wildcard *.h kernels/*.h serve/*.h tokenizer/*.h)
 
 .PHONY: all test test-unit test-isa test-py bench clean demo FORCE
 all: run
 
 $(B)/%.o: %.c $(HEADERS) | $(B)
+	@mkdir -p $(@D)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(B)/spm_c.o: spm_c.cc spm_c.h utf8.h | $(B)
+$(B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h | $(B)
+	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) -c $< -o $@
 
 $(B):
@@ -46,8 +52,8 @@ $(B)/git-commit: FORCE | $(B)
 	if [ "$$c" != unknown ] && [ -n "$$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then c=$$c-dirty; fi; \
 	[ "$$(cat $@ 2>/dev/null)" = "$$c" ] || echo "$$c" > $@
 COMMIT_FLAG = -DGIT_COMMIT="\"$$(cat $(B)/git-commit)\""
-$(B)/version.o: CFLAGS += $(COMMIT_FLAG)
-$(B)/version.o: $(B)/git-commit
+$(B)/serve/version.o: CFLAGS += $(COMMIT_FLAG)
+$(B)/serve/version.o: $(B)/git-commit
 
 run: $(B)/run.o $(ENGINE_OBJS)
 	$(CXX) -fopenmp $^ -o $@ $(LDLIBS)

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "parallel.h"
+#include "kernels/parallel.h"
 
 /* ---- RoPE ---- */
 

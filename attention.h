@@ -13,7 +13,7 @@
 #define ATTENTION_H
 
 #include "config.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "kvcache.h"
 
 /* Where the tokens of a pass go: token t is at position pos[t] of the sequence whose

@@ -11,7 +11,7 @@
 
 #include <stddef.h>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 /* the longest context a checkpoint may have */
 enum { MAX_SEQ_LEN = 8192 };

@@ -11,9 +11,9 @@
 #include <unistd.h>
 
 #include "attention.h"
-#include "errmsg.h"
-#include "fileio.h"
-#include "spm_c.h"
+#include "kernels/errmsg.h"
+#include "kernels/fileio.h"
+#include "tokenizer/spm_c.h"
 
 #define HEADER_SIZE 128
 #define RESERVED_OFFSET 104  /* the header's last 24 bytes, zero in version 1 */

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "parallel.h"
+#include "kernels/parallel.h"
 
 int runstate_init(RunState *s, const Config *c, int max_tokens) {
     memset(s, 0, sizeof *s);

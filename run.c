@@ -18,20 +18,20 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
-#include "errmsg.h"
+#include "serve/cli.h"
+#include "kernels/errmsg.h"
 #include "loader.h"
 #include "model.h"
-#include "output.h"
-#include "parallel.h"
-#include "json.h"
-#include "sampler.h"
-#include "scheduler.h"
-#include "spm_c.h"
-#include "textfile.h"
-#include "timer.h"
-#include "utf8.h"
-#include "version.h"
+#include "serve/output.h"
+#include "kernels/parallel.h"
+#include "serve/json.h"
+#include "serve/sampler.h"
+#include "serve/scheduler.h"
+#include "tokenizer/spm_c.h"
+#include "serve/textfile.h"
+#include "kernels/timer.h"
+#include "tokenizer/utf8.h"
+#include "serve/version.h"
 
 #define EXIT_USAGE 2
 

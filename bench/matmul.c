@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 static double now_s(void) {
     struct timespec ts;

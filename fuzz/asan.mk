@@ -12,10 +12,10 @@
 #   make test-asan ASAN_PYTEST_ARGS=tests/test_cli.py
 ASAN_B = build-asan
 ASAN_SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-ASAN_CFLAGS = -O1 -g $(ARCH) $(ASAN_SAN) -std=c11 -D_POSIX_C_SOURCE=200809L -fopenmp -ffp-contract=off \
+ASAN_CFLAGS = -O1 -g $(ARCH) $(ASAN_SAN) -std=c11 -D_POSIX_C_SOURCE=200809L -I. -fopenmp -ffp-contract=off \
   -Wall -Wextra -Wshadow -Werror
-ASAN_CXXFLAGS = -O1 -g $(ASAN_SAN) -std=c++17 -Wall -Wextra -Werror
-ASAN_OBJS = $(ENGINE:%.c=$(ASAN_B)/%.o) $(ASAN_B)/spm_c.o
+ASAN_CXXFLAGS = -O1 -g $(ASAN_SAN) -std=c++17 -I. -Wall -Wextra -Werror
+ASAN_OBJS = $(ENGINE:%.c=$(ASAN_B)/%.o) $(ASAN_B)/tokenizer/spm_c.o
 ASAN_UNIT_BINS = $(UNIT_TESTS:%=$(ASAN_B)/tests/%)
 ASAN_REPLAYS = $(FUZZ_HARNESSES:%=$(ASAN_B)/fuzz/replay_%)
 ASAN_PYTEST_ARGS ?= tests
@@ -37,10 +37,10 @@ $(ASAN_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(ASAN_CFLAGS) -c $< -o $@
 
-$(ASAN_B)/version.o: ASAN_CFLAGS += $(COMMIT_FLAG)
-$(ASAN_B)/version.o: $(B)/git-commit
+$(ASAN_B)/serve/version.o: ASAN_CFLAGS += $(COMMIT_FLAG)
+$(ASAN_B)/serve/version.o: $(B)/git-commit
 
-$(ASAN_B)/spm_c.o: spm_c.cc spm_c.h utf8.h
+$(ASAN_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
 	@mkdir -p $(@D)
 	$(CXX) $(ASAN_CXXFLAGS) -c $< -o $@
 
@@ -74,17 +74,17 @@ valgrind: $(VG_B)/run
 
 # ./run for valgrind: memcheck knows no AVX-512, so this build stops at AVX2 + FMA.
 VG_B = build-valgrind
-VG_CFLAGS = -O2 -g -mavx2 -mfma -std=c11 -D_POSIX_C_SOURCE=200809L -fopenmp -ffp-contract=off -Wall -Wextra -Wshadow -Werror
-VG_OBJS = $(ENGINE:%.c=$(VG_B)/%.o) $(VG_B)/spm_c.o
+VG_CFLAGS = -O2 -g -mavx2 -mfma -std=c11 -D_POSIX_C_SOURCE=200809L -I. -fopenmp -ffp-contract=off -Wall -Wextra -Wshadow -Werror
+VG_OBJS = $(ENGINE:%.c=$(VG_B)/%.o) $(VG_B)/tokenizer/spm_c.o
 .SECONDARY: $(VG_OBJS) $(VG_B)/run.o
 
 $(VG_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(VG_CFLAGS) -c $< -o $@
 
-$(VG_B)/spm_c.o: spm_c.cc spm_c.h utf8.h
+$(VG_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
 	@mkdir -p $(@D)
-	$(CXX) -O2 -g -std=c++17 -Wall -Wextra -Werror -c $< -o $@
+	$(CXX) -O2 -g -std=c++17 -I. -Wall -Wextra -Werror -c $< -o $@
 
 $(VG_B)/run: $(VG_B)/run.o $(VG_OBJS)
 	$(CXX) -fopenmp $^ -o $@ $(LDLIBS)

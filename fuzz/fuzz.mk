@@ -23,8 +23,8 @@ FUZZ_B = $(B)/fuzz
 FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_CFLAGS = -g -O1 $(ARCH) $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c11 -D_POSIX_C_SOURCE=200809L \
   -ffp-contract=off -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-function -I.
-FUZZ_CXXFLAGS = -g -O1 $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c++17 -Wall -Wextra
-FUZZ_OBJS = $(ENGINE:%.c=$(FUZZ_B)/obj/%.o) $(FUZZ_B)/obj/spm_c.o $(FUZZ_B)/obj/tokenizer_checks.o
+FUZZ_CXXFLAGS = -g -O1 $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c++17 -I. -Wall -Wextra
+FUZZ_OBJS = $(ENGINE:%.c=$(FUZZ_B)/obj/%.o) $(FUZZ_B)/obj/tokenizer/spm_c.o $(FUZZ_B)/obj/tokenizer_checks.o
 FUZZ_BINS = $(FUZZ_HARNESSES:%=$(FUZZ_B)/fuzz_%)
 REAL_TOKENIZER = tokenizer/tokenizer.model
 
@@ -35,7 +35,7 @@ $(FUZZ_B)/obj/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
 
-$(FUZZ_B)/obj/spm_c.o: spm_c.cc spm_c.h utf8.h
+$(FUZZ_B)/obj/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
 	@mkdir -p $(@D)
 	$(FUZZ_CXX) $(FUZZ_CXXFLAGS) -c $< -o $@
 

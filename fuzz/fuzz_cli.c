@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
+#include "serve/cli.h"
 
 #define MAX_ARGS 64
 

@@ -21,8 +21,8 @@
 
 #include "loader.h"
 #include "model.h"
-#include "sampler.h"
-#include "spm_c.h"
+#include "serve/sampler.h"
+#include "tokenizer/spm_c.h"
 #include "tokenizer_checks.h"
 
 static int g_fd = -1;

@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "textfile.h"
-#include "utf8.h"
+#include "serve/textfile.h"
+#include "tokenizer/utf8.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

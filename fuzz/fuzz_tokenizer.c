@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "spm_c.h"
+#include "tokenizer/spm_c.h"
 #include "tokenizer_checks.h"
 
 #ifndef FUZZ_TINY_MODEL

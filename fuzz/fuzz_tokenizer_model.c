@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "spm_c.h"
+#include "tokenizer/spm_c.h"
 #include "tokenizer_checks.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

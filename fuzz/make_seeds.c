@@ -19,7 +19,7 @@
 
 #include "loader.h"
 #include "model.h"
-#include "spm_c.h"
+#include "tokenizer/spm_c.h"
 #include "testutil.h"
 
 static const char *g_out;

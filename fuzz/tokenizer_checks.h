@@ -5,7 +5,7 @@
 
 #include <stddef.h>
 
-#include "spm_c.h"
+#include "tokenizer/spm_c.h"
 
 enum { CHECK_MAX_IDS = 4096 };
 

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "model.h"
-#include "spm_c.h"
+#include "tokenizer/spm_c.h"
 #include "testutil.h"
 
 typedef struct {

@@ -7,7 +7,7 @@
 #include <cmocka.h>
 #include <string.h>
 
-#include "cli.h"
+#include "serve/cli.h"
 #include "testutil.h"
 
 #define ARGC(a) ((int)(sizeof(a) / sizeof(a[0])))

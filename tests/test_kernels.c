@@ -11,9 +11,9 @@
 #include <omp.h>
 #endif
 
-#include "kernels.h"
-#include "parallel.h"
-#include "simd.h"
+#include "kernels/kernels.h"
+#include "kernels/parallel.h"
+#include "kernels/simd.h"
 #include "testutil.h"
 
 static uint16_t to_bf16(float v) {

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <omp.h>
 
-#include "parallel.h"
+#include "kernels/parallel.h"
 #include "testutil.h"
 
 enum { MAX_THREADS = 8, MAX_ITEMS = 1001 };

@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "sampler.h"
+#include "serve/sampler.h"
 #include "testutil.h"
 
 static void test_greedy_is_argmax(void **state) {

@@ -1,12 +1,21 @@
-"""The source tree's own rules: the include graph has no cycle, OpenMP is used by
-parallel.c only, code comments carry no measured timings or commit hashes (those
+"""The source tree's own rules: the folders are layers and includes point downward only,
+the include graph has no cycle, OpenMP is used by kernels/parallel.c only, code comments carry no measured timings or commit hashes (those
 belong in docs/PERFORMANCE.md and commit messages), and README.md stays a short
 user's page."""
 import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = sorted(f for f in os.listdir(ROOT) if f.endswith((".c", ".h", ".cc")))
+# The engine's folders, bottom first: a file may include its own layer and those below it.
+# The tokenizer stands on the side: it needs only the bottom layer, and the model and
+# serving layers may use it.
+LAYERS = {"kernels": 0, "tokenizer": 1, "": 2, "serve": 3}
+SOURCES = sorted(
+    os.path.join(d, f) if d else f
+    for d in LAYERS
+    for f in os.listdir(os.path.join(ROOT, d))
+    if f.endswith((".c", ".h", ".cc")))
+APP = "run.c"  # main: the one file above serve/
 COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 TIMING = re.compile(r"\b\d+(\.\d+)?\s*(ms|us|µs|ns|GFLOP/s|GB/s|tokens/s)\b")
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
@@ -18,13 +27,17 @@ def read(name):
 
 
 def module_graph():
-    """module (file name without extension) -> the modules it includes"""
+    """module (path without extension, from the root) -> the modules it includes"""
     graph = {}
     for name in SOURCES:
         module = os.path.splitext(name)[0]
         deps = {os.path.splitext(d)[0] for d in re.findall(r'#include "([^"]+)"', read(name))}
         graph.setdefault(module, set()).update(deps - {module})
     return graph
+
+
+def layer(module):
+    return LAYERS[os.path.dirname(module)]
 
 
 def find_cycle(graph):
@@ -63,17 +76,37 @@ def test_include_graph_has_no_cycle():
     assert find_cycle(graph) is None, f"include cycle: {' -> '.join(find_cycle(graph))}"
 
 
+def test_includes_name_existing_files_from_the_root():
+    for name in SOURCES:
+        for inc in re.findall(r'#include "([^"]+)"', read(name)):
+            assert os.path.exists(os.path.join(ROOT, inc)), f"{name} includes {inc}: not a path from the root"
+
+
 def test_layers_include_downward_only():
-    """The kernels, threads and SIMD below never reach up to the model or attention."""
+    """kernels/ below the model (the top-level files), the model below serve/, run.c on
+    top; the tokenizer needs only kernels/."""
     graph = module_graph()
-    for low in ("kernels", "parallel", "simd", "isa", "kvcache", "config"):
-        for high in ("model", "attention", "loader", "run", "cli"):
-            assert high not in graph[low], f"{low} includes {high}"
+    up = [f"{m} includes {d}" for m, deps in graph.items() if m != "run" for d in deps if layer(d) > layer(m)]
+    assert not up, "includes that point up: " + ", ".join(up)
+    side = graph["tokenizer/spm_c"] | graph["tokenizer/utf8"]
+    assert all(layer(d) <= layer("tokenizer/utf8") for d in side), side
+
+
+def test_layer_rule_sees_an_upward_include():
+    assert layer("kernels/kernels") < layer("model") < layer("serve/scheduler")
+    assert layer("tokenizer/utf8") < layer("model")
+
+
+def test_top_level_is_the_model():
+    """The top holds run.c and the files the posts are about; everything else is in a folder."""
+    top = {f for f in SOURCES if "/" not in f}
+    assert top <= {"run.c", "model.c", "model.h", "attention.c", "attention.h", "kvcache.c", "kvcache.h",
+                   "loader.c", "loader.h", "config.h"}, top
 
 
 def test_openmp_only_in_parallel_c():
     for name in SOURCES:
-        if name != "parallel.c":
+        if name != "kernels/parallel.c":
             assert not re.search(r"#pragma omp|omp_[a-z_]+\(|<omp\.h>", read(name)), name
 
 

@@ -7,7 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "textfile.h"
+#include "serve/textfile.h"
 #include "testutil.h"
 
 static void test_splits_and_strips(void **state) {

@@ -13,9 +13,9 @@
 #include <string.h>
 #include <sys/resource.h>
 
-#include "spm_c.h"
+#include "tokenizer/spm_c.h"
 #include "testutil.h"
-#include "utf8.h"
+#include "tokenizer/utf8.h"
 
 /* Not in spm_c.h: spm_c.cc's hook that runs the library's own DecodeIds. */
 long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize);

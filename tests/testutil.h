@@ -8,7 +8,7 @@
 
 #include "loader.h"
 #include "model.h"
-#include "spm_c.h"
+#include "tokenizer/spm_c.h"
 
 /* A small config of a variant: dim 64, 2 layers, 4 heads of 16, hidden 96, context 64;
  * GQA 2 KV heads; MLA rope_dim 8 and the given latent. */

@@ -1,12 +1,12 @@
 /* kernels.c: matmul, dot products, norms, softmax, in the canonical order of simd.h. */
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "parallel.h"
-#include "simd.h"
+#include "kernels/parallel.h"
+#include "kernels/simd.h"
 
 size_t dtype_size(DType dt) { return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1; }
 

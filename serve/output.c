@@ -1,5 +1,5 @@
 /* output.c: the output files (output.h). */
-#include "output.h"
+#include "serve/output.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -7,8 +7,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "errmsg.h"
-#include "fileio.h"
+#include "kernels/errmsg.h"
+#include "kernels/fileio.h"
 
 int output_open(FILE **out, const char *path, const NamedPath *inputs, int n_inputs, char *err, size_t errlen) {
     *out = NULL;

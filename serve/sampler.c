@@ -1,5 +1,5 @@
 /* sampler.c: greedy, top-k and top-p sampling (sampler.h). */
-#include "sampler.h"
+#include "serve/sampler.h"
 
 #include <math.h>
 #include <stdlib.h>

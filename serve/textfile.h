@@ -6,7 +6,7 @@
 
 #include <stddef.h>
 
-#include "errmsg.h"
+#include "kernels/errmsg.h"
 
 typedef struct {
     char *text;          /* the file, split in place */

@@ -1,5 +1,5 @@
 /* cli.c: the flag parser of ./run (see cli.h). */
-#include "cli.h"
+#include "serve/cli.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -8,7 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "errmsg.h"
+#include "kernels/errmsg.h"
 
 void cli_usage(FILE *f) {
     fputs("Usage: run CHECKPOINT [options]\n"

@@ -1,14 +1,14 @@
 /* textfile.c: TinyStoriesV2-layout text files (see textfile.h). */
-#include "textfile.h"
+#include "serve/textfile.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "errmsg.h"
-#include "fileio.h"
-#include "utf8.h"
+#include "kernels/errmsg.h"
+#include "kernels/fileio.h"
+#include "tokenizer/utf8.h"
 
 #define SEPARATOR "<|endoftext|>"
 #define MAX_FILE_BYTES (1L << 30)

@@ -1,5 +1,5 @@
 /* parallel.c: the team of a forward pass (parallel.h). */
-#include "parallel.h"
+#include "kernels/parallel.h"
 
 #include <sched.h>
 #include <stdatomic.h>
@@ -7,7 +7,7 @@
 #include <omp.h>
 #endif
 
-#include "errmsg.h"
+#include "kernels/errmsg.h"
 
 /* The threads a team gets: what OpenMP would start (OMP_THREAD_LIMIT caps it below
  * omp_get_max_threads), at most PARALLEL_MAX_THREADS. */

@@ -5,8 +5,8 @@
 // text can be printed while tokens are generated. It follows SentencePiece's Decode (0.1.97
 // and later) rule for rule; the model-dependent parts (the unknown surface, how the dummy
 // prefix space is removed) are read off the library's own DecodeIds at load time.
-#include "spm_c.h"
-#include "utf8.h"
+#include "tokenizer/spm_c.h"
+#include "tokenizer/utf8.h"
 
 #include <sentencepiece_processor.h>
 

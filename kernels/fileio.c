@@ -1,5 +1,5 @@
 /* fileio.c: opening the files ./run reads (fileio.h). */
-#include "fileio.h"
+#include "kernels/fileio.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -7,7 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "errmsg.h"
+#include "kernels/errmsg.h"
 
 const char *file_kind(mode_t mode) {
     return S_ISDIR(mode) ? "directory" : S_ISFIFO(mode) ? "FIFO" : S_ISSOCK(mode) ? "socket"

@@ -33,7 +33,7 @@
 #include "config.h"
 #include "kvcache.h"
 #include "model.h"
-#include "sampler.h"
+#include "serve/sampler.h"
 
 typedef enum { STOP_NONE, STOP_EOS, STOP_STEPS, STOP_CONTEXT } StopReason;
 

@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "isa.h"
+#include "kernels/isa.h"
 
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;

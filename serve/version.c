@@ -1,5 +1,5 @@
 /* version.c: the build's commit (version.h), passed in by the Makefile. */
-#include "version.h"
+#include "serve/version.h"
 
 #ifndef GIT_COMMIT
 #define GIT_COMMIT "unknown"

@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "isa.h"
+#include "kernels/isa.h"
 
 /* Weights are fp32 or bf16; the KV cache may also hold int8 with a scale per vector. */
 typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_I8 = 2 } DType;

@@ -1,11 +1,11 @@
 /* scheduler.c: continuous batching over the paged KV cache (scheduler.h). */
-#include "scheduler.h"
+#include "serve/scheduler.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "parallel.h"
-#include "timer.h"
+#include "kernels/parallel.h"
+#include "kernels/timer.h"
 
 /* The requests that wait, in order; a preempted one goes back to the front. */
 typedef struct {

@@ -1,11 +1,11 @@
 /* json.c: JSON strings and numbers (json.h). */
-#include "json.h"
+#include "serve/json.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "utf8.h"
+#include "tokenizer/utf8.h"
 
 void json_string(FILE *f, const char *s, size_t n) {
     fputc('"', f);
