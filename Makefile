@@ -12,7 +12,7 @@ OPT ?= -O3
 # -ffp-contract=off: every fused multiply-add is written out (simd.h), so the compiler
 # never changes a reduction order behind our back.
 CFLAGS ?= $(OPT) $(ARCH) -g
-CFLAGS += -std=c11 -D_POSIX_C_SOURCE=200809L -I. -fopenmp -ffp-contract=off -Wall -Wextra -Wshadow -Werror
+CFLAGS += -std=c11 -D_POSIX_C_SOURCE=200809L -I. -pthread -ffp-contract=off -Wall -Wextra -Wshadow -Werror
 CXXFLAGS ?= -O2 -g
 CXXFLAGS += -std=c++17 -I. -Wall -Wextra -Werror
 SPM_LIBS := $(shell pkg-config --libs sentencepiece 2>/dev/null || echo -lsentencepiece)
@@ -22,9 +22,10 @@ B = build
 # the layers, from the bottom: kernels/ (kernels, SIMD, threads, file helpers); the model
 # (model, attention, kvcache, loader); serve/ (scheduler, sampler, the modes, the command
 # line, output); tokenizer/ on the side; run.c on top.
-KERNELS = kernels/kernels.c kernels/parallel.c kernels/fileio.c
+KERNELS = kernels/kernels.c kernels/threads.c kernels/fileio.c
 MODEL = model.c attention.c kvcache.c loader.c
-SERVE = serve/scheduler.c serve/sampler.c serve/cli.c serve/output.c serve/json.c serve/textfile.c serve/version.c
+SERVE = serve/scheduler.c serve/sampler.c serve/session.c serve/generate.c serve/check.c serve/ppl.c serve/info.c \
+  serve/cli.c serve/output.c serve/json.c serve/textfile.c serve/version.c
 ENGINE = $(KERNELS) $(MODEL) $(SERVE) tokenizer/utf8.c
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/tokenizer/spm_c.o
 HEADERS = $(wildcard *.h kernels/*.h serve/*.h tokenizer/*.h)
@@ -56,17 +57,17 @@ $(B)/serve/version.o: CFLAGS += $(COMMIT_FLAG)
 $(B)/serve/version.o: $(B)/git-commit
 
 run: $(B)/run.o $(ENGINE_OBJS)
-	$(CXX) -fopenmp $^ -o $@ $(LDLIBS)
+	$(CXX) -pthread $^ -o $@ $(LDLIBS)
 
 # ---- tests ----
-UNIT_TESTS = test_kernels test_parallel test_attention test_kvcache test_sampler test_loader test_textfile test_tokenizer test_cli_parse test_utf8
+UNIT_TESTS = test_kernels test_threads test_attention test_kvcache test_sampler test_loader test_textfile test_tokenizer test_cli_parse test_utf8
 UNIT_BINS = $(UNIT_TESTS:%=$(B)/tests/%)
 
 $(B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS) | $(B)
 	$(CC) $(CFLAGS) -I. -Wno-unused-parameter -c $< -o $@
 
 $(B)/tests/test_%: $(B)/tests/test_%.o $(B)/tests/testutil.o $(ENGINE_OBJS)
-	$(CXX) -fopenmp $^ -o $@ $(LDLIBS) -lcmocka
+	$(CXX) -pthread $^ -o $@ $(LDLIBS) -lcmocka
 
 TINY_TOKENIZER = $(B)/tests/tiny.model
 $(TINY_TOKENIZER): tests/fixtures/tiny.txt | $(B)

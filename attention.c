@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/parallel.h"
 
 /* ---- RoPE ---- */
 
@@ -61,13 +60,13 @@ static int query_place(const KVPool *pool, int pos) { return kv_window_length(po
  * floats, one row of row_width after another: dequantized and, with a window, whose keys
  * are stored before RoPE, the rotated part (from element rope_at; -1: none) turned by
  * each row's place. Returns how many. */
-static int gather_rows(const Model *m, const KVCache *c, int l, int row, int pos, int rope_at, float *dst) {
+static int gather_rows(const Layer *L, const KVCache *c, int row, int pos, int rope_at, float *dst) {
     const KVPool *p = c->pool;
     const int n = kv_window_length(p, pos), w = p->row_width;
     for (int i = 0; i < n; i++) {
         float *r = dst + (size_t)i * w;
-        kv_load(p, kv_row(c, l, row, kv_window_position(p, pos, i)), r);
-        if (p->window && rope_at >= 0) rope(&m->rope, &m->cfg, r + rope_at, i);
+        kv_load(p, kv_row(c, L->index, row, kv_window_position(p, pos, i)), r);
+        if (p->window && rope_at >= 0) rope(L->rope, L->cfg, r + rope_at, i);
     }
     return n;
 }
@@ -97,14 +96,14 @@ static void matvec_reference(float *y, Mat w, int r0, int n, const float *x) {
 }
 
 /* MHA, GQA, MQA: score_j = q . k_j / sqrt(d); p = softmax(scores); out = sum_j p_j v_j. */
-static void kv_heads_query_reference(const Model *m, const KVCache *cache, int l, int h, const float *q, int pos,
+static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
                                      float *out) {
-    const Config *c = &m->cfg;
+    const Config *c = L->cfg;
     const int g = kv_head_of(c, h), hd = c->head_dim, Hkv = c->n_kv_heads;
     float *keys = malloc((size_t)kv_window_length(cache->pool, pos) * hd * 2 * sizeof(float)), *p = NULL;
-    const int n = gather_rows(m, cache, l, g, pos, 0, keys);
+    const int n = gather_rows(L, cache, g, pos, 0, keys);
     float *values = keys + (size_t)n * hd;
-    gather_rows(m, cache, l, Hkv + g, pos, -1, values);
+    gather_rows(L, cache, Hkv + g, pos, -1, values);
     p = malloc((size_t)n * sizeof(float));
     for (int j = 0; j < n; j++) p[j] = dot(q, keys + (size_t)j * hd, hd) * score_scale(c);
     softmax(p, n);
@@ -114,13 +113,13 @@ static void kv_heads_query_reference(const Model *m, const KVCache *cache, int l
 }
 
 /* MLA, expanded: head h's key of position j is [W_UK,h c_j ; k_R,j], its value W_UV,h c_j. */
-static void mla_expanded_query_reference(const Model *m, const KVCache *cache, int l, int h, const float *q, int pos,
+static void mla_expanded_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
                                          float *out) {
-    const Config *c = &m->cfg;
-    const LayerWeights *w = &m->w.layers[l];
+    const Config *c = L->cfg;
+    const LayerWeights *w = L->w;
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
     float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
-    const int n = gather_rows(m, cache, l, 0, pos, dc, latents);
+    const int n = gather_rows(L, cache, 0, pos, dc, latents);
     float *p = malloc((size_t)n * sizeof(float)), *values = malloc((size_t)n * hd * sizeof(float));
     float key[hd];
     for (int j = 0; j < n; j++) {
@@ -138,14 +137,14 @@ static void mla_expanded_query_reference(const Model *m, const KVCache *cache, i
 
 /* MLA, absorbed: q_lat = W_UK,h^T q_C; score_j = [q_lat ; q_R] . [c_j ; k_R,j];
  * out = W_UV,h (sum_j p_j c_j). Cached latents are never expanded. */
-static void mla_absorbed_query_reference(const Model *m, const KVCache *cache, int l, int h, const float *q, int pos,
+static void mla_absorbed_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
                                          float *out) {
-    const Config *c = &m->cfg;
-    const LayerWeights *w = &m->w.layers[l];
+    const Config *c = L->cfg;
+    const LayerWeights *w = L->w;
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
     float q_abs[lw], ctx_lat[dc];
     float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
-    const int n = gather_rows(m, cache, l, 0, pos, dc, latents);
+    const int n = gather_rows(L, cache, 0, pos, dc, latents);
     float *p = malloc((size_t)n * sizeof(float));
     matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q);  /* q_lat = W_UK,h^T q_C */
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));         /* q_R */
@@ -157,11 +156,11 @@ static void mla_absorbed_query_reference(const Model *m, const KVCache *cache, i
     free(latents);
 }
 
-void attention_query_reference(const Model *m, const KVCache *cache, int layer, int head, const float *q, int pos,
-                               MlaForm form, float *out) {
-    if (m->cfg.variant != VARIANT_MLA) kv_heads_query_reference(m, cache, layer, head, q, pos, out);
-    else if (form == MLA_ABSORBED) mla_absorbed_query_reference(m, cache, layer, head, q, pos, out);
-    else mla_expanded_query_reference(m, cache, layer, head, q, pos, out);
+void attention_query_reference(const Layer *L, const KVCache *cache, int head, const float *q, int pos, MlaForm form,
+                               float *out) {
+    if (L->cfg->variant != VARIANT_MLA) kv_heads_query_reference(L, cache, head, q, pos, out);
+    else if (form == MLA_ABSORBED) mla_absorbed_query_reference(L, cache, head, q, pos, out);
+    else mla_expanded_query_reference(L, cache, head, q, pos, out);
 }
 
 /* ---- the fast path ---- */
@@ -192,14 +191,13 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
         }
     }
     a->items = malloc(2 * H * T * sizeof(int));
-    a->head_jobs = malloc(H * sizeof *a->head_jobs);
-    if (!a->items || !a->head_jobs) {
+    if (!a->items) {
         attn_scratch_free(a);
         return -1;
     }
     a->scores_stride = ((size_t)max_keys + 15) / 16 * 16;
     a->blocks_per_row = kv_blocks_for(max_keys);
-    const size_t threads = PARALLEL_MAX_THREADS, per_thread_blocks = (size_t)a->blocks_per_row;
+    const size_t threads = TEAM_MAX_THREADS, per_thread_blocks = (size_t)a->blocks_per_row;
     void *scores = NULL;
     a->scores_per_item = (H < ATTN_MAX_HEADS_PER_ITEM ? H : ATTN_MAX_HEADS_PER_ITEM) * a->scores_stride;
     if (posix_memalign(&scores, 64, threads * 2 * a->scores_per_item * sizeof(float)) != 0) scores = NULL;
@@ -218,22 +216,23 @@ void attn_scratch_free(AttnScratch *a) {
                      a->v_exp, a->window_rows};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
-    free(a->head_jobs);
     free(a->scores);
     free(a->row_blocks);
     free(a->row_scales);
     memset(a, 0, sizeof *a);
 }
 
-/* One layer's attention over the tokens of a pass, shared by the stages below. */
+/* One layer's attention over the tokens of a pass, as one thread of the team runs it:
+ * what every stage below reads. */
 typedef struct {
-    const Model *m;
+    const Layer *L;
     AttnScratch *a;
     const TokenSlots *slots;
     float *heads;
-    int l;
     float scale;
     int windowed;  /* the keys and values were gathered into a->window_rows / a->latents */
+    MlaForm form;
+    Worker *wk;
 } AttnPass;
 
 /* How many keys token t of the pass attends to (kvcache.h's kv_window_length). */
@@ -241,7 +240,7 @@ static int keys_of(const AttnPass *p, int t) { return kv_window_length(p->slots-
 
 /* Row `row` of the gathered copy, laid out as the pool's rows: each KV head's keys, then its values. */
 static const float *window_head(const AttnPass *p, int row) {
-    return p->a->window_rows + (size_t)row * p->a->max_keys * p->m->cfg.head_dim;
+    return p->a->window_rows + (size_t)row * p->a->max_keys * p->L->cfg->head_dim;
 }
 
 /* Token t's keys 0 .. n-1 in row `row` of the pass's layer, block by block, listed in
@@ -258,7 +257,7 @@ static RowBlocks item_rows(const AttnPass *p, int thread, int t, int row, const 
     const KVPool *pool = cache->pool;
     const float **scales = p->a->row_scales + (size_t)thread * p->a->blocks_per_row;
     for (int b = 0; b < kv_blocks_for(n); b++) {
-        const KVRow first = kv_row(cache, p->l, row, b * KV_BLOCK_TOKENS);
+        const KVRow first = kv_row(cache, p->L->index, row, b * KV_BLOCK_TOKENS);
         blocks[b] = first.data;
         scales[b] = first.scales;
     }
@@ -271,20 +270,20 @@ static RowBlocks item_rows(const AttnPass *p, int thread, int t, int row, const 
 
 /* KV head row `row` (the keys of a KV head, or n_kv_heads rows on, its values). */
 static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int row) {
-    return item_rows(p, thread, t, row, window_head(p, row), (size_t)p->m->cfg.head_dim);
+    return item_rows(p, thread, t, row, window_head(p, row), (size_t)p->L->cfg->head_dim);
 }
 
 static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     const int hd = c->head_dim, place = query_place(p->slots->cache[t]->pool, p->slots->pos[t]);
     float *q = p->a->q + ((size_t)t * c->n_heads + h0) * hd;  /* (nh, hd) */
-    for (int i = 0; i < nh; i++) rope(&p->m->rope, c, q + (size_t)i * hd, place);
+    for (int i = 0; i < nh; i++) rope(p->L->rope, c, q + (size_t)i * hd, place);
     dot_row_blocks(att, p->a->scores_stride, q, (size_t)hd, nh, kv_head_rows(p, thread, t, kv_head_of(c, h0)),
                    keys_of(p, t), hd, p->scale);
 }
 
 static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     const int hd = c->head_dim;
     float *out = p->heads + ((size_t)t * c->n_heads + h0) * hd;  /* (nh, hd) */
     weighted_sum_row_blocks(out, (size_t)hd, att, p->a->scores_stride, nh,
@@ -295,7 +294,7 @@ static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int thread, c
  * and values expanded from them into a->k_exp and a->v_exp: each head its own rows. */
 static void mla_expanded_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
     (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
     const int n = keys_of(p, t);
     for (int h = h0; h < h0 + nh; h++) {
@@ -307,7 +306,7 @@ static void mla_expanded_scores(const AttnPass *p, int h0, int nh, int t, int th
 
 static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
     (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     const int hd = c->head_dim, n = keys_of(p, t);
     for (int h = h0; h < h0 + nh; h++)
         weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att + (size_t)(h - h0) * p->a->scores_stride,
@@ -318,18 +317,18 @@ static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int threa
  * and the weighted latents are taken out after every item (mla_expand_contexts), each as one
  * product per head over the pass's tokens, so an item reads only the latents. */
 static RowBlocks latent_rows(const AttnPass *p, int thread, int t) {
-    return item_rows(p, thread, t, 0, p->a->latents, (size_t)(p->m->cfg.kv_latent + p->m->cfg.rope_dim));
+    return item_rows(p, thread, t, 0, p->a->latents, (size_t)(p->L->cfg->kv_latent + p->L->cfg->rope_dim));
 }
 
 static void mla_absorbed_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     const int lw = c->kv_latent + c->rope_dim;
     const float *q_abs = p->a->q_abs + ((size_t)t * c->n_heads + h0) * lw;  /* (nh, lw): [q_lat ; q_R] */
     dot_row_blocks(att, p->a->scores_stride, q_abs, (size_t)lw, nh, latent_rows(p, thread, t), keys_of(p, t), lw, p->scale);
 }
 
 static void mla_absorbed_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     const int dc = c->kv_latent;
     float *ctx_lat = p->a->ctx_lat + ((size_t)t * c->n_heads + h0) * dc;  /* (nh, dc): sum_j p_j c_j */
     weighted_sum_row_blocks(ctx_lat, (size_t)dc, att, p->a->scores_stride, nh, latent_rows(p, thread, t), keys_of(p, t), dc);
@@ -363,119 +362,95 @@ static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int 
     return n;
 }
 
-/* thread: the one running the item, whose tables of cache blocks it may use */
-typedef void (*ScoresFn)(const AttnPass *p, int h0, int nh, int t, int thread, float *att);
-typedef void (*MixFn)(const AttnPass *p, int h0, int nh, int t, int thread, const float *att);
-typedef struct {
-    const AttnPass *p;
-    ScoresFn scores;
-    MixFn mix;
-    int heads;  /* an item's */
-    long n_items;
-} Queries;
-
-static long queries_part_count(const void *ctx, int part, int parts) {
-    long lo, hi;
-    parallel_share(((const Queries *)ctx)->n_items, part, parts, &lo, &hi);
-    return hi - lo;
+/* An item's scores and its mix, for the pass's variant and form. thread: the one running
+ * the item, whose tables of cache blocks it may use. */
+static void item_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
+    if (p->L->cfg->variant != VARIANT_MLA) kv_heads_scores(p, h0, nh, t, thread, att);
+    else if (p->form == MLA_ABSORBED) mla_absorbed_scores(p, h0, nh, t, thread, att);
+    else mla_expanded_scores(p, h0, nh, t, thread, att);
 }
 
-/* Items [lo, hi) of a part, software-pipelined: item i+1's scores are computed before
- * item i's softmax and mix, so softmax's first load never waits on the scores just
- * stored. */
-static void queries_part_items(const void *ctx, int part, int parts, long lo, long hi, int thread) {
-    const Queries *qs = ctx;
-    const AttnPass *p = qs->p;
-    const int *items = p->a->items, nh = qs->heads;
-    const size_t stride = p->a->scores_stride;
-    long first, last;
-    parallel_share(qs->n_items, part, parts, &first, &last);
-    lo += first;
-    hi += first;
-    float *att[2];  /* two items' scores, then probabilities: this thread's own */
-    att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
-    att[1] = att[0] + p->a->scores_per_item;
-    if (lo < hi) qs->scores(p, items[2 * lo], nh, items[2 * lo + 1], thread, att[0]);
-    for (long i = lo; i < hi; i++) {
-        float *probs = att[(i - lo) % 2];
-        const int h0 = items[2 * i], t = items[2 * i + 1];
-        if (i + 1 < hi) qs->scores(p, items[2 * i + 2], nh, items[2 * i + 3], thread, att[(i + 1 - lo) % 2]);
-        for (int h = 0; h < nh; h++) softmax(probs + (size_t)h * stride, keys_of(p, t));
-        qs->mix(p, h0, nh, t, thread, probs);
-    }
+static void item_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
+    if (p->L->cfg->variant != VARIANT_MLA) kv_heads_mix(p, h0, nh, t, thread, att);
+    else if (p->form == MLA_ABSORBED) mla_absorbed_mix(p, h0, nh, t, thread, att);
+    else mla_expanded_mix(p, h0, nh, t, thread, att);
 }
 
 /* Heads an item takes: as many of the `sharing` heads that read the same rows as divide
  * them, up to ATTN_MAX_HEADS_PER_ITEM, halved while the pass has too few items to share
  * among the threads. */
-static int heads_per_item(int sharing, int tokens, int n_heads) {
+static int heads_per_item(int sharing, int tokens, int n_heads, int threads) {
     int k = sharing < ATTN_MAX_HEADS_PER_ITEM ? sharing : ATTN_MAX_HEADS_PER_ITEM;
     while (sharing % k != 0) k--;
-    while (k % 2 == 0 && (long)tokens * (n_heads / k) < 4L * parallel_threads()) k /= 2;
+    while (k % 2 == 0 && (long)tokens * (n_heads / k) < 4L * threads) k /= 2;
     return k;
 }
 
-/* Runs the queries of tokens [t0, t1), `sharing` heads reading the same rows. */
-static void run_queries(const AttnPass *p, int t0, int t1, int sharing, ScoresFn scores, MixFn mix) {
-    const int H = p->m->cfg.n_heads, heads = heads_per_item(sharing, t1 - t0, H);
-    const Queries qs = {p, scores, mix, heads, order_items(p->a->items, p->slots, t0, t1, H, heads)};
-    const ParallelParts parts = {queries_part_count, queries_part_items, &qs};
+/* The queries of tokens [t0, t1), `sharing` heads reading the same rows, shared among the
+ * threads by items. A thread's run of items is software-pipelined: item i+1's scores are
+ * computed before item i's softmax and mix, so softmax's first load never waits on the
+ * scores just stored. */
+static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
+    const int H = p->L->cfg->n_heads, nh = heads_per_item(sharing, t1 - t0, H, p->wk->threads);
+    const int *items = p->a->items;
+    const int n_items = (t1 - t0) * (H / nh);
+    if (team_alone(p->wk)) order_items(p->a->items, p->slots, t0, t1, H, nh);
     long keys = 0;
     for (int t = t0; t < t1; t++) keys += keys_of(p, t);
-    parallel_run_parts(&parts, parallel_mode(keys * p->m->cfg.n_heads * p->m->cfg.head_dim, t1 - t0));
-}
-
-/* Runs fn over the pass's sequences, one after another: tokens [t0, t1) of one sequence. */
-static void for_each_sequence(const AttnPass *p, void (*fn)(const AttnPass *p, int t0, int t1)) {
-    for (int t0 = 0, t1; t0 < p->slots->T; t0 = t1) {
-        t1 = sequence_end(p->slots, t0, p->slots->T);
-        fn(p, t0, t1);
+    const int thread = p->wk->thread;
+    float *att[2];  /* two items' scores, then probabilities: this thread's own */
+    att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
+    att[1] = att[0] + p->a->scores_per_item;
+    Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim, t1 - t0));
+    for (long lo, hi; share_next(&sh, &lo, &hi);) {
+        item_scores(p, items[2 * lo], nh, items[2 * lo + 1], thread, att[0]);
+        for (long i = lo; i < hi; i++) {
+            float *probs = att[(i - lo) % 2];
+            const int h0 = items[2 * i], t = items[2 * i + 1];
+            if (i + 1 < hi) item_scores(p, items[2 * i + 2], nh, items[2 * i + 3], thread, att[(i + 1 - lo) % 2]);
+            for (int h = 0; h < nh; h++) softmax(probs + (size_t)h * p->a->scores_stride, keys_of(p, t));
+            item_mix(p, h0, nh, t, thread, probs);
+        }
     }
+    share_end(&sh);
 }
 
 /* -- each variant: its projections, its cache writes, then its queries -- */
 
-/* Item tg = (t, g): token t's key for KV head g (rotated, unless a window rotates keys
- * when read) and its value, into the cache. */
-static void kv_heads_store(const void *ctx, long tg) {
-    const AttnPass *p = ctx;
-    const Config *c = &p->m->cfg;
-    const int Hkv = c->n_kv_heads, hd = c->head_dim, t = (int)(tg / Hkv), g = (int)(tg % Hkv);
+/* Token t's key for KV head g (rotated, unless a window rotates keys when read) and its
+ * value, into the cache. */
+static void kv_heads_store(const AttnPass *p, int t, int g) {
+    const Config *c = p->L->cfg;
+    const int Hkv = c->n_kv_heads, hd = c->head_dim;
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
     float *k = p->a->k + ((size_t)t * Hkv + g) * hd;
-    if (!cache->pool->window) rope(&p->m->rope, c, k, pos);
-    kv_store(cache->pool, kv_key(cache, p->l, g, pos), k);
-    kv_store(cache->pool, kv_value(cache, p->l, g, pos), p->a->v + ((size_t)t * Hkv + g) * hd);
+    if (!cache->pool->window) rope(p->L->rope, c, k, pos);
+    kv_store(cache->pool, kv_key(cache, p->L->index, g, pos), k);
+    kv_store(cache->pool, kv_value(cache, p->L->index, g, pos), p->a->v + ((size_t)t * Hkv + g) * hd);
 }
 
-/* Item r: gathers row r (a KV head's keys, then values) of one sequence's window. */
-typedef struct {
-    const AttnPass *p;
-    int t;  /* the sequence's last token in the pass */
-} Gather;
-
-static void gather_head(const void *ctx, long r) {
-    const Gather *g = ctx;
-    const AttnPass *p = g->p;
-    gather_rows(p->m, p->slots->cache[g->t], p->l, (int)r, p->slots->pos[g->t], r < p->m->cfg.n_kv_heads ? 0 : -1,
-                (float *)window_head(p, (int)r));
-}
-
-/* With a window: the sequence's keys and values gathered as its last token sees them
- * (its earlier tokens in the pass see a prefix of them: a window only slides once it is
- * full, one token a pass), then its queries. */
+/* With a window, one sequence (tokens [t0, t1)): its keys and values gathered as its last
+ * token sees them (its earlier tokens in the pass see a prefix of them: a window only
+ * slides once it is full, one token a pass), a row (a KV head's keys or values) an item;
+ * then its queries. */
 static void kv_heads_window_sequence(const AttnPass *p, int t0, int t1) {
-    const Gather g = {p, t1 - 1};
-    const Config *c = &p->m->cfg;
-    parallel_for(2L * c->n_kv_heads, gather_head, &g,
-                 parallel_mode(2L * c->n_kv_heads * c->head_dim * keys_of(p, t1 - 1), t1 - t0));
-    run_queries(p, t0, t1, kv_group_size(&p->m->cfg), kv_heads_scores, kv_heads_mix);
+    const Config *c = p->L->cfg;
+    const int t = t1 - 1;
+    Share sh = share_begin(p->wk, 2L * c->n_kv_heads, SHARE_SPLIT,
+                           parallel_mode(2L * c->n_kv_heads * c->head_dim * keys_of(p, t), t1 - t0));
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long r = lo; r < hi; r++)
+            gather_rows(p->L, p->slots->cache[t], (int)r, p->slots->pos[t], r < c->n_kv_heads ? 0 : -1,
+                        (float *)window_head(p, (int)r));
+    share_end(&sh);
+    run_queries(p, t0, t1, kv_group_size(c));
 }
 
+/* MHA, GQA, MQA: heads (T, H*hd) from xb (T, dim). */
 static void attention_kv_heads(const AttnPass *p, const float *xb) {
-    const Config *c = &p->m->cfg;
-    const LayerWeights *w = &p->m->w.layers[p->l];
+    const Config *c = p->L->cfg;
+    const LayerWeights *w = p->L->w;
     AttnScratch *a = p->a;
     const int H = c->n_heads, Hkv = c->n_kv_heads, hd = c->head_dim, T = p->slots->T;
     const MatmulJob qkv[] = {
@@ -483,32 +458,40 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
         {a->k, Hkv * hd, xb, c->dim, w->wk, T},  /* k: (T, Hkv*hd) */
         {a->v, Hkv * hd, xb, c->dim, w->wv, T},  /* v: (T, Hkv*hd) */
     };
-    matmul_jobs(qkv, 3);
-    parallel_for((long)T * Hkv, kv_heads_store, p, parallel_mode((long)T * Hkv * hd, T));
-    if (p->windowed) for_each_sequence(p, kv_heads_window_sequence);
-    else run_queries(p, 0, T, kv_group_size(c), kv_heads_scores, kv_heads_mix);
+    matmul_jobs(p->wk, qkv, 3);
+    Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * Hkv * hd, T));
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long tg = lo; tg < hi; tg++) kv_heads_store(p, (int)(tg / Hkv), (int)(tg % Hkv));
+    share_end(&sh);
+    if (!p->windowed) {
+        run_queries(p, 0, T, kv_group_size(c));
+        return;
+    }
+    for (int t0 = 0, t1; t0 < T; t0 = t1) {
+        t1 = sequence_end(p->slots, t0, T);
+        kv_heads_window_sequence(p, t0, t1);
+    }
 }
 
-/* Item t: token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R
- * rotated unless a window rotates keys when read. */
-static void mla_store(const void *ctx, long t) {
-    const AttnPass *p = ctx;
-    const Config *c = &p->m->cfg;
+/* Token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R rotated
+ * unless a window rotates keys when read. */
+static void mla_store(const AttnPass *p, int t) {
+    const Config *c = p->L->cfg;
     const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
     for (int h = 0; h < H; h++)
-        rope(&p->m->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache->pool, pos));
+        rope(p->L->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache->pool, pos));
     float *row = p->a->rows + (size_t)t * (dc + rd);
-    rmsnorm(row, p->a->latent + (size_t)t * dc, p->m->w.layers[p->l].kv_norm, dc, c->norm_eps);
+    rmsnorm(row, p->a->latent + (size_t)t * dc, p->L->w->kv_norm, dc, c->norm_eps);
     memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
-    if (!cache->pool->window) rope(&p->m->rope, c, row + dc, pos);
-    kv_store(cache->pool, kv_latent(cache, p->l, pos), row);
+    if (!cache->pool->window) rope(p->L->rope, c, row + dc, pos);
+    kv_store(cache->pool, kv_latent(cache, p->L->index, pos), row);
 }
 
 static void mla_project_and_store(const AttnPass *p, const float *xb) {
-    const Config *c = &p->m->cfg;
-    const LayerWeights *w = &p->m->w.layers[p->l];
+    const Config *c = p->L->cfg;
+    const LayerWeights *w = p->L->w;
     AttnScratch *a = p->a;
     const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim, T = p->slots->T;
     const MatmulJob projections[] = {
@@ -516,20 +499,25 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
         {a->latent, dc, xb, c->dim, w->wdkv, T},      /* c: (T, dc) */
         {a->k_rope, rd, xb, c->dim, w->wkr, T},       /* k_R: (T, rd) */
     };
-    matmul_jobs(projections, 3);
-    parallel_for(T, mla_store, p, parallel_mode((long)T * (H * rd + dc + rd), T));
+    matmul_jobs(p->wk, projections, 3);
+    Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd), T));
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long t = lo; t < hi; t++) mla_store(p, (int)t);
+    share_end(&sh);
 }
 
-/* One sequence's latents as its last token in the pass sees them, into a->latents. */
+/* One sequence's latents as its last token in the pass sees them, into a->latents, by
+ * thread 0 (the next shared operation waits for them). */
 static void mla_gather(const AttnPass *p, int t_last) {
-    gather_rows(p->m, p->slots->cache[t_last], p->l, 0, p->slots->pos[t_last], p->m->cfg.kv_latent, p->a->latents);
+    if (team_alone(p->wk))
+        gather_rows(p->L, p->slots->cache[t_last], 0, p->slots->pos[t_last], p->L->cfg->kv_latent, p->a->latents);
 }
 
-/* One sequence: its latents gathered, every head's keys and values expanded from them,
- * then its tokens' queries. */
+/* MLA, expanded, one sequence (tokens [t0, t1)): its latents gathered, every head's keys
+ * and values expanded from them, then its tokens' queries. */
 static void mla_expanded_sequence(const AttnPass *p, int t0, int t1) {
-    const Config *c = &p->m->cfg;
-    const LayerWeights *w = &p->m->w.layers[p->l];
+    const Config *c = p->L->cfg;
+    const LayerWeights *w = p->L->w;
     AttnScratch *a = p->a;
     const int lw = c->kv_latent + c->rope_dim, es = mla_exp_stride(c);
     const int n_keys = keys_of(p, t1 - 1);
@@ -539,53 +527,64 @@ static void mla_expanded_sequence(const AttnPass *p, int t0, int t1) {
         {a->k_exp, es, a->latents, lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
         {a->v_exp, es, a->latents, lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
     };
-    matmul_jobs(expand, 2);
-    run_queries(p, t0, t1, 1, mla_expanded_scores, mla_expanded_mix);
+    matmul_jobs(p->wk, expand, 2);
+    run_queries(p, t0, t1, 1);
 }
 
-/* q_abs = [W_UK,h^T q_C ; q_R] for every token and head: (T, H, dc + rd) */
+/* q_abs = [W_UK,h^T q_C ; q_R] for every token and head: (T, H, dc + rd), one product a
+ * head over the pass's tokens. */
 static void mla_absorb_queries(const AttnPass *p) {
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     AttnScratch *a = p->a;
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, lw = dc + rd;
     const int T = p->slots->T;
+    MatmulJob heads[H];
     for (int h = 0; h < H; h++)  /* head h's q_C of every token, at a stride of H queries */
-        a->head_jobs[h] = (MatmulJob){a->q_abs + (size_t)h * lw, H * lw, a->q + (size_t)h * qw, H * qw,
-                                      mat_block(p->m->w.layers[p->l].wuk_t, h, dc), T};
-    matmul_jobs(a->head_jobs, H);
-    for (size_t i = 0; i < (size_t)T * H; i++) memcpy(a->q_abs + i * lw + dc, a->q + i * qw + hd, (size_t)rd * sizeof(float));
+        heads[h] = (MatmulJob){a->q_abs + (size_t)h * lw, H * lw, a->q + (size_t)h * qw, H * qw,
+                               mat_block(p->L->w->wuk_t, h, dc), T};
+    matmul_jobs(p->wk, heads, H);
+    if (team_alone(p->wk))
+        for (size_t i = 0; i < (size_t)T * H; i++) memcpy(a->q_abs + i * lw + dc, a->q + i * qw + hd, (size_t)rd * sizeof(float));
 }
 
 /* heads = W_UV,h ctx_lat for every token and head: (T, H*hd) */
 static void mla_expand_contexts(const AttnPass *p) {
-    const Config *c = &p->m->cfg;
+    const Config *c = p->L->cfg;
     AttnScratch *a = p->a;
     const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
+    MatmulJob heads[H];
     for (int h = 0; h < H; h++)
-        a->head_jobs[h] = (MatmulJob){p->heads + (size_t)h * hd, H * hd, a->ctx_lat + (size_t)h * dc, H * dc,
-                                      mat_block(p->m->w.layers[p->l].wuv_heads, h, hd), p->slots->T};
-    matmul_jobs(a->head_jobs, H);
+        heads[h] = (MatmulJob){p->heads + (size_t)h * hd, H * hd, a->ctx_lat + (size_t)h * dc, H * dc,
+                               mat_block(p->L->w->wuv_heads, h, hd), p->slots->T};
+    matmul_jobs(p->wk, heads, H);
 }
 
-static void mla_absorbed_window_sequence(const AttnPass *p, int t0, int t1) {
-    mla_gather(p, t1 - 1);
-    run_queries(p, t0, t1, p->m->cfg.n_heads, mla_absorbed_scores, mla_absorbed_mix);
-}
-
-void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int layer, const float *xb, float *heads,
-               MlaForm form) {
-    const int windowed = slots->T > 0 && slots->cache[0]->pool->window > 0;
-    const AttnPass p = {m, a, slots, heads, layer, score_scale(&m->cfg), windowed};
-    if (m->cfg.variant != VARIANT_MLA) {
-        attention_kv_heads(&p, xb);
-    } else {
-        mla_project_and_store(&p, xb);
-        if (form == MLA_EXPANDED) for_each_sequence(&p, mla_expanded_sequence);
-        else {
-            mla_absorb_queries(&p);
-            if (windowed) for_each_sequence(&p, mla_absorbed_window_sequence);
-            else run_queries(&p, 0, slots->T, m->cfg.n_heads, mla_absorbed_scores, mla_absorbed_mix);
-            mla_expand_contexts(&p);
+/* MLA: heads (T, H*hd) from xb (T, dim), in the form asked for. */
+static void attention_mla(const AttnPass *p, const float *xb) {
+    const int T = p->slots->T, H = p->L->cfg->n_heads;
+    mla_project_and_store(p, xb);
+    if (p->form == MLA_EXPANDED) {
+        for (int t0 = 0, t1; t0 < T; t0 = t1) {
+            t1 = sequence_end(p->slots, t0, T);
+            mla_expanded_sequence(p, t0, t1);
         }
+        return;
     }
+    mla_absorb_queries(p);
+    if (!p->windowed) run_queries(p, 0, T, H);
+    else
+        for (int t0 = 0, t1; t0 < T; t0 = t1) {
+            t1 = sequence_end(p->slots, t0, T);
+            mla_gather(p, t1 - 1);
+            run_queries(p, t0, t1, H);
+        }
+    mla_expand_contexts(p);
+}
+
+void attention(const Layer *L, AttnScratch *a, const TokenSlots *slots, const float *xb, float *heads, MlaForm form,
+               Worker *wk) {
+    const int windowed = slots->T > 0 && slots->cache[0]->pool->window > 0;
+    const AttnPass p = {L, a, slots, heads, score_scale(L->cfg), windowed, form, wk};
+    if (L->cfg->variant != VARIANT_MLA) attention_kv_heads(&p, xb);
+    else attention_mla(&p, xb);
 }

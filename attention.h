@@ -44,9 +44,8 @@ typedef struct {
     float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
     float *window_rows;   /* (2*n_kv_heads, max_keys, head_dim) one sequence's window, gathered */
     int *items;           /* (n_heads*max_tokens, 2) the (first head, token) order of the queries */
-    MatmulJob *head_jobs; /* (n_heads) one product per head (MLA, absorbed) */
     int max_keys;
-    /* each thread's own (PARALLEL_MAX_THREADS of each, touched only by the threads that run):
+    /* each thread's own (TEAM_MAX_THREADS of each, touched only by the threads that run):
      * on the heap rather than the threads' stacks, whose size the user sets */
     float *scores;        /* (threads, 2, heads an item, scores_stride) two items' scores, then probabilities */
     size_t scores_stride; /* a head's: max_keys, rounded up to a 64-byte line */
@@ -59,23 +58,25 @@ typedef struct {
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys);
 void attn_scratch_free(AttnScratch *a);
 
-/* Layer `layer` for the T tokens of slots:
+/* Layer L for the T tokens of slots:
  *   reads xb (T, dim), the normalized input;
  *   writes what the cache keeps for each token at its position;
  *   writes heads (T, n_heads*head_dim): token t's query attends to positions 0 .. pos[t]
  *   of its own sequence.
- * The caller applies W_O, and advances each cache's len once every layer has run. The
- * two MLA forms compute the same function in different orders; form is ignored otherwise. */
-void attention(const Model *m, AttnScratch *a, const TokenSlots *slots, int layer, const float *xb, float *heads,
-               MlaForm form);
+ * Every thread of wk's team calls it with the same arguments (threads.h); heads is whole
+ * when it returns on every thread. The caller applies W_O, and advances each cache's len
+ * once every layer has run. The two MLA forms compute the same function in different
+ * orders; form is ignored otherwise. */
+void attention(const Layer *L, AttnScratch *a, const TokenSlots *slots, const float *xb, float *heads, MlaForm form,
+               Worker *wk);
 
 /* The specification of one query: head `head` of a query at position pos over positions
- * 0 .. pos of layer `layer` in the cache, written plainly (scores, softmax, weighted sum).
+ * 0 .. pos of layer L in the cache, written plainly (scores, softmax, weighted sum).
  * q is the query as attention() leaves it in a->q: rotated; MLA's [q_C ; q_R].
  * out: (head_dim). The same arithmetic in the same order as the fast path, so equal bit
  * for bit. */
-void attention_query_reference(const Model *m, const KVCache *cache, int layer, int head, const float *q, int pos,
-                               MlaForm form, float *out);
+void attention_query_reference(const Layer *L, const KVCache *cache, int head, const float *q, int pos, MlaForm form,
+                               float *out);
 
 /* RoPE's tables for model c, and the rotation of interleaved pairs (v[2i], v[2i+1]) of v
  * (config_rope_width floats) for position pos. */

@@ -1,5 +1,5 @@
-/* config.h: the model's shape, its weights and the loaded model: the types every
- * layer of the engine shares. Needs only the kernels' matrix type.
+/* config.h: the model's shape and its weights: the types the model's files share
+ * (model.h has the loaded model). Needs only the kernels' matrix type.
  *
  * d_model 512, 4 layers, 16 query heads of dim 32, context 256, vocabulary 4096,
  * tied embedding/head, RMSNorm (eps 1e-5), SwiGLU FFN (hidden 1344), no biases,
@@ -72,16 +72,13 @@ typedef struct {
     float *cos, *sin;   /* [max_seq_len][config_rope_width / 2] */
 } RopeTables;
 
-typedef struct SpmTokenizer SpmTokenizer;
-
-/* A loaded checkpoint (loader.h); read-only once loaded. */
+/* What one layer's attention reads of a model: the shape, the layer's weights, RoPE's
+ * tables, and which layer it is (its rows in the cache). */
 typedef struct {
-    Config cfg;
-    Weights w;
-    SpmTokenizer *tokenizer;  /* embedded in the checkpoint */
-    RopeTables rope;
-    void *weights;            /* the file's weights, packed (kernels.h), on huge pages where possible */
-    void *derived;            /* storage of wuk_t and wuv_heads */
-} Model;
+    const Config *cfg;
+    const LayerWeights *w;
+    const RopeTables *rope;
+    int index;
+} Layer;
 
 #endif /* CONFIG_H */

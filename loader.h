@@ -8,7 +8,7 @@
 
 #include <stddef.h>
 
-#include "config.h"
+#include "model.h"
 
 /* On failure returns -1 and writes one sentence into err. */
 int model_load(Model *m, const char *path, char *err, size_t errlen);

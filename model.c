@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/parallel.h"
 
 int runstate_init(RunState *s, const Config *c, int max_tokens) {
     memset(s, 0, sizeof *s);
@@ -26,7 +25,6 @@ int runstate_init(RunState *s, const Config *c, int max_tokens) {
         runstate_free(s);
         return -1;
     }
-    parallel_warm_up();
     return 0;
 }
 
@@ -41,104 +39,79 @@ void runstate_free(RunState *s) {
 }
 
 /* Rows t < T of the residual stream (T, dim): x += dx (unless dx is NULL), then
- * out = RMSNorm(x) w. out may be dx. */
-typedef struct {
-    float *x;
-    const float *dx;
-    float *out;
-    Mat w;
-    const Config *c;
-} ResidualNorm;
-
-static void residual_rmsnorm_row(const void *ctx, long t) {
-    const ResidualNorm *r = ctx;
-    const int D = r->c->dim;
-    float *row = r->x + (size_t)t * D;
-    if (r->dx)
-        for (int i = 0; i < D; i++) row[i] += r->dx[(size_t)t * D + i];
-    rmsnorm(r->out + (size_t)t * D, row, r->w, D, r->c->norm_eps);
+ * out = RMSNorm(x) w, a thread's share of the rows each. out may be dx. */
+static void residual_rmsnorm(Worker *wk, float *x, const float *dx, float *out, Mat w, int T, const Config *c) {
+    const int D = c->dim;
+    Share sh = share_begin(wk, T, SHARE_SPLIT, parallel_mode((long)T * D, T));
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long t = lo; t < hi; t++) {
+            float *row = x + (size_t)t * D;
+            if (dx)
+                for (int i = 0; i < D; i++) row[i] += dx[(size_t)t * D + i];
+            rmsnorm(out + (size_t)t * D, row, w, D, c->norm_eps);
+        }
+    share_end(&sh);
 }
 
-static void residual_rmsnorm(float *x, const float *dx, float *out, Mat w, int T, const Config *c) {
-    const ResidualNorm r = {x, dx, out, w, c};
-    parallel_for(T, residual_rmsnorm_row, &r, parallel_mode((long)T * c->dim, T));
-}
-
-/* The forward pass (model.h's model_forward_batch), on thread 0 of a team (parallel.h). */
-static void forward(const Model *m, RunState *s, const Batch *b, const TokenSlots *slots, MlaForm form, float *logits) {
+void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits, Worker *wk) {
     const Config *c = &m->cfg;
     const int T = b->n_tokens, D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
+    const TokenSlots slots = {T, b->cache, s->pos};
 
-    for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, b->ids[t]);  /* x: (T, D) */
-    residual_rmsnorm(s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c);  /* xb = RMSNorm(x): (T, D) */
+    if (team_alone(wk))
+        for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, b->ids[t]);  /* x: (T, D) */
+    residual_rmsnorm(wk, s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c);  /* xb = RMSNorm(x): (T, D) */
 
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
+        const Layer layer = {c, w, &m->rope, l};
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
-        attention(m, &s->attn, slots, l, s->xb, s->heads, form);       /* heads: (T, HD) */
-        matmul(s->xb, D, s->heads, HD, w->wo, T);                      /* (T, D) */
-        residual_rmsnorm(s->x, s->xb, s->xb, w->ffn_norm, T, c);
+        attention(&layer, &s->attn, &slots, s->xb, s->heads, form, wk);  /* heads: (T, HD) */
+        matmul(wk, s->xb, D, s->heads, HD, w->wo, T);                    /* (T, D) */
+        residual_rmsnorm(wk, s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
         /* x += W2 (silu(W1 xb) * W3 xb), then xb = RMSNorm(x), with the next layer's norm
          * or the final one */
-        matmul_swiglu(s->hb, s->hb2, s->xb, D, w->w1, w->w3, T);       /* hb = silu(W1 xb) * W3 xb: (T, F) */
-        matmul(s->xb, D, s->hb, F, w->w2, T);                          /* (T, D) */
+        matmul_swiglu(wk, s->hb, s->hb2, s->xb, D, w->w1, w->w3, T);    /* hb = silu(W1 xb) * W3 xb: (T, F) */
+        matmul(wk, s->xb, D, s->hb, F, w->w2, T);                        /* (T, D) */
         Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
-        residual_rmsnorm(s->x, s->xb, s->xb, next_norm, T, c);
+        residual_rmsnorm(wk, s->x, s->xb, s->xb, next_norm, T, c);
     }
 
     /* the tied head, for the tokens asked for: their rows gathered into x, which is free now */
     const float *rows = s->xb;
     if (b->n_logits < T || b->logit_tokens[0] != 0) {
-        for (int i = 0; i < b->n_logits; i++)
-            memcpy(s->x + (size_t)i * D, s->xb + (size_t)b->logit_tokens[i] * D, (size_t)D * sizeof(float));
+        if (team_alone(wk))
+            for (int i = 0; i < b->n_logits; i++)
+                memcpy(s->x + (size_t)i * D, s->xb + (size_t)b->logit_tokens[i] * D, (size_t)D * sizeof(float));
         rows = s->x;
     }
-    matmul(logits, c->vocab_size, rows, D, m->w.tok_embeddings, b->n_logits);  /* (n_logits, vocab) */
+    matmul(wk, logits, c->vocab_size, rows, D, m->w.tok_embeddings, b->n_logits);  /* (n_logits, vocab) */
 }
 
-typedef struct {
-    const Model *m;
-    RunState *s;
-    const Batch *b;
-    const TokenSlots *slots;
-    MlaForm form;
-    float *logits;
-} ForwardArgs;
-
-static void forward_in_team(void *arg) {
-    const ForwardArgs *f = arg;
-    forward(f->m, f->s, f->b, f->slots, f->form, f->logits);
-}
-
-/* Positions of the batch's tokens, or -1 when the batch breaks model.h's rules or a cache
- * cannot reserve its positions. */
-static int place_tokens(const Model *m, RunState *s, const Batch *b) {
+int model_prepare(const Model *m, RunState *s, const Batch *b) {
     const int T = b->n_tokens;
-    if (T < 1 || T > s->max_tokens || b->n_logits < 1 || b->n_logits > T) return -1;
+    if (T < 1 || T > s->max_tokens || b->n_logits < 1 || b->n_logits > T) return MODEL_ERR_BATCH;
     for (int i = 0; i < b->n_logits; i++)
         if (b->logit_tokens[i] < 0 || b->logit_tokens[i] >= T || (i > 0 && b->logit_tokens[i] <= b->logit_tokens[i - 1]))
-            return -1;
+            return MODEL_ERR_BATCH;
     for (int t = 0; t < T; t++) {
-        if (b->ids[t] < 0 || b->ids[t] >= m->cfg.vocab_size) return -1;
+        if (b->ids[t] < 0 || b->ids[t] >= m->cfg.vocab_size) return MODEL_ERR_BATCH;
         const int same = t > 0 && b->cache[t] == b->cache[t - 1];
         if (!same)
             for (int u = 0; u < t; u++)  /* a sequence's tokens are consecutive */
-                if (b->cache[u] == b->cache[t]) return -1;
+                if (b->cache[u] == b->cache[t]) return MODEL_ERR_BATCH;
         s->pos[t] = same ? s->pos[t - 1] + 1 : b->cache[t]->len;
         /* past the context only through a window, which rotates by place: RoPE's tables end there */
-        if (s->pos[t] >= m->cfg.max_seq_len && !b->cache[t]->pool->window) return -1;
+        if (s->pos[t] >= m->cfg.max_seq_len && !b->cache[t]->pool->window) return MODEL_ERR_BATCH;
     }
     for (int t = 0; t < T; t++)
-        if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) && kv_reserve(b->cache[t], s->pos[t] + 1) != 0) return -1;
+        if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) && kv_reserve(b->cache[t], s->pos[t] + 1) != 0)
+            return MODEL_ERR_BATCH;
     return 0;
 }
 
-int model_forward_batch(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits) {
-    if (place_tokens(m, s, b) != 0) return MODEL_ERR_BATCH;
-    const TokenSlots slots = {b->n_tokens, b->cache, s->pos};
-    ForwardArgs f = {m, s, b, &slots, form, logits};
-    parallel_team(forward_in_team, &f);  /* inside a team already (run.c's generation): just runs it */
+int model_finish(const Model *m, RunState *s, const Batch *b, const float *logits) {
     for (int t = 0; t < b->n_tokens; t++) b->cache[t]->len = s->pos[t] + 1;
     if (first_nonfinite(logits, (size_t)b->n_logits * (size_t)m->cfg.vocab_size, DTYPE_F32) >= 0) return MODEL_ERR_NONFINITE;
     return 0;
@@ -152,5 +125,9 @@ int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens
         s->logit_tokens[t] = t;
     }
     const Batch b = {T, tokens, s->caches, all_logits ? T : 1, all_logits ? s->logit_tokens : s->logit_tokens + T - 1};
-    return model_forward_batch(m, s, &b, form, logits);
+    const int rc = model_prepare(m, s, &b);
+    if (rc != 0) return rc;
+    Worker alone = worker_alone();
+    model_forward_pass(m, s, &b, form, logits, &alone);
+    return model_finish(m, s, &b, logits);
 }

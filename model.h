@@ -13,7 +13,20 @@
 
 #include "attention.h"
 #include "config.h"
+#include "kernels/threads.h"
 #include "kvcache.h"
+
+typedef struct SpmTokenizer SpmTokenizer;
+
+/* A loaded checkpoint (loader.h); read-only once loaded. */
+typedef struct {
+    Config cfg;
+    Weights w;
+    SpmTokenizer *tokenizer;  /* embedded in the checkpoint */
+    RopeTables rope;
+    void *weights;            /* the file's weights, packed (kernels.h), on huge pages where possible */
+    void *derived;            /* storage of wuk_t and wuv_heads */
+} Model;
 
 /* Scratch for forward passes of up to max_tokens tokens (T in the comments). */
 typedef struct {
@@ -49,18 +62,26 @@ typedef struct {
  * take for a result. */
 enum { MODEL_ERR_BATCH = -1, MODEL_ERR_NONFINITE = -2 };
 
-/* Runs a batch: every token through the projections and the FFN together (the weights are
- * read once for all), each token's attention over its own sequence's cache. Reserves the
- * caches' positions (kv_reserve) and advances their len. Returns MODEL_ERR_BATCH before
- * computing anything when the batch is malformed or larger than s->max_tokens, or a cache
- * cannot reserve its positions (caches reserved before it keep their new blocks);
- * MODEL_ERR_NONFINITE after the pass when a logit is NaN or infinite. The kernels share the work among the threads of a team (parallel.h):
- * the caller's, or one opened for this pass. Batch invariance: every token's logits are
- * the same bits whatever else the batch holds. */
-int model_forward_batch(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits);
+/* A pass in three calls, so that a team of threads can run it (threads.h):
+ *   model_prepare, on thread 0: checks the batch (MODEL_ERR_BATCH when it is malformed,
+ *     larger than s->max_tokens, or a cache cannot reserve its positions: caches
+ *     reserved before it keep their new blocks), places each token at its position and
+ *     reserves the caches' blocks;
+ *   model_forward_pass, on every thread of the team with the same arguments: every token
+ *     through the projections and the FFN together (the weights are read once for all),
+ *     each token's attention over its own sequence's cache; logits (n_logits, vocab) are
+ *     whole when it returns on every thread;
+ *   model_finish, on thread 0: advances each cache's len; MODEL_ERR_NONFINITE when a
+ *     logit is NaN or infinite.
+ * Batch invariance: every token's logits are the same bits whatever else the batch holds,
+ * and whatever the team's size. */
+int model_prepare(const Model *m, RunState *s, const Batch *b);
+void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm form, float *logits, Worker *wk);
+int model_finish(const Model *m, RunState *s, const Batch *b, const float *logits);
 
-/* One sequence: T tokens appended to cache; the logits of the last token (vocab_size
- * floats), or of all T ((T, vocab_size)) when all_logits. Returns as model_forward_batch. */
+/* One sequence, on the calling thread alone (the tests, fuzzing): T tokens appended to
+ * cache; the logits of the last token (vocab_size floats), or of all T ((T, vocab_size))
+ * when all_logits. Returns as model_prepare and model_finish. */
 int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens, int T, MlaForm form, float *logits,
                   int all_logits);
 

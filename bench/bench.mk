@@ -43,8 +43,8 @@ quality: run
 	$(PYTHON) bench/quality.py --valid $(QUALITY_VALID) $(BENCH_CHECKPOINTS)
 
 # the matmul kernel alone on the model's shapes (bench/matmul.c); not part of `make bench`
-build/matmul_bench: bench/matmul.c $(B)/kernels/kernels.o $(B)/kernels/parallel.o kernels/kernels.h kernels/parallel.h
-	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/parallel.o -o $@ -lm
+build/matmul_bench: bench/matmul.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h kernels/threads.h
+	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o -o $@ -lm -pthread
 
 build/roofline: bench/roofline.c
 	@mkdir -p build

@@ -9,7 +9,6 @@
  * without the cache. 2 * rows * cols * T FLOPs per call. Compare with roofline's
  * peak_best_GFLOPs (`build/roofline`): the kernel's share of the peak, without attention,
  * norms or thread waits. --threads 1 gives one core's figure. */
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +22,27 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The product every thread of the team runs when thread 0 posts it, as in a forward pass. */
+static struct {
+    float *out;
+    const float *x;
+    Mat w;
+    int T;
+} job;
+
+static void product(Worker *wk) { matmul(wk, job.out, job.w.rows, job.x, job.w.cols, job.w, job.T); }
+
+static void member(void *arg, Worker *wk) {
+    (void)arg;
+    while (team_wait(wk)) product(wk);
+}
+
+static void timed_product(Team *team) {
+    Worker alone = worker_alone(), *lead = team ? team_leader(team) : &alone;
+    if (team) team_post(team);
+    product(lead);
+}
+
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -32,12 +52,12 @@ int main(int argc, char **argv) {
     int reps = 30;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
-            int threads = atoi(argv[++i]);
-            if (threads < 1 || threads > 1024) {
-                fprintf(stderr, "matmul_bench: --threads must be 1 to 1024\n");
+            const int threads = atoi(argv[++i]);
+            if (threads < 1 || threads > TEAM_MAX_THREADS) {
+                fprintf(stderr, "matmul_bench: --threads must be 1 to %d\n", TEAM_MAX_THREADS);
                 return 2;
             }
-            omp_set_num_threads(threads);
+            threads_set(threads);
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: matmul_bench [--threads N] [--reps R]\n");
@@ -53,7 +73,13 @@ int main(int argc, char **argv) {
     };
     static const int token_counts[] = {1, 3, 64, 128, 256};
     double *times = malloc((size_t)reps * sizeof *times);
-    printf("kernels %s, %d threads, %d reps\n", kernels_simd_name(), omp_get_max_threads(), reps);
+    const int threads = threads_count();
+    Team *team = threads > 1 ? team_open(threads, member, NULL) : NULL;
+    if (threads > 1 && !team) {
+        fprintf(stderr, "matmul_bench: cannot start %d threads\n", threads);
+        return 1;
+    }
+    printf("kernels %s, %d threads, %d reps\n", kernels_simd_name(), threads, reps);
     printf("%-14s %4s %10s %12s %14s\n", "shape", "T", "best ms", "best GFLOP/s", "median GFLOP/s");
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int rows = shapes[s].rows, cols = shapes[s].cols;
@@ -73,10 +99,11 @@ int main(int argc, char **argv) {
                 return 1;
             }
             for (size_t i = 0; i < (size_t)T * cols; i++) x[i] = 1e-3f * (float)(i % 113);
-            matmul(out, rows, x, cols, w, T);  /* untimed */
+            job.out = out, job.x = x, job.w = w, job.T = T;
+            timed_product(team);  /* untimed */
             for (int r = 0; r < reps; r++) {
                 double t0 = now_s();
-                matmul(out, rows, x, cols, w, T);
+                timed_product(team);
                 times[r] = now_s() - t0;
             }
             qsort(times, (size_t)reps, sizeof *times, cmp_double);
@@ -90,5 +117,6 @@ int main(int argc, char **argv) {
         free(packed);
     }
     free(times);
+    team_close(team);
     return 0;
 }

@@ -12,7 +12,7 @@
 #   make test-asan ASAN_PYTEST_ARGS=tests/test_cli.py
 ASAN_B = build-asan
 ASAN_SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-ASAN_CFLAGS = -O1 -g $(ARCH) $(ASAN_SAN) -std=c11 -D_POSIX_C_SOURCE=200809L -I. -fopenmp -ffp-contract=off \
+ASAN_CFLAGS = -O1 -g $(ARCH) $(ASAN_SAN) -std=c11 -D_POSIX_C_SOURCE=200809L -I. -pthread -ffp-contract=off \
   -Wall -Wextra -Wshadow -Werror
 ASAN_CXXFLAGS = -O1 -g $(ASAN_SAN) -std=c++17 -I. -Wall -Wextra -Werror
 ASAN_OBJS = $(ENGINE:%.c=$(ASAN_B)/%.o) $(ASAN_B)/tokenizer/spm_c.o
@@ -45,14 +45,14 @@ $(ASAN_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8
 	$(CXX) $(ASAN_CXXFLAGS) -c $< -o $@
 
 $(ASAN_B)/run: $(ASAN_B)/run.o $(ASAN_OBJS)
-	$(CXX) -fopenmp $(ASAN_SAN) $^ -o $@ $(LDLIBS)
+	$(CXX) -pthread $(ASAN_SAN) $^ -o $@ $(LDLIBS)
 
 $(ASAN_B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(ASAN_CFLAGS) -I. -Wno-unused-parameter -c $< -o $@
 
 $(ASAN_B)/tests/test_%: $(ASAN_B)/tests/test_%.o $(ASAN_B)/tests/testutil.o $(ASAN_OBJS)
-	$(CXX) -fopenmp $(ASAN_SAN) $^ -o $@ $(LDLIBS) -lcmocka
+	$(CXX) -pthread $(ASAN_SAN) $^ -o $@ $(LDLIBS) -lcmocka
 
 # the fuzz harnesses with fuzz/replay.c's main() instead of libFuzzer
 $(ASAN_B)/fuzz/%.o: fuzz/%.c fuzz/tokenizer_checks.h $(HEADERS)
@@ -61,7 +61,7 @@ $(ASAN_B)/fuzz/%.o: fuzz/%.c fuzz/tokenizer_checks.h $(HEADERS)
 	  -DFUZZ_REAL_MODEL='"$(CURDIR)/$(REAL_TOKENIZER)"' -c $< -o $@
 
 $(ASAN_B)/fuzz/replay_%: $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/fuzz_%.o $(ASAN_B)/fuzz/tokenizer_checks.o $(ASAN_OBJS)
-	$(CXX) -fopenmp $(ASAN_SAN) $^ -o $@ $(LDLIBS)
+	$(CXX) -pthread $(ASAN_SAN) $^ -o $@ $(LDLIBS)
 
 test-asan: $(ASAN_B)/run build/roofline $(ASAN_UNIT_BINS) $(ASAN_REPLAYS) $(TINY_TOKENIZER) fuzz-seeds
 	@set -e; for t in $(UNIT_TESTS); do echo "== asan $$t"; $(ASAN_ENV) $(ASAN_B)/tests/$$t $(TINY_TOKENIZER); done
@@ -74,7 +74,7 @@ valgrind: $(VG_B)/run
 
 # ./run for valgrind: memcheck knows no AVX-512, so this build stops at AVX2 + FMA.
 VG_B = build-valgrind
-VG_CFLAGS = -O2 -g -mavx2 -mfma -std=c11 -D_POSIX_C_SOURCE=200809L -I. -fopenmp -ffp-contract=off -Wall -Wextra -Wshadow -Werror
+VG_CFLAGS = -O2 -g -mavx2 -mfma -std=c11 -D_POSIX_C_SOURCE=200809L -I. -pthread -ffp-contract=off -Wall -Wextra -Wshadow -Werror
 VG_OBJS = $(ENGINE:%.c=$(VG_B)/%.o) $(VG_B)/tokenizer/spm_c.o
 .SECONDARY: $(VG_OBJS) $(VG_B)/run.o
 
@@ -87,7 +87,7 @@ $(VG_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
 	$(CXX) -O2 -g -std=c++17 -I. -Wall -Wextra -Werror -c $< -o $@
 
 $(VG_B)/run: $(VG_B)/run.o $(VG_OBJS)
-	$(CXX) -fopenmp $^ -o $@ $(LDLIBS)
+	$(CXX) -pthread $^ -o $@ $(LDLIBS)
 
 .PHONY: clean-sanitizers
 clean-sanitizers:

@@ -57,7 +57,7 @@ fuzz-build: $(FUZZ_BINS) $(TINY_TOKENIZER)
 $(FUZZ_B)/make_seeds: fuzz/make_seeds.c $(B)/tests/testutil.o $(ENGINE_OBJS) $(HEADERS) tests/testutil.h
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS) -I. -Itests -c fuzz/make_seeds.c -o $@.o
-	$(CXX) -fopenmp $@.o $(B)/tests/testutil.o $(ENGINE_OBJS) -o $@ $(LDLIBS)
+	$(CXX) -pthread $@.o $(B)/tests/testutil.o $(ENGINE_OBJS) -o $@ $(LDLIBS)
 
 # A unigram tokenizer with a real precompiled charsmap (NFKC rules), as a seed of
 # fuzz_tokenizer_model (the other seeds are BPE without normalization).

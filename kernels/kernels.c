@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/parallel.h"
+#include "kernels/threads.h"
 #include "kernels/simd.h"
 
 size_t dtype_size(DType dt) { return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1; }
@@ -570,10 +570,6 @@ static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat 
     }
 }
 
-void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
-    matmul_rows(out, ldo, x, ldx, &w, T, 0, (w.rows + RB - 1) / RB);
-}
-
 /* Tiles [lo, hi) of the concatenation of the jobs' tile lists, cut at the products' edges;
  * tokens [t0, t_hi) of each job (up to its own T). */
 static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int t0, int t_hi) {
@@ -599,43 +595,7 @@ static void jobs_tiles(const MatmulJob *jobs, int n_jobs, long lo, long hi, int 
  * other's remaining tiles is parallel_mode's call. */
 static int split_by_tokens(int T) { return T > 2 * TB; }
 
-typedef struct {
-    const MatmulJob *jobs;
-    int n_jobs, max_T;
-    long tiles;
-} Jobs;
-
-/* By tokens: part p is every tile of the jobs, for p's share of the token blocks (of the
- * longest job). */
-static long jobs_tokens_count(const void *ctx, int part, int parts) {
-    (void)part, (void)parts;
-    return ((const Jobs *)ctx)->tiles;
-}
-
-static void jobs_tokens_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
-    (void)thread;
-    const Jobs *c = ctx;
-    long b_lo, b_hi;
-    parallel_share((c->max_T + TB - 1) / TB, p, parts, &b_lo, &b_hi);
-    jobs_tiles(c->jobs, c->n_jobs, lo, hi, (int)b_lo * TB, (int)b_hi * TB);
-}
-
-/* By rows: part p is p's share of the tiles, for every token. */
-static long jobs_rows_count(const void *ctx, int p, int parts) {
-    long lo, hi;
-    parallel_share(((const Jobs *)ctx)->tiles, p, parts, &lo, &hi);
-    return hi - lo;
-}
-
-static void jobs_rows_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
-    (void)thread;
-    const Jobs *c = ctx;
-    long first, last;
-    parallel_share(c->tiles, p, parts, &first, &last);
-    jobs_tiles(c->jobs, c->n_jobs, first + lo, first + hi, 0, c->max_T);
-}
-
-void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
+void matmul_jobs(Worker *wk, const MatmulJob *jobs, int n_jobs) {
     long tiles = 0, work = 0;
     int max_T = 0;
     for (int j = 0; j < n_jobs; j++) {
@@ -643,58 +603,42 @@ void matmul_jobs(const MatmulJob *jobs, int n_jobs) {
         work += (long)jobs[j].T * jobs[j].w.rows * jobs[j].w.cols;
         max_T = jobs[j].T > max_T ? jobs[j].T : max_T;
     }
-    const Jobs ctx = {jobs, n_jobs, max_T, tiles};
-    const ParallelParts by_tokens = {jobs_tokens_count, jobs_tokens_items, &ctx};
-    const ParallelParts by_rows = {jobs_rows_count, jobs_rows_items, &ctx};
-    const int tokens = split_by_tokens(max_T);
-    parallel_run_parts(tokens ? &by_tokens : &by_rows, parallel_mode(work, max_T));
+    const int by_tokens = split_by_tokens(max_T);
+    Share sh = share_begin(wk, tiles, by_tokens ? SHARE_EACH : SHARE_SPLIT, parallel_mode(work, max_T));
+    for (long lo, hi; share_next(&sh, &lo, &hi);) {
+        if (!by_tokens) {
+            jobs_tiles(jobs, n_jobs, lo, hi, 0, max_T);
+            continue;
+        }
+        long b_lo, b_hi;  /* the part's token blocks (of the longest job) */
+        parallel_share((max_T + TB - 1) / TB, sh.part, sh.parts, &b_lo, &b_hi);
+        jobs_tiles(jobs, n_jobs, lo, hi, (int)b_lo * TB, (int)b_hi * TB);
+    }
+    share_end(&sh);
 }
 
-void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T) {
-    MatmulJob job = {out, ldo, x, ldx, w, T};
-    matmul_jobs(&job, 1);
+void matmul(Worker *wk, float *out, int ldo, const float *x, int ldx, Mat w, int T) {
+    const MatmulJob job = {out, ldo, x, ldx, w, T};
+    matmul_jobs(wk, &job, 1);
 }
 
-typedef struct {
-    float *h1, *h3;
-    const float *x;
-    int ldx, T;
-    const Mat *w1, *w3;
-} SwigluRows;
-
-/* Row tiles [lo, hi) of both up projections, then SwiGLU on the rows they wrote. */
-static void swiglu_tiles(const SwigluRows *c, long lo, long hi) {
-    const int F = c->w1->rows;
-    matmul_rows(c->h1, F, c->x, c->ldx, c->w1, c->T, (int)lo, (int)hi);
-    matmul_rows(c->h3, F, c->x, c->ldx, c->w3, c->T, (int)lo, (int)hi);
-    int r_lo = (int)lo * RB, r_hi = (int)hi * RB < F ? (int)hi * RB : F;
-    for (int t = 0; r_lo < r_hi && t < c->T; t++)
-        swiglu(c->h1 + (size_t)t * F + r_lo, c->h3 + (size_t)t * F + r_lo, r_hi - r_lo);
-}
-
-/* Part p is p's share of the row tiles, in items of 2 tiles: 16 rows, one vector of
- * SwiGLU per token */
+/* Items of matmul_swiglu: 2 row tiles, 16 rows, one vector of SwiGLU per token. */
 enum { SWIGLU_ITEM_TILES = 2 };
 
-static long swiglu_part_count(const void *ctx, int p, int parts) {
-    long lo, hi;
-    parallel_share(((long)((const SwigluRows *)ctx)->w1->rows + RB - 1) / RB, p, parts, &lo, &hi);
-    return (hi - lo + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
-}
-
-static void swiglu_part_items(const void *ctx, int p, int parts, long lo, long hi, int thread) {
-    (void)thread;
-    const SwigluRows *c = ctx;
-    long t_lo, t_hi;
-    parallel_share(((long)c->w1->rows + RB - 1) / RB, p, parts, &t_lo, &t_hi);
-    const long a = t_lo + lo * SWIGLU_ITEM_TILES, b = t_lo + hi * SWIGLU_ITEM_TILES;
-    swiglu_tiles(c, a, b < t_hi ? b : t_hi);
-}
-
-void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
-    const SwigluRows ctx = {h1, h3, x, ldx, T, &w1, &w3};
-    const ParallelParts by_rows = {swiglu_part_count, swiglu_part_items, &ctx};  /* for every T (split_by_tokens) */
-    parallel_run_parts(&by_rows, parallel_mode((long)T * w1.rows * w1.cols, T));
+void matmul_swiglu(Worker *wk, float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T) {
+    const int F = w1.rows;
+    const long tiles = (F + RB - 1) / RB, items = (tiles + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
+    /* by rows for every T (split_by_tokens): a thread computes the same rows of both products
+     * and applies SwiGLU to them, so no barrier separates the three */
+    Share sh = share_begin(wk, items, SHARE_SPLIT, parallel_mode((long)T * w1.rows * w1.cols, T));
+    for (long lo, hi; share_next(&sh, &lo, &hi);) {
+        const long a = lo * SWIGLU_ITEM_TILES, b = hi * SWIGLU_ITEM_TILES < tiles ? hi * SWIGLU_ITEM_TILES : tiles;
+        matmul_rows(h1, F, x, ldx, &w1, T, (int)a, (int)b);
+        matmul_rows(h3, F, x, ldx, &w3, T, (int)a, (int)b);
+        const int r_lo = (int)a * RB, r_hi = (int)b * RB < F ? (int)b * RB : F;
+        for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
+    }
+    share_end(&sh);
 }
 
 /* ---- elementwise ---- */

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "kernels/isa.h"
+#include "kernels/threads.h"
 
 /* Weights are fp32 or bf16; the KV cache may also hold int8 with a scale per vector. */
 typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_I8 = 2 } DType;
@@ -79,14 +80,14 @@ void mat_pack_blocks(void *dst, const void *src, int blocks, int n, int cols, DT
 float mat_get(Mat w, int r, int c);
 
 /* out[t*ldo + i] = sum_k w[i][k] * x[t*ldx + k] for t < T, i < w.rows, k < w.cols.
- * A blocked matrix-matrix kernel (T = 1 is the matrix-vector case), threaded as matmul_jobs. */
-void matmul(float *out, int ldo, const float *x, int ldx, Mat w, int T);
-/* The same, on the calling thread only (inside one thread's share of other work). */
-void matmul_serial(float *out, int ldo, const float *x, int ldx, Mat w, int T);
-/* Independent products in one parallel_run (one hand-off and join instead of n). For one or two token blocks (decode, the prompt) the
- * threads split the row tiles of all of them; for more, each thread computes every row
- * for its share of the tokens. Each output is computed exactly as matmul computes it, by
- * one thread. */
+ * A blocked matrix-matrix kernel (T = 1 is the matrix-vector case). Every thread of wk's
+ * team calls it with the same arguments and computes its share (threads.h); it returns
+ * when the product is whole (a barrier), or, run alone, on thread 0 when it is done. */
+void matmul(Worker *wk, float *out, int ldo, const float *x, int ldx, Mat w, int T);
+/* Independent products as one operation (one barrier instead of n). For one or two token
+ * blocks (decode, the prompt) the threads split the row tiles of all of them; for more,
+ * each thread computes every row for its share of the tokens. Each output is computed
+ * exactly as matmul computes it, by one thread. */
 typedef struct {
     float *out;
     int ldo;
@@ -95,11 +96,11 @@ typedef struct {
     Mat w;
     int T;
 } MatmulJob;
-void matmul_jobs(const MatmulJob *jobs, int n_jobs);
+void matmul_jobs(Worker *wk, const MatmulJob *jobs, int n_jobs);
 /* The FFN's up projections: h1 = silu(W1 x) * (W3 x), h3 = W3 x, both (T, w1.rows). A
  * thread computes the same rows of both products (split by rows for every T) and applies
  * SwiGLU to them, so no barrier separates the three. */
-void matmul_swiglu(float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T);
+void matmul_swiglu(Worker *wk, float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T);
 
 /* sum_i a[i] b[i] in the canonical order. */
 float dot(const float *a, const float *b, int n);

@@ -32,7 +32,7 @@ void cli_usage(FILE *f) {
           "      --window W        with --kv: keep W positions a sequence, so -n may exceed the context\n"
           "      --window-policy ring|sinks  overwrite the oldest position (ring, default), or keep the\n"
           "                        first 4 for good and slide the rest (sinks)\n"
-          "      --threads N       OpenMP threads, 1..256 (default: all cores)\n"
+          "      --threads N       threads, 1..256 (default: OMP_NUM_THREADS, else all cores)\n"
           "      --log FILE.csv    write the per-step latencies as CSV\n"
           "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
           "      --json            JSON on stdout: one object a sequence and one for the summary, or one\n"
@@ -239,7 +239,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
             else if (!strcmp(v, "sinks")) o->window_sinks = CLI_WINDOW_SINKS;
             else rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
             break;
-        case OPT_THREADS: if (!(rc = parse_long(flag, v, 1, CLI_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; break;
+        case OPT_THREADS: if (!(rc = parse_long(flag, v, 1, TEAM_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; break;
         case OPT_LOG: o->log_path = v; break;
         case OPT_DUMP_LOGITS: o->dump_path = v; break;
         case OPT_JSON: o->json = 1; break;

@@ -10,8 +10,8 @@
 #include <stdio.h>
 
 #include "config.h"
+#include "kernels/threads.h"
 
-#define CLI_MAX_THREADS 256
 #define CLI_MAX_BATCH 256
 
 typedef struct {
@@ -24,7 +24,7 @@ typedef struct {
     float temperature;
     uint64_t seed;
     int kv;
-    int threads;          /* 0 = OpenMP's default */
+    int threads;          /* 0 = threads.h's default */
     const char *log_path;
     int quiet;            /* no step lines on stderr */
     int verbose;          /* step lines on stderr even when it shares a terminal with stdout */

@@ -1,97 +1,154 @@
-/* scheduler.c: continuous batching over the paged KV cache (scheduler.h). */
+/* scheduler.c: continuous batching over the paged KV cache, a step at a time (scheduler.h). */
 #include "serve/scheduler.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/parallel.h"
 #include "kernels/timer.h"
 
-/* The requests that wait, in order; a preempted one goes back to the front. */
-typedef struct {
-    Request **slot;  /* (2 * n): the front grows down from the middle */
-    int head, tail;
-} Queue;
-
-static int queue_empty(const Queue *q) { return q->head == q->tail; }
-static Request *queue_front(const Queue *q) { return q->slot[q->head]; }
-static void queue_pop(Queue *q) { q->head++; }
-static void queue_push_front(Queue *q, Request *r) { q->slot[--q->head] = r; }
-
-typedef struct {
+struct SchedulerRun {
     Scheduler *sch;
-    Queue queue;
+    RunState state;       /* the model's scratch: max_tokens = context + slots */
+    Team *team;
+    Request *queue, *queue_tail;  /* waiting, in order; a preempted one goes back to the front */
     Request **running;    /* (max_batch) in the order of admission */
     int n_running;
-    int admissions;
-    int *ids;             /* (max_tokens) the batch's tokens */
-    KVCache **caches;     /* (max_tokens) */
-    int *logit_tokens;    /* (max_batch) */
     int *computed_prompt; /* (max_batch) 1 when the step computes that sequence's prompt */
-    int *sampling;        /* (max_batch) the running sequences that sample this step, in order */
-    int n_sampling;
-    double start;
-} Run;
+    /* the step's passes: pass p runs running[pass_first[p] .. pass_first[p + 1]) */
+    int n_passes;
+    int *pass_first;      /* (max_batch + 1) */
+    int *ids;             /* (max_tokens) the pass's tokens */
+    KVCache **caches;     /* (max_tokens) */
+    int *logit_tokens;    /* (max_tokens) */
+    Batch batch;          /* the pass being run */
+    int row0;             /* its first row of logits */
+    /* what the step reports */
+    StepRow *rows;        /* (max_tokens) */
+    int n_rows;
+    float *logits;        /* (max_tokens, vocab_size) */
+    int *sample_rows;     /* (max_batch) the rows the step samples from */
+    int n_sample;
+    Request **finished;   /* (max_batch) */
+    int rc;               /* of the step's passes: 0, or model.h's error */
+    double start;         /* the first step's start */
+};
+
+static int min_int(int a, int b) { return a < b ? a : b; }
+
+/* ---- the queue ---- */
+
+static void queue_push_back(SchedulerRun *run, Request *r) {
+    r->next = NULL;
+    if (run->queue_tail) run->queue_tail->next = r;
+    else run->queue = r;
+    run->queue_tail = r;
+}
+
+static void queue_push_front(SchedulerRun *run, Request *r) {
+    r->next = run->queue;
+    run->queue = r;
+    if (!run->queue_tail) run->queue_tail = r;
+}
+
+static void queue_pop(SchedulerRun *run) {
+    run->queue = run->queue->next;
+    if (!run->queue) run->queue_tail = NULL;
+}
+
+/* ---- admission, preemption, retirement ---- */
 
 /* The tokens a and b begin with alike. */
 static int common_prefix(const Request *a, const Request *b) {
-    const int n = a->n_tokens < b->n_tokens ? a->n_tokens : b->n_tokens;
+    const int n = min_int(a->n_tokens, b->n_tokens);
     int i = 0;
     while (i < n && a->tokens[i] == b->tokens[i]) i++;
     return i;
 }
 
-static int min_int(int a, int b) { return a < b ? a : b; }
-
 /* Blocks the running sequences' next tokens take from the pool. */
-static int blocks_for_running(const Run *run, int n) {
+static int blocks_for_running(const SchedulerRun *run) {
     int need = 0;
-    for (int i = 0; i < n; i++) need += kv_blocks_needed(&run->running[i]->cache, run->running[i]->n_tokens);
+    for (int i = 0; i < run->n_running; i++) need += kv_blocks_needed(&run->running[i]->cache, run->running[i]->n_tokens);
     return need;
 }
 
+/* q, computed this step, goes on after it: it does not sample its last token now. */
+static int outlives_step(const Scheduler *sch, const Request *q) {
+    return !q->score && !(sch->max_new && q->generated + 1 >= sch->max_new);
+}
+
+/* A request's sampler and block table, made when it is first admitted. */
+static int start_request(const Scheduler *sch, Request *r) {
+    if (r->started) return 0;
+    const int max_len = sch->pool->window ? INT32_MAX / 2 : sch->model->cfg.max_seq_len;
+    if (sampler_init(&r->sampler, sch->model->cfg.vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0)
+        return -1;
+    if (kv_init(&r->cache, sch->pool, max_len) != 0) {
+        sampler_free(&r->sampler);
+        return -1;
+    }
+    r->started = 1;
+    return 0;
+}
+
+static void end_request(Request *r) {
+    sampler_free(&r->sampler);
+    kv_free(&r->cache);
+    r->started = 0;
+}
+
 /* Admits waiting requests into free slots while the pool and the step's prompt budget
- * allow; returns how many. A request shares the longest prefix another running
- * sequence's cache holds (all but its last token at most: that one's logits are needed). */
-static int admit(Run *run) {
+ * allow. With the cache, a request shares the longest prefix another running sequence's
+ * cache holds (all but its last token at most: that one's logits are needed); it waits a
+ * step instead, once, when a sequence computed in this step will hold at least half of it
+ * more and goes on after the step. Returns -1 when out of memory. */
+static int admit(SchedulerRun *run) {
     Scheduler *sch = run->sch;
     const int first_new = run->n_running;
     int budget = sch->model->cfg.max_seq_len;  /* prompt tokens computed in one step */
-    while (run->n_running < sch->max_batch && !queue_empty(&run->queue)) {
-        Request *r = queue_front(&run->queue);
+    while (run->n_running < sch->max_batch && run->queue) {
+        Request *r = run->queue;
         Request *source = NULL;
         int shared = 0, pending = 0;
-        for (int i = 0; i < run->n_running && !sch->pool->window; i++) {  /* a window's slots are never shared */
+        /* a window's slots are never shared, and a scored request computes all its positions */
+        for (int i = 0; i < run->n_running && sch->kv && !sch->pool->window && !r->score; i++) {
             Request *q = run->running[i];
             const int common = min_int(common_prefix(r, q), r->n_tokens - 1);
-            if (i >= first_new) pending = common > pending ? common : pending;  /* computed this step */
-            else if (min_int(common, q->cache.len) > shared) shared = min_int(common, q->cache.len), source = q;
+            if (i >= first_new) {  /* computed this step */
+                if (outlives_step(sch, q) && common > pending) pending = common;
+            } else if (min_int(common, q->cache.len) > shared) {
+                shared = min_int(common, q->cache.len), source = q;
+            }
         }
-        /* waiting one step for a prompt being computed now saves at least half of this one */
-        if (pending > shared && 2 * (pending - shared) >= r->n_tokens) break;
+        /* waiting one step for a prompt being computed now saves at least half of this one
+         * (and more than BOS) */
+        if (!r->waited && pending > shared && pending >= 2 && 2 * (pending - shared) >= r->n_tokens) {
+            r->waited = 1;
+            break;
+        }
         const int compute = r->n_tokens - shared;
-        if (run->n_running > first_new && compute > budget) break;
+        if (sch->kv && run->n_running > first_new && compute > budget) break;
+        if (start_request(sch, r) != 0) return -1;
         if (source) kv_share_prefix(&r->cache, &source->cache, shared);
-        if (kv_blocks_needed(&r->cache, r->n_tokens) + blocks_for_running(run, run->n_running) > sch->pool->n_free) {
+        if (sch->kv && kv_blocks_needed(&r->cache, r->n_tokens) + blocks_for_running(run) > sch->pool->n_free) {
             kv_reset(&r->cache);
             break;
         }
-        queue_pop(&run->queue);
-        r->admitted = ++run->admissions;
+        queue_pop(run);
         run->running[run->n_running++] = r;
         budget -= compute;
     }
-    return run->n_running - first_new;
+    return 0;
 }
 
-static void remove_running(Run *run, int i) {
+static void remove_running(SchedulerRun *run, int i) {
     memmove(run->running + i, run->running + i + 1, (size_t)(run->n_running - i - 1) * sizeof *run->running);
     run->n_running--;
 }
 
 /* Reserves every running sequence's positions, preempting the latest admitted while the
  * pool is short. Returns -1 when even one sequence alone does not fit. */
-static int reserve_or_preempt(Run *run) {
+static int reserve_or_preempt(SchedulerRun *run) {
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
         while (kv_reserve(&r->cache, r->n_tokens) != 0) {
@@ -100,7 +157,7 @@ static int reserve_or_preempt(Run *run) {
             kv_reset(&victim->cache);
             victim->preemptions++;
             run->sch->preemptions++;
-            queue_push_front(&run->queue, victim);
+            queue_push_front(run, victim);
             run->n_running--;
             if (victim == r) break;
         }
@@ -108,17 +165,94 @@ static int reserve_or_preempt(Run *run) {
     return 0;
 }
 
-typedef struct {
-    Run *run;
-    const float *logits;
-    int *next;
-} Sampling;
+/* ---- the passes of a step ---- */
 
-static void sample_one(const void *ctx, long k) {
-    const Sampling *s = ctx;
-    const int V = s->run->sch->model->cfg.vocab_size;
-    s->next[k] = sampler_sample(&s->run->running[s->run->sampling[k]]->sampler, s->logits + (size_t)k * V);
+/* Lays out pass p's tokens: with the cache, every running sequence's new tokens (with a
+ * window, at most what it takes without sliding); without, each of the pass's sequences
+ * whole, on an emptied cache. A row of logits for each sequence that samples, and for each
+ * scored position. Returns the pass's token count. */
+static int lay_out_pass(SchedulerRun *run, int p) {
+    const Scheduler *sch = run->sch;
+    int T = 0, n_logits = 0;
+    run->row0 = run->n_rows;
+    for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) {
+        Request *r = run->running[i];
+        if (!sch->kv) kv_reset(&r->cache);
+        const int from = r->cache.len, count = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
+        for (int pos = from; pos < from + count; pos++, T++) {
+            run->ids[T] = r->tokens[pos];
+            run->caches[T] = &r->cache;
+            if (r->score || (pos + 1 == r->n_tokens)) {
+                if (!r->score) run->sample_rows[run->n_sample++] = run->n_rows;
+                run->rows[run->n_rows++] = (StepRow){r, pos, -1};
+                run->logit_tokens[n_logits++] = T;
+            }
+        }
+    }
+    /* a pass in which every sequence is still inside its prompt reports nothing, but
+     * computes at least one row of logits */
+    run->batch = (Batch){T, run->ids, run->caches, n_logits ? n_logits : 1, run->logit_tokens};
+    if (!n_logits) run->logit_tokens[0] = T - 1;
+    return T;
 }
+
+/* Groups the running sequences into passes: with the cache, all in one; without, whole
+ * sequences while the pass's tokens and rows and the pool's blocks allow. */
+static void plan_passes(SchedulerRun *run) {
+    const Scheduler *sch = run->sch;
+    run->n_passes = 0;
+    int tokens = 0, blocks = 0, rows = 0;
+    for (int i = 0; i < run->n_running; i++) {
+        const Request *r = run->running[i];
+        const int t = r->n_tokens, b = kv_blocks_for(t), w = r->score ? t : 1;
+        if (i == 0 || (!sch->kv && (tokens + t > run->state.max_tokens || blocks + b > sch->pool->n_blocks ||
+                                    rows + w > run->state.max_tokens))) {
+            run->pass_first[run->n_passes++] = i;
+            tokens = blocks = 0;
+        }
+        tokens += t, blocks += b, rows += w;
+    }
+    run->pass_first[run->n_passes] = run->n_running;
+}
+
+/* A step as thread wk->thread of the team runs it: each pass (thread 0 lays it out and
+ * finishes it, every thread computes it), then every thread samples its share of the
+ * sequences. */
+static void step_share(SchedulerRun *run, Worker *wk) {
+    const Scheduler *sch = run->sch;
+    const int V = sch->model->cfg.vocab_size;
+    for (int p = 0; p < run->n_passes; p++) {
+        if (team_alone(wk)) {
+            lay_out_pass(run, p);
+            run->rc = model_prepare(sch->model, &run->state, &run->batch);
+        }
+        team_barrier(wk);
+        if (run->rc != 0) return;
+        float *logits = run->logits + (size_t)run->row0 * V;
+        model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
+        if (team_alone(wk)) {
+            run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
+            if (!sch->kv)
+                for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
+        }
+    }
+    const int S = run->n_sample;
+    Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4, S));
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long k = lo; k < hi && run->rc == 0; k++) {
+            StepRow *row = &run->rows[run->sample_rows[k]];
+            row->token = sampler_sample(&row->request->sampler, run->logits + (size_t)run->sample_rows[k] * V);
+        }
+    share_end(&sh);
+}
+
+/* The team's threads 1..: a step each time thread 0 posts one. */
+static void team_member(void *arg, Worker *wk) {
+    SchedulerRun *run = arg;
+    while (team_wait(wk)) step_share(run, wk);
+}
+
+/* ---- the step ---- */
 
 /* Keeps a token sampled for r (its array grows as needed). Returns -1 when out of memory. */
 static int append_token(Request *r, int token) {
@@ -132,168 +266,152 @@ static int append_token(Request *r, int token) {
     return 0;
 }
 
-/* After the forward pass: the sequences whose tokens are all in (run->sampling) sample
- * their next token from their rows of logits, and those that end leave their slot. */
-static int sample_and_retire(Run *run, int step, int n_tokens, int prefill_tokens, double step_ms) {
+/* After the passes, on thread 0: the sampled tokens kept, the step's time charged to each
+ * sequence, and those that end leave their slot. */
+static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
     Scheduler *sch = run->sch;
     const Config *c = &sch->model->cfg;
-    const int S = run->n_sampling;
-    int next[S > 0 ? S : 1];
-    const int fed_pos = run->running[0]->n_tokens - 1;  /* for the log of a single sequence */
-    for (int k = 0; k < S; k++)
-        if (sch->on_logits) sch->on_logits(sch->ctx, run->running[run->sampling[k]], sch->logits + (size_t)k * c->vocab_size);
-    const Sampling sampling = {run, sch->logits, next};
-    parallel_for(S, sample_one, &sampling, parallel_mode((long)S * c->vocab_size * 4, S));
     const double elapsed = now_ms() - run->start;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
         if (run->computed_prompt[i]) r->prefill_ms += step_ms;
         else r->decode_ms += step_ms, r->decode_steps++;
     }
-    for (int k = 0; k < S; k++) {
-        Request *r = run->running[run->sampling[k]];
+    for (int k = 0; k < run->n_rows; k++) {
+        Request *r = run->rows[k].request;
+        if (r->score) {
+            if (!sch->kv || r->cache.len == r->n_tokens) r->stop = STOP_STEPS;  /* all of it computed */
+            continue;
+        }
+        const int next = run->rows[k].token;
         if (r->generated++ == 0) r->first_token_ms = elapsed;
-        if (next[k] == c->eos_id && !sch->ignore_eos) {
+        if (next == c->eos_id && !sch->ignore_eos) {
             r->stop = STOP_EOS;
             continue;
         }
-        if (append_token(r, next[k]) != 0) return -1;
-        if (sch->on_token) sch->on_token(sch->ctx, r, next[k]);
+        if (append_token(r, next) != 0) return -1;
         if (sch->max_new && r->generated >= sch->max_new) r->stop = STOP_STEPS;
         else if (!sch->pool->window && r->n_tokens > c->max_seq_len) r->stop = STOP_CONTEXT;  /* no position left for it */
     }
-    if (sch->on_step) {
-        const Request *only = run->n_running == 1 ? run->running[0] : NULL;
-        const StepInfo info = {step, S, n_tokens, prefill_tokens, step_ms, only, only ? fed_pos : -1,
-                               only && S ? next[0] : -1};
-        sch->on_step(sch->ctx, &info);
-    }
+    out->n_finished = 0;
     for (int i = 0; i < run->n_running;) {
         Request *r = run->running[i];
         if (r->stop == STOP_NONE) {
             i++;
             continue;
         }
-        kv_reset(&r->cache);
+        end_request(r);
         remove_running(run, i);
-        if (sch->on_done) sch->on_done(sch->ctx, r);
+        run->finished[out->n_finished++] = r;
     }
     return 0;
 }
 
-/* One step with the cache: every running sequence's new tokens in one forward pass. With
- * a window, a sequence runs at most what its window can take without sliding (one token
- * once it is full). */
-static int step_cached(Run *run, int step) {
-    Scheduler *sch = run->sch;
+int scheduler_step(Scheduler *sch, StepResult *out) {
+    SchedulerRun *run = sch->run;
     const double t0 = now_ms();
-    admit(run);
-    if (run->n_running == 0 || reserve_or_preempt(run) != 0) return -1;
-    int T = 0, prefill_tokens = 0;
-    run->n_sampling = 0;
+    if (sch->steps == 0) run->start = t0;
+    if (admit(run) != 0) return -1;
+    if (run->n_running == 0) return run->queue ? -1 : 0;
+    if (sch->kv && reserve_or_preempt(run) != 0) return -1;
+    run->n_rows = run->n_sample = 0;
+    int n_tokens = 0, prefill_tokens = 0;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        const int from = r->cache.len, count = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
+        const int count = sch->kv ? kv_tokens_per_pass(&r->cache, r->n_tokens - r->cache.len) : r->n_tokens;
         run->computed_prompt[i] = r->generated == 0;
-        if (count > 1 || r->generated == 0) prefill_tokens += count;
-        for (int p = from; p < from + count; p++, T++) {
-            run->ids[T] = r->tokens[p];
-            run->caches[T] = &r->cache;
-        }
-        if (from + count == r->n_tokens) {
-            run->logit_tokens[run->n_sampling] = T - 1;
-            run->sampling[run->n_sampling++] = i;
-        }
+        if (r->generated == 0 || (sch->kv && count > 1)) prefill_tokens += count;  /* prompt, or a recompute */
+        n_tokens += count;
     }
-    /* a step in which every sequence is still inside its prompt samples nothing, but a pass
-     * computes at least one row of logits */
-    if (run->n_sampling == 0) run->logit_tokens[0] = T - 1;
-    const Batch batch = {T, run->ids, run->caches, run->n_sampling ? run->n_sampling : 1, run->logit_tokens};
-    const int rc = model_forward_batch(sch->model, sch->state, &batch, sch->form, sch->logits);
-    if (rc != 0) return rc;
-    return sample_and_retire(run, step, T, prefill_tokens, now_ms() - t0);
+    plan_passes(run);
+    run->rc = 0;
+    Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
+    if (run->team) team_post(run->team);
+    /* thread 0's share; once it returns the members are done with the step too: they do
+     * nothing alone, and every shared operation ended in a barrier thread 0 passed */
+    step_share(run, leader);
+    if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE ? MODEL_ERR_NONFINITE : -1;
+    const double step_ms = now_ms() - t0;
+    const int sequences = run->n_sample, running = run->n_running;
+    if (retire(run, out, step_ms) != 0) return -1;
+    out->running = running;
+    out->step = sch->steps++;
+    out->sequences = sequences;
+    out->n_tokens = n_tokens;
+    out->prefill_tokens = prefill_tokens;
+    out->ms = step_ms;
+    out->n_rows = run->n_rows;
+    out->rows = run->rows;
+    out->logits = run->logits;
+    out->finished = run->finished;
+    sch->total_ms = now_ms() - run->start;
+    return 1;
 }
 
-/* One step without the cache: each running sequence recomputed alone over its whole
- * length; its blocks are free again right after. */
-static int step_uncached(Run *run, int step) {
-    Scheduler *sch = run->sch;
-    const double t0 = now_ms();
-    while (run->n_running < sch->max_batch && !queue_empty(&run->queue)) {
-        Request *r = queue_front(&run->queue);
-        queue_pop(&run->queue);
-        r->admitted = ++run->admissions;
-        run->running[run->n_running++] = r;
-    }
-    int T = 0, prefill_tokens = 0;
-    for (int i = 0; i < run->n_running; i++) {
-        Request *r = run->running[i];
-        float *row = sch->logits + (size_t)i * sch->model->cfg.vocab_size;
-        kv_reset(&r->cache);
-        const int rc = model_forward(sch->model, sch->state, &r->cache, r->tokens, r->n_tokens, sch->form, row, 0);
-        kv_reset(&r->cache);
-        if (rc != 0) return rc;
-        run->computed_prompt[i] = r->generated == 0;
-        if (r->generated == 0) prefill_tokens += r->n_tokens;
-        T += r->n_tokens;
-        run->sampling[i] = i;
-    }
-    run->n_sampling = run->n_running;
-    return sample_and_retire(run, step, T, prefill_tokens, now_ms() - t0);
-}
+/* ---- setting up ---- */
 
-int scheduler_run(Scheduler *sch) {
+int scheduler_init(Scheduler *sch) {
     const Config *c = &sch->model->cfg;
-    if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len) ||
-        sch->state->max_tokens < scheduler_max_tokens(c, sch->max_batch))
+    sch->run = NULL;
+    sch->steps = sch->preemptions = 0;
+    sch->total_ms = 0.0;
+    if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)) return -1;
+    SchedulerRun *run = calloc(1, sizeof *run);
+    if (!run) return -1;
+    run->sch = sch;
+    sch->run = run;
+    const int T = c->max_seq_len + sch->max_batch, B = sch->max_batch;
+    run->running = malloc((size_t)B * sizeof *run->running);
+    run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
+    run->pass_first = malloc((size_t)(B + 1) * sizeof *run->pass_first);
+    run->ids = malloc((size_t)T * sizeof *run->ids);
+    run->caches = malloc((size_t)T * sizeof *run->caches);
+    run->logit_tokens = malloc((size_t)T * sizeof *run->logit_tokens);
+    run->rows = malloc((size_t)T * sizeof *run->rows);
+    run->logits = alloc_floats_touched((size_t)T * (size_t)c->vocab_size);
+    run->sample_rows = malloc((size_t)B * sizeof *run->sample_rows);
+    run->finished = malloc((size_t)B * sizeof *run->finished);
+    if (!run->running || !run->computed_prompt || !run->pass_first || !run->ids || !run->caches || !run->logit_tokens ||
+        !run->rows || !run->logits || !run->sample_rows || !run->finished || runstate_init(&run->state, c, T) != 0) {
+        scheduler_free(sch);
         return -1;
-    Run run = {.sch = sch};
-    run.queue.slot = malloc(2 * (size_t)(sch->n_requests ? sch->n_requests : 1) * sizeof *run.queue.slot);
-    run.running = malloc((size_t)sch->max_batch * sizeof *run.running);
-    run.ids = malloc((size_t)sch->state->max_tokens * sizeof *run.ids);
-    run.caches = malloc((size_t)sch->state->max_tokens * sizeof *run.caches);
-    run.logit_tokens = malloc((size_t)sch->max_batch * sizeof *run.logit_tokens);
-    run.computed_prompt = malloc((size_t)sch->max_batch * sizeof *run.computed_prompt);
-    run.sampling = malloc((size_t)sch->max_batch * sizeof *run.sampling);
-    int rc = run.queue.slot && run.running && run.ids && run.caches && run.logit_tokens && run.computed_prompt &&
-                     run.sampling ? 0 : -1;
-    for (int i = 0; rc == 0 && i < sch->n_requests; i++) {
-        Request *r = &sch->requests[i];
-        r->n_tokens = r->n_prompt;
-        r->generated = 0;
-        r->stop = STOP_NONE;
-        r->admitted = 0;
-        r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
-        if (r->cap_tokens < r->n_prompt + 1) rc = -1;
-        r->decode_steps = r->preemptions = 0;
-        if (sampler_init(&r->sampler, c->vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0 ||
-            kv_init(&r->cache, sch->pool, sch->pool->window ? INT32_MAX / 2 : c->max_seq_len) != 0)
-            rc = -1;
     }
-    if (rc == 0) {
-        run.queue.head = run.queue.tail = sch->n_requests;
-        for (int i = 0; i < sch->n_requests; i++) run.queue.slot[run.queue.tail++] = &sch->requests[i];
-        sch->steps = sch->preemptions = 0;
-        run.start = now_ms();
-        while (rc == 0 && (run.n_running > 0 || !queue_empty(&run.queue)) && !(sch->stop && *sch->stop)) {
-            rc = sch->kv ? step_cached(&run, sch->steps) : step_uncached(&run, sch->steps);
-            sch->steps++;
-        }
-        sch->total_ms = now_ms() - run.start;
+    const int threads = threads_count();
+    if (threads > 1 && !(run->team = team_open(threads, team_member, run))) {
+        scheduler_free(sch);
+        return -1;
     }
-    free(run.queue.slot);
-    free(run.running);
-    free(run.ids);
-    free(run.caches);
-    free(run.logit_tokens);
-    free(run.computed_prompt);
-    free(run.sampling);
-    return rc;
+    return 0;
 }
 
-void scheduler_free_requests(Scheduler *sch) {
-    for (int i = 0; i < sch->n_requests; i++) {
-        sampler_free(&sch->requests[i].sampler);
-        kv_free(&sch->requests[i].cache);
-    }
+void scheduler_add(Scheduler *sch, Request *r) {
+    r->n_tokens = r->n_prompt;
+    r->generated = 0;
+    r->stop = STOP_NONE;
+    r->started = r->waited = 0;
+    r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
+    r->decode_steps = r->preemptions = 0;
+    queue_push_back(sch->run, r);
+}
+
+void scheduler_free(Scheduler *sch) {
+    SchedulerRun *run = sch->run;
+    if (!run) return;
+    team_close(run->team);
+    for (int i = 0; run->running && i < run->n_running; i++) end_request(run->running[i]);
+    for (Request *r = run->queue; r; r = r->next)
+        if (r->started) end_request(r);
+    runstate_free(&run->state);
+    free(run->running);
+    free(run->computed_prompt);
+    free(run->pass_first);
+    free(run->ids);
+    free(run->caches);
+    free(run->logit_tokens);
+    free(run->rows);
+    free(run->logits);
+    free(run->sample_rows);
+    free(run->finished);
+    free(run);
+    sch->run = NULL;
 }

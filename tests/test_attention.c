@@ -158,20 +158,37 @@ static void random_input(float *xb, int n, uint64_t seed) {
     for (int i = 0; i < n; i++) xb[i] = test_uniform(&s);
 }
 
+/* What every thread of a team needs to run layer 0's attention. */
+typedef struct {
+    Fixture *f;
+    const TokenSlots *slots;
+    const float *xb;
+    MlaForm form;
+} AttentionRun;
+
+static void attention_on_thread(void *arg, Worker *wk) {
+    const AttentionRun *r = arg;
+    const Layer layer0 = {&r->f->m.cfg, &r->f->m.w.layers[0], &r->f->m.rope, 0};
+    attention(&layer0, &r->f->s.attn, r->slots, r->xb, r->f->s.heads, r->form, wk);
+}
+
 /* Layer 0's attention for T tokens of input xb at the cache's next positions, as the
- * forward pass runs it (model.c advances the cache once every layer has run). */
+ * forward pass runs it (model.c advances the cache once every layer has run), on a team
+ * of three threads: every output must be its one-thread specification's bits. */
 static void attention_pass(Fixture *f, const float *xb, int T, MlaForm form) {
     KVCache *caches[64];
     int pos[64];
     for (int t = 0; t < T; t++) caches[t] = &f->cache, pos[t] = f->cache.len + t;
     assert_int_equal(kv_reserve(&f->cache, f->cache.len + T), 0);
     const TokenSlots slots = {T, caches, pos};
-    attention(&f->m, &f->s.attn, &slots, 0, xb, f->s.heads, form);
+    AttentionRun run = {f, &slots, xb, form};
+    run_on_team(3, attention_on_thread, &run);
     f->cache.len += T;
 }
 
 static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_kv_heads) {
     Fixture *f = load_shape(v, latent, n_heads, n_kv_heads);
+    const Layer layer0 = {&f->m.cfg, &f->m.w.layers[0], &f->m.rope, 0};
     const int absorb = form == MLA_ABSORBED;
     const Config *c = &f->m.cfg;
     const int T = 19, D = c->dim, HD = c->n_heads * c->head_dim;
@@ -189,7 +206,7 @@ static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_
     float *one = malloc(sizeof(float) * c->head_dim);
     for (int t = 0; t < T; t++)
         for (int h = 0; h < c->n_heads; h++) {
-            attention_query_reference(&f->m, &f->cache, 0, h, f->s.attn.q + ((size_t)t * c->n_heads + h) * qw, t, form, one);
+            attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)t * c->n_heads + h) * qw, t, form, one);
             if (memcmp(one, whole + ((size_t)t * c->n_heads + h) * c->head_dim, sizeof(float) * c->head_dim) != 0)
                 fail_msg("%s (absorb %d): query %d head %d differs from attention_query_reference", variant_name(c),
                          absorb, t, h);
@@ -234,7 +251,7 @@ static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_
             attention_pass(f, xb + (size_t)t * D, n, form);
             for (int u = 0; u < n; u++)
                 for (int h = 0; h < c->n_heads; h++) {
-                    attention_query_reference(&f->m, &f->cache, 0, h, f->s.attn.q + ((size_t)u * c->n_heads + h) * qw,
+                    attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)u * c->n_heads + h) * qw,
                                               t + u, form, one);
                     if (memcmp(one, f->s.heads + ((size_t)u * c->n_heads + h) * c->head_dim, sizeof(float) * c->head_dim))
                         fail_msg("%s (absorb %d, dtype %d, window %d, sinks %d): query %d head %d differs from "

@@ -161,8 +161,8 @@ static void test_one_mode(void **state) {
     expect_usage_error(ARGC(d), d, "--dump-logits records a generation: it takes no --info");
     char *e[] = {"run", "m.bin", "--ppl", "s.txt", "--prompts", "p.txt"};
     expect_usage_error(ARGC(e), e, "--prompts serves a generation: it takes no --ppl");
-    char *f[] = {"run", "m.bin", "--check-batch", "--batch", "2", "--json"};
-    expect_usage_error(ARGC(f), f, "--check-batch has no --json form");
+    char *f[] = {"run", "m.bin", "--check-batch", "--json"};
+    expect_usage_error(ARGC(f), f, "--check-batch needs --batch B");
     char *g[] = {"run", "m.bin", "-q", "-v"};
     expect_usage_error(ARGC(g), g, "-q and -v cannot be combined");
     char *h[] = {"run", "m.bin", "--ppl", "s.txt", "--batch", "3"};

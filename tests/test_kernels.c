@@ -8,11 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
-#include <omp.h>
 #endif
 
 #include "kernels/kernels.h"
-#include "kernels/parallel.h"
+#include "kernels/threads.h"
 #include "kernels/simd.h"
 #include "testutil.h"
 
@@ -133,7 +132,8 @@ static void check_matmul(int T, int rows, int cols, DType dt) {
     else wdata = random_floats(rows * cols, 7);
     Mat w = packed(wdata, rows, cols, dt);
     float *out = calloc((size_t)T * rows, sizeof(float));
-    matmul(out, rows, x, cols, w, T);
+    Worker alone = worker_alone();
+    matmul(&alone, out, rows, x, cols, w, T);
     for (int r = 0; r < rows; r++) {
         for (int k = 0; k < cols; k++)
             wrow[k] = dt == DTYPE_BF16 ? bf(((uint16_t *)wdata)[(size_t)r * cols + k]) : ((float *)wdata)[(size_t)r * cols + k];
@@ -172,9 +172,10 @@ static void test_matmul_batch_invariant(void **state) {
     Mat w = packed(wb, rows, cols, DTYPE_BF16);
     float *all = malloc((size_t)T * rows * sizeof(float)), *one = malloc((size_t)rows * sizeof(float));
     float *wrow = malloc((size_t)cols * sizeof(float));
-    matmul(all, rows, x, cols, w, T);
+    Worker alone = worker_alone();
+    matmul(&alone, all, rows, x, cols, w, T);
     for (int t = 0; t < T; t++) {
-        matmul(one, rows, x + (size_t)t * cols, cols, w, 1);
+        matmul(&alone, one, rows, x + (size_t)t * cols, cols, w, 1);
         assert_memory_equal(one, all + (size_t)t * rows, (size_t)rows * sizeof(float));
     }
     for (int r = 0; r < rows; r++) {
@@ -187,7 +188,7 @@ static void test_matmul_batch_invariant(void **state) {
     /* strided input and output (ldx, ldo wider than the matrix) give the same numbers */
     float *xs = calloc((size_t)T * (cols + 8), sizeof(float)), *os = calloc((size_t)T * (rows + 3), sizeof(float));
     for (int t = 0; t < T; t++) memcpy(xs + (size_t)t * (cols + 8), x + (size_t)t * cols, (size_t)cols * sizeof(float));
-    matmul_serial(os, rows + 3, xs, cols + 8, w, T);
+    matmul(&alone, os, rows + 3, xs, cols + 8, w, T);
     for (int t = 0; t < T; t++) assert_memory_equal(os + (size_t)t * (rows + 3), all + (size_t)t * rows, (size_t)rows * sizeof(float));
     free(xs);
     free(os);
@@ -201,7 +202,7 @@ static void test_matmul_batch_invariant(void **state) {
 
 /* matmul_jobs gives every product exactly what matmul gives it, whatever the thread count
  * and wherever the threads' shares cut the concatenated tile list, in a forward pass's team
- * (parallel.h) or outside one; matmul_swiglu equals matmul, matmul and swiglu. T tokens;
+ * (threads.h) or alone; matmul_swiglu equals matmul, matmul and swiglu. T tokens;
  * cols is wide enough that every call is threaded. */
 typedef struct {
     int T, cols;
@@ -210,20 +211,22 @@ typedef struct {
     float *want[3];
     Mat w3;           /* a second matrix of w[2]'s shape: W1 = w[2], W3 = w3 */
     const float *ref1, *ref3;  /* silu(W1 x) * W3 x, W3 x */
+    float *h1, *h3;            /* what matmul_swiglu gives */
 } JobsCheck;
 
-static void check_jobs(void *arg) {
-    const JobsCheck *c = arg;
+/* Every thread of the team runs the products; thread 0 checks them once they are whole. */
+static void check_jobs(void *arg, Worker *wk) {
+    JobsCheck *c = arg;
     const int T = c->T;
-    for (int j = 0; j < 3; j++) memset(c->jobs[j].out, 0xff, (size_t)T * c->jobs[j].w.rows * sizeof(float));
-    matmul_jobs(c->jobs, 3);
+    if (team_alone(wk))
+        for (int j = 0; j < 3; j++) memset(c->jobs[j].out, 0xff, (size_t)T * c->jobs[j].w.rows * sizeof(float));
+    matmul_jobs(wk, c->jobs, 3);
+    matmul_swiglu(wk, c->h1, c->h3, c->x, c->cols, c->jobs[2].w, c->w3, T);
+    team_barrier(wk);
+    if (wk->thread != 0) return;
     for (int j = 0; j < 3; j++) assert_memory_equal(c->jobs[j].out, c->want[j], (size_t)T * c->jobs[j].w.rows * sizeof(float));
-    float *h1 = malloc((size_t)T * 64 * sizeof(float)), *h3 = malloc((size_t)T * 64 * sizeof(float));
-    matmul_swiglu(h1, h3, c->x, c->cols, c->jobs[2].w, c->w3, T);
-    assert_memory_equal(h3, c->ref3, (size_t)T * 64 * sizeof(float));
-    assert_memory_equal(h1, c->ref1, (size_t)T * 64 * sizeof(float));
-    free(h1);
-    free(h3);
+    assert_memory_equal(c->h3, c->ref3, (size_t)T * 64 * sizeof(float));
+    assert_memory_equal(c->h1, c->ref1, (size_t)T * 64 * sizeof(float));
 }
 
 static void check_jobs_and_swiglu(int T) {
@@ -235,25 +238,25 @@ static void check_jobs_and_swiglu(int T) {
         wb[j] = random_bf16(rows[j] * cols, 42 + j, 0.3f);
         Mat w = packed(wb[j], rows[j], cols, DTYPE_BF16);
         c.want[j] = malloc((size_t)T * rows[j] * sizeof(float));
-        matmul(c.want[j], rows[j], x, cols, w, T);
+        Worker alone = worker_alone();
+        matmul(&alone, c.want[j], rows[j], x, cols, w, T);
         c.jobs[j] = (MatmulJob){malloc((size_t)T * rows[j] * sizeof(float)), rows[j], x, cols, w, T};
     }
     uint16_t *w3b = random_bf16(64 * cols, 49, 0.3f);
     c.w3 = packed(w3b, 64, cols, DTYPE_BF16);
     float *ref1 = malloc((size_t)T * 64 * sizeof(float)), *ref3 = malloc((size_t)T * 64 * sizeof(float));
-    matmul(ref3, 64, x, cols, c.w3, T);
+    Worker alone = worker_alone();
+    matmul(&alone, ref3, 64, x, cols, c.w3, T);
     memcpy(ref1, c.want[2], (size_t)T * 64 * sizeof(float));
     swiglu(ref1, ref3, T * 64);
     c.ref1 = ref1;
     c.ref3 = ref3;
 
-    int saved = omp_get_max_threads();
-    for (int threads = 1; threads <= 5; threads++) {
-        omp_set_num_threads(threads);
-        check_jobs(&c);
-        parallel_team(check_jobs, &c);
-    }
-    omp_set_num_threads(saved);
+    c.h1 = malloc((size_t)T * 64 * sizeof(float));
+    c.h3 = malloc((size_t)T * 64 * sizeof(float));
+    for (int threads = 1; threads <= 5; threads++) run_on_team(threads, check_jobs, &c);
+    free(c.h1);
+    free(c.h3);
     for (int j = 0; j < 3; j++) {
         free(wb[j]);
         free((void *)c.jobs[j].w.data);
@@ -277,7 +280,8 @@ static void test_matmul_every_token_count(void **state) {
     Mat w = packed(wb, rows, cols, DTYPE_BF16);
     float *out = malloc((size_t)max_T * rows * sizeof(float));
     for (int T = 1; T <= max_T; T++) {
-        matmul_serial(out, rows, x, cols, w, T);
+        Worker alone = worker_alone();
+        matmul(&alone, out, rows, x, cols, w, T);
         for (int r = 0; r < rows; r++) {
             for (int k = 0; k < cols; k++) wrow[k] = bf(wb[(size_t)r * cols + k]);
             for (int t = 0; t < T; t++) {
@@ -298,28 +302,34 @@ static void test_matmul_jobs_and_swiglu(void **state) {
     check_jobs_and_swiglu(7);  /* more: split by tokens (3 blocks: with 4 or 5 threads some get none) */
 }
 
+/* A product shared among 3 threads (with take-overs: 20 tokens) equals it on one. */
+typedef struct {
+    int T, rows, cols;
+    const float *x;
+    Mat w;
+    float *out;
+} ThreadedMatmul;
+
+static void threaded_matmul(void *arg, Worker *wk) {
+    ThreadedMatmul *m = arg;
+    matmul(wk, m->out, m->rows, m->x, m->cols, m->w, m->T);
+}
+
 static void test_matmul_thread_invariant(void **state) {
-#ifdef _OPENMP
     const int T = 20, rows = 300, cols = 512;
     float *x = random_floats(T * cols, 31);
     uint16_t *wb = random_bf16(rows * cols, 32, 0.3f);
     Mat w = packed(wb, rows, cols, DTYPE_BF16);
     float *a = malloc((size_t)T * rows * sizeof(float)), *b = malloc((size_t)T * rows * sizeof(float));
-    int saved = omp_get_max_threads();
-    omp_set_num_threads(1);
-    matmul(a, rows, x, cols, w, T);
-    omp_set_num_threads(3);
-    matmul(b, rows, x, cols, w, T);
-    omp_set_num_threads(saved);
+    ThreadedMatmul one = {T, rows, cols, x, w, a}, three = {T, rows, cols, x, w, b};
+    run_on_team(1, threaded_matmul, &one);
+    run_on_team(3, threaded_matmul, &three);
     assert_memory_equal(a, b, (size_t)T * rows * sizeof(float));
     free(x);
     free(wb);
     free((void *)w.data);
     free(a);
     free(b);
-#else
-    fail_msg("built without OpenMP: thread invariance cannot be checked");
-#endif
 }
 
 /* simd.h's exp, the same IEEE operations in plain scalar C: every path must give these bits */

@@ -1,4 +1,5 @@
 /* testutil.c: see testutil.h */
+#include <assert.h>
 #include "testutil.h"
 
 #include <stdio.h>
@@ -227,4 +228,35 @@ size_t test_charsmap_encode(const TestCharsmap *c, unsigned char *out) {
     for (int i = 0; i < TEST_TRIE_UNITS; i++) put_u32(out + 4 + 4 * i, c->units[i]);
     memcpy(out + 4 + 4 * TEST_TRIE_UNITS, c->strings, c->strings_len);
     return 4 + 4 * TEST_TRIE_UNITS + c->strings_len;
+}
+
+/* ---- a team for the tests ---- */
+
+typedef struct {
+    void (*fn)(void *arg, Worker *w);
+    void *arg;
+} TeamJob;
+
+static void job_member(void *arg, Worker *w) {
+    const TeamJob *j = arg;
+    while (team_wait(w)) {
+        j->fn(j->arg, w);
+        team_barrier(w);
+    }
+}
+
+void run_on_team(int n, void (*fn)(void *arg, Worker *w), void *arg) {
+    if (n == 1) {
+        Worker alone = worker_alone();
+        fn(arg, &alone);
+        return;
+    }
+    TeamJob job = {fn, arg};
+    Team *t = team_open(n, job_member, &job);
+    assert(t);
+    Worker *lead = team_leader(t);
+    team_post(t);
+    fn(arg, lead);
+    team_barrier(lead);
+    team_close(t);
 }

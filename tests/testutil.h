@@ -32,6 +32,11 @@ typedef int (*PathReader)(const char *path, char *err, size_t errlen);
 void expect_special_files_refused(PathReader read);
 /* A path of 4000 bytes that does not exist (below /nonexistent). */
 void long_missing_path(char path[4001]);
+/* Runs fn(arg, worker) on every thread of a team of n threads (threads.h), as a step of
+ * the forward pass runs, and returns when all have returned; n = 1: on the calling thread
+ * alone. Dies (assert) when the team cannot be opened. */
+void run_on_team(int n, void (*fn)(void *arg, Worker *w), void *arg);
+
 /* The tokenizer model the tests use (argv[1] of every test binary). */
 extern const char *g_tokenizer_path;
 float test_uniform(uint64_t *state);  /* in [-1, 1) */

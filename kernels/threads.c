@@ -1,0 +1,277 @@
+/* threads.c: the team of a step (threads.h). */
+#define _GNU_SOURCE /* sched_getaffinity, syscall */
+#include "kernels/threads.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kernels/errmsg.h"
+
+/* A part's first unclaimed item in the operation that started after barrier `epoch` (the
+ * epoch in the high 32 bits): an older epoch means none is claimed yet, so no barrier has
+ * to reset the claims, and no cache line moves between threads but in take-overs. On a
+ * cache line of its own. */
+typedef struct {
+    _Alignas(64) atomic_ullong next;
+} Claim;
+
+struct Team {
+    int threads;
+    int spin_ns;                           /* how long a wait spins before it sleeps */
+    int closing;                           /* read by the members after a post */
+    void (*member)(void *arg, Worker *w);
+    void *arg;
+    _Alignas(64) atomic_uint posted;       /* steps posted so far */
+    _Alignas(64) atomic_uint arrived;      /* threads at the barrier now */
+    _Alignas(64) atomic_uint passed;       /* barriers passed so far */
+    _Alignas(64) atomic_int sleepers;      /* threads asleep on posted or passed */
+    Claim claims[TEAM_MAX_THREADS];        /* one per part (share_next) */
+    pthread_t ids[TEAM_MAX_THREADS];
+    Worker workers[TEAM_MAX_THREADS];
+};
+
+/* ---- waiting: a short spin, then sleep ---- */
+
+static long futex(atomic_uint *word, int op, unsigned value) {
+    return syscall(SYS_futex, (unsigned *)word, op | FUTEX_PRIVATE_FLAG, value, NULL, NULL, 0);
+}
+
+static long elapsed_ns(const struct timespec *t0) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
+}
+
+/* Returns once *word differs from seen. Spins for up to t->spin_ns, long enough for the
+ * waits of a step on an idle machine; past that a team member is late (descheduled on a
+ * busy machine), and a spinning thread would only keep it from a core, so this one
+ * sleeps until wake_all. */
+static void wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned spins = 1;; spins++) {
+        if (atomic_load_explicit(word, memory_order_acquire) != seen) return;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+        if (spins % 64 == 0 && elapsed_ns(&t0) >= t->spin_ns) break;
+    }
+    atomic_fetch_add(&t->sleepers, 1);  /* seq_cst: wake_all's load of sleepers sees it, or we see its store */
+    while (atomic_load(word) == seen) futex(word, FUTEX_WAIT, seen);
+    atomic_fetch_sub(&t->sleepers, 1);
+}
+
+static void wake_all(Team *t, atomic_uint *word) {
+    if (atomic_load(&t->sleepers) > 0) futex(word, FUTEX_WAKE, INT_MAX);
+}
+
+
+/* ---- the team ---- */
+
+static void *member_main(void *arg) {
+    Worker *w = arg;
+    w->team->member(w->team->arg, w);
+    return NULL;
+}
+
+/* A spin of about a step's longest idle wait; none when the team has more threads than the
+ * machine has CPUs for it, where the thread waited for may not be running at all. */
+enum { SPIN_NS = 1000000 };
+
+Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
+    if (n < 1 || n > TEAM_MAX_THREADS) return NULL;
+    Team *t = NULL;
+    if (posix_memalign((void **)&t, 64, sizeof *t) != 0) return NULL;
+    memset(t, 0, sizeof *t);
+    t->threads = n;
+    t->member = member;
+    t->arg = arg;
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    t->spin_ns = cpus > 0 && n > cpus ? 0 : SPIN_NS;
+    for (int i = 0; i < n; i++) t->workers[i] = (Worker){.team = t, .thread = i, .threads = n};
+    for (int i = 1; i < n; i++)
+        if (pthread_create(&t->ids[i], NULL, member_main, &t->workers[i]) != 0) {
+            t->threads = i;  /* close the ones started */
+            team_close(t);
+            return NULL;
+        }
+    return t;
+}
+
+Worker *team_leader(Team *t) { return &t->workers[0]; }
+
+void team_close(Team *t) {
+    if (!t) return;
+    t->closing = 1;
+    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+    wake_all(t, &t->posted);
+    for (int i = 1; i < t->threads; i++) pthread_join(t->ids[i], NULL);
+    free(t);
+}
+
+void team_post(Team *t) {
+    t->workers[0].pending = 0;
+    atomic_fetch_add(&t->posted, 1);
+    wake_all(t, &t->posted);
+}
+
+int team_wait(Worker *w) {
+    Team *t = w->team;
+    static _Thread_local unsigned seen;  /* the posts this thread has taken */
+    wait_for_change(t, &t->posted, seen);
+    seen++;
+    w->pending = 0;
+    return !t->closing;
+}
+
+void team_barrier(Worker *w) {
+    Team *t = w->team;
+    w->pending = 0;
+    if (!t || t->threads == 1) return;
+    w->barriers++;
+    const unsigned passed = atomic_load_explicit(&t->passed, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)t->threads) {
+        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add(&t->passed, 1);
+        wake_all(t, &t->passed);
+        return;
+    }
+    wait_for_change(t, &t->passed, passed);
+}
+
+/* ---- sharing an operation's items ---- */
+
+ParallelMode parallel_mode(long work, int tokens) {
+    if (work < PARALLEL_MIN_WORK) return PARALLEL_ALONE;
+    return tokens >= PARALLEL_MIN_TOKENS_TAKE_OVER ? PARALLEL_TAKE_OVER : PARALLEL_STATIC;
+}
+
+Share share_begin(Worker *w, long n, ShareKind kind, ParallelMode mode) {
+    const int shared = mode != PARALLEL_ALONE && w->threads > 1;
+    if (shared && w->pending) team_barrier(w);
+    if (!shared) w->pending = 1;
+    return (Share){.w = w, .n = n, .kind = kind, .take_over = shared && mode == PARALLEL_TAKE_OVER,
+                   .parts = shared ? w->threads : 1};
+}
+
+/* Selects part p: its items [first, first + count). */
+static void share_part(Share *s, int p) {
+    s->part = p;
+    if (s->kind == SHARE_EACH) {
+        s->first = 0;
+        s->count = s->n;
+    } else {
+        long lo, hi;
+        parallel_share(s->n, p, s->parts, &lo, &hi);
+        s->first = lo;
+        s->count = hi - lo;
+    }
+}
+
+int share_next(Share *s, long *lo, long *hi) {
+    const Worker *w = s->w;
+    const int visits = s->take_over ? s->parts : 1;  /* parts this thread looks at */
+    for (;;) {
+        if (!s->in_part) {
+            if (s->visited == visits || (s->parts == 1 && w->thread != 0)) return 0;
+            share_part(s, (w->thread + s->visited) % s->parts);  /* its own part first */
+            s->visited++;
+            if (!s->take_over) {  /* the whole part at once */
+                if (s->count == 0) continue;
+                *lo = s->first;
+                *hi = s->first + s->count;
+                return 1;
+            }
+            s->in_part = 1;
+        }
+        /* a claim takes a quarter of what looked left (at least one item): few claims while
+         * the part is long, single items at its end */
+        atomic_ullong *next = &w->team->claims[s->part].next;
+        const unsigned long long epoch = (unsigned long long)w->barriers << 32;
+        unsigned long long seen = atomic_load_explicit(next, memory_order_relaxed);
+        for (;;) {
+            const long i = (seen & ~0xFFFFFFFFull) == epoch ? (long)(seen & 0xFFFFFFFFull) : 0;
+            if (i >= s->count) break;
+            const long take = (s->count - i) / 4 > 1 ? (s->count - i) / 4 : 1;
+            if (atomic_compare_exchange_weak_explicit(next, &seen, epoch | (unsigned long long)(i + take),
+                                                      memory_order_relaxed, memory_order_relaxed)) {
+                *lo = s->first + i;
+                *hi = s->first + i + take;
+                return 1;
+            }
+        }
+        s->in_part = 0;
+    }
+}
+
+void share_end(Share *s) {
+    if (s->parts > 1) team_barrier(s->w);
+}
+
+/* ---- how many threads ---- */
+
+static int chosen_threads;  /* --threads; 0: not given */
+
+void threads_set(int n) { chosen_threads = n < 1 ? 1 : n < TEAM_MAX_THREADS ? n : TEAM_MAX_THREADS; }
+
+/* OpenMP's syntax: counts separated by commas, white space around each; a count of more
+ * digits than any count in range is out of range, not a parse failure. *first gets the
+ * first count. */
+enum { ENV_THREADS_FINE, ENV_THREADS_OUT_OF_RANGE, ENV_THREADS_NOT_A_COUNT };
+static int env_threads_verdict(const char *v, int *first) {
+    int out_of_range = 0;
+    for (int k = 0;; k++) {
+        while (*v == ' ' || *v == '\t') v++;
+        long n = 0;
+        int digits = 0;
+        for (; *v >= '0' && *v <= '9'; v++, digits++)
+            if (n <= TEAM_MAX_THREADS) n = 10 * n + (*v - '0');
+        if (digits == 0) return ENV_THREADS_NOT_A_COUNT;
+        out_of_range |= n < 1 || n > TEAM_MAX_THREADS;
+        if (k == 0) *first = (int)n;
+        while (*v == ' ' || *v == '\t') v++;
+        if (*v == '\0') return out_of_range ? ENV_THREADS_OUT_OF_RANGE : ENV_THREADS_FINE;
+        if (*v++ != ',') return ENV_THREADS_NOT_A_COUNT;
+    }
+}
+
+/* --threads, else OMP_NUM_THREADS, else the CPUs this process may run on; at most
+ * OMP_THREAD_LIMIT when that is a count, as OpenMP caps its teams. */
+int threads_count(void) {
+    const char *env = getenv("OMP_NUM_THREADS"), *limit = getenv("OMP_THREAD_LIMIT");
+    int n = chosen_threads, cap = 0;
+    if (!n && env && env_threads_verdict(env, &n) != ENV_THREADS_FINE) n = 0;
+    if (!n) {
+        cpu_set_t cpus;
+        n = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    }
+    if (limit && env_threads_verdict(limit, &cap) == ENV_THREADS_FINE && cap < n) n = cap;
+    return n < 1 ? 1 : n < TEAM_MAX_THREADS ? n : TEAM_MAX_THREADS;
+}
+
+int threads_check_env(char *err, size_t errlen) {
+    const char *env = getenv("OMP_NUM_THREADS");
+    if (!env) return 0;
+    char shown[64];  /* cut to fit; no control sequence reaches the terminal */
+    size_t i = 0;
+    for (; env[i] && i + 1 < sizeof shown; i++)
+        shown[i] = (unsigned char)env[i] < 0x20 || env[i] == 0x7F ? '?' : env[i];
+    shown[i] = '\0';
+    int first;
+    switch (env_threads_verdict(env, &first)) {
+    case ENV_THREADS_OUT_OF_RANGE:
+        return errmsg(err, errlen, -1, "OMP_NUM_THREADS=%s is out of range (1..%d)", shown, TEAM_MAX_THREADS);
+    case ENV_THREADS_NOT_A_COUNT:
+        return errmsg(err, errlen, -1, "OMP_NUM_THREADS needs a thread count (1..%d), got '%s'", TEAM_MAX_THREADS, shown);
+    default:
+        return 0;
+    }
+}

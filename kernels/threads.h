@@ -1,0 +1,130 @@
+/* threads.h: a team of threads that runs a step together, the way ggml does it.
+ *
+ * Every thread of the team runs the whole step top to bottom (the forward pass, then the
+ * sampling). Each kernel does its own share of the rows, chosen by the thread's index
+ * (share_begin / share_next below), and team_barrier separates one operation from the
+ * next. Nothing is handed from thread to thread through function pointers: the loops
+ * live in the kernels, and each kernel's caller is the next line of the step.
+ *
+ * Thread 0 is the caller's own thread. It posts a step (team_post) to the others, which
+ * wait for it in team_wait, runs its share, and leaves the last barrier with every
+ * thread's writes visible. A waiting thread spins for a short while, then sleeps in the
+ * kernel (futex) until it is woken, so that on a busy machine a late team member gets a
+ * core instead of a spinning one (docs/PERFORMANCE.md).
+ *
+ * Whether work is worth the other threads is one policy, parallel_mode. A Worker of one
+ * thread (worker_alone) runs every share itself and its barriers return at once: the
+ * unit tests and bench/matmul.c call the kernels that way. */
+#ifndef THREADS_H
+#define THREADS_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+
+/* The most threads a team has: a thread's scratch is sized for this many (attention.h). */
+enum { TEAM_MAX_THREADS = 256 };
+
+typedef struct Team Team;
+
+/* One thread's view of its team: thread `thread` of `threads` (team NULL: alone).
+ * pending: work that thread 0 did alone since the last barrier, which the others have not
+ * seen yet; the next shared operation starts with a barrier. Every thread runs the same
+ * operations in the same modes, so they agree on it. */
+typedef struct {
+    Team *team;
+    int thread, threads;
+    int pending;
+    unsigned barriers;  /* passed so far: the same count on every thread */
+} Worker;
+
+static inline Worker worker_alone(void) { return (Worker){.team = NULL, .thread = 0, .threads = 1}; }
+
+/* A team of n threads (1 <= n <= TEAM_MAX_THREADS): thread 0 is the caller; threads
+ * 1..n-1 are started here and run member(arg, worker) until the team closes. member is
+ * called once per thread, at its start, not per step. Returns NULL when out of memory or
+ * when a thread cannot be started. */
+Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg);
+/* Wakes the members with `closing` set, waits for them to return, frees the team. */
+void team_close(Team *t);
+/* Thread 0's worker. */
+Worker *team_leader(Team *t);
+
+/* Thread 0: starts a step on every other thread (each returns from team_wait with 1). */
+void team_post(Team *t);
+/* Threads 1..: waits for the next step; 0 when the team is closing. */
+int team_wait(Worker *w);
+/* Every thread of the team reaches it before any leaves it; each thread's writes before it
+ * are visible to every thread after it. Alone: returns at once. */
+void team_barrier(Worker *w);
+/* Work for thread 0 alone, as `if (team_alone(w)) { ... }`: the others go on, and the next
+ * shared operation waits for it. */
+static inline int team_alone(Worker *w) {
+    w->pending = 1;
+    return w->thread == 0;
+}
+
+/* How a piece of work is shared among a team's threads. */
+typedef enum {
+    PARALLEL_ALONE,     /* thread 0 does it all */
+    PARALLEL_STATIC,    /* thread p does part p */
+    PARALLEL_TAKE_OVER, /* thread p does part p, then helps with the others' remaining items */
+} ParallelMode;
+
+/* The policy. work: multiply-adds (or comparable element operations) of the whole job;
+ * tokens: how many tokens the step carries. Below PARALLEL_MIN_WORK the other threads
+ * cost more than they save, so the work runs alone; from PARALLEL_MIN_TOKENS_TAKE_OVER
+ * tokens the items are many and long enough for take-overs to pay for their claims. */
+enum { PARALLEL_MIN_WORK = 8192, PARALLEL_MIN_TOKENS_TAKE_OVER = 16 };
+ParallelMode parallel_mode(long work, int tokens);
+
+/* Thread i's share [*lo, *hi) of n items split among n_threads, in order. */
+static inline void parallel_share(long n, int i, int n_threads, long *lo, long *hi) {
+    *lo = n * i / n_threads;
+    *hi = n * (i + 1) / n_threads;
+}
+
+/* One operation's items, in parts: `parts` parts (1 when alone, else the team's threads),
+ * part p holding items [first, first + count) (SHARE_SPLIT: p's share of n) or, with
+ * SHARE_EACH, all n items of its own (the kernel gives each part its own slice of another
+ * dimension, as matmul does with tokens). Thread p does part p; with PARALLEL_TAKE_OVER,
+ * a thread done with its own part helps with the others' remaining items, claiming them
+ * from the part's counter, a quarter of what is left at a time, so claims are few while a
+ * part is long. Every item is done once, by one thread, so the outputs are the static
+ * split's bit for bit:
+ *
+ *     Share sh = share_begin(w, n, SHARE_SPLIT, mode);
+ *     for (long lo, hi; share_next(&sh, &lo, &hi);) ... items [lo, hi) of part sh.part ...
+ *     share_end(&sh);
+ *
+ * A shared operation starts with a barrier when thread 0 did work alone before it
+ * (pending), and ends with one; an operation run alone ends with none. */
+typedef enum { SHARE_SPLIT, SHARE_EACH } ShareKind;
+typedef struct {
+    Worker *w;
+    long n;
+    ShareKind kind;
+    int take_over;
+    int parts;        /* 1 or w->threads */
+    int part;         /* the part of the last run share_next gave */
+    int visited;      /* parts looked at so far */
+    int in_part;      /* claiming from part `part` */
+    long first, count;
+} Share;
+
+Share share_begin(Worker *w, long n, ShareKind kind, ParallelMode mode);
+int share_next(Share *s, long *lo, long *hi);
+/* After the last share_next: the operation is over for every thread (a barrier), or, run
+ * alone, will be before the next shared one. */
+void share_end(Share *s);
+
+/* The thread count for teams opened from now on (1 <= n <= TEAM_MAX_THREADS), and the
+ * count itself: --threads, else OMP_NUM_THREADS (its first count, as OpenMP reads it),
+ * else the CPUs this process may run on. */
+void threads_set(int n);
+int threads_count(void);
+
+/* OMP_NUM_THREADS: 0 when unset or a list of thread counts 1..TEAM_MAX_THREADS (OpenMP's
+ * syntax: one count a nesting level), else -1 and one sentence in err. */
+int threads_check_env(char *err, size_t errlen);
+
+#endif /* THREADS_H */

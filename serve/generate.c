@@ -1,0 +1,415 @@
+/* generate.c: generation, the default mode (modes.h): one sequence streamed to stdout as it
+ * comes, or many printed whole in order; a line a step on stderr; the summary. */
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kernels/errmsg.h"
+#include "kernels/timer.h"
+#include "loader.h"
+#include "serve/json.h"
+#include "serve/modes.h"
+#include "serve/output.h"
+#include "serve/session.h"
+#include "tokenizer/spm_c.h"
+#include "tokenizer/utf8.h"
+
+/* A generation's outputs and figures, as the step loop fills them. */
+typedef struct {
+    const Options *o;
+    const Model *model;
+    const Scheduler *sch;
+    const RequestList *list;
+    int serving;             /* --prompts */
+    FILE *log_csv, *dump;
+    SpmStream *stream;       /* one sequence's text, printed as it comes */
+    int interrupted;         /* a signal ended the run: what is left prints as it is */
+    int next_to_print;       /* many sequences print whole, in order */
+    double *step_ms;         /* (steps so far) */
+    int n_steps, cap_steps;
+    int first_step_tokens;
+    int step_lines;          /* the warm-up and each step on stderr */
+    int one_terminal;        /* stdout and stderr are the same terminal */
+    int mid_line;            /* the text on stdout does not end with a newline */
+} Generation;
+
+/* 1 when stdout and stderr are one terminal, where step lines would cut the story up. */
+static int one_terminal(void) {
+    struct stat out, err;
+    return isatty(STDOUT_FILENO) && isatty(STDERR_FILENO) && fstat(STDOUT_FILENO, &out) == 0 &&
+           fstat(STDERR_FILENO, &err) == 0 && out.st_rdev == err.st_rdev;
+}
+
+/* Story text on stdout, at once (sanitized for the terminal). */
+static void print_text(Generation *g, const char *text) {
+    utf8_fputs_sanitized(text, stdout);
+    check_written(stdout, "standard output");
+    if (*text) g->mid_line = text[strlen(text) - 1] != '\n';
+}
+
+/* Before a line on stderr: on the story's terminal it starts a line of its own. */
+static void start_stderr_line(Generation *g) {
+    if (g->one_terminal && g->mid_line) fputc('\n', stderr), g->mid_line = 0;
+}
+
+static const char *stop_name(StopReason r) {
+    return r == STOP_EOS ? "eos" : r == STOP_CONTEXT ? "context full" : r == STOP_STEPS ? "steps" : "interrupted";
+}
+
+/* The text of tokens[1 ..) (after BOS) as stdout shows it: sanitized, in a new buffer. */
+static char *sequence_text(const Model *m, const Request *r, size_t *len) {
+    const size_t n = spm_decode(m->tokenizer, r->tokens + 1, r->n_tokens - 1, NULL, 0);
+    char *raw = malloc(n + 1), *text = NULL;
+    if (raw) {
+        spm_decode(m->tokenizer, r->tokens + 1, r->n_tokens - 1, raw, n + 1);
+        *len = utf8_sanitize(NULL, 0, raw, n);
+        if ((text = malloc(*len + 1))) utf8_sanitize(text, *len + 1, raw, n);
+    }
+    free(raw);
+    if (!text) die(1, "out of memory");
+    return text;
+}
+
+/* A whole sequence: a JSON line, or its text under a header line. */
+static void print_sequence(const Generation *g, const Request *r) {
+    size_t len;
+    char *text = sequence_text(g->model, r, &len);
+    if (g->o->json) {
+        const char *prompt = g->list->texts[r->index];
+        printf("{\"type\": \"sequence\", \"index\": %d, \"prompt\": ", r->index);
+        json_string(stdout, prompt, strlen(prompt));
+        printf(", \"seed\": %llu, \"text\": ", (unsigned long long)r->seed);
+        json_string(stdout, text, len);
+        printf(", \"prompt_tokens\": %d, \"tokens\": [", r->n_prompt);
+        for (int i = r->n_prompt; i < r->n_tokens; i++) printf(i > r->n_prompt ? ", %d" : "%d", r->tokens[i]);
+        printf("], \"generated\": %d, \"stop\": \"%s\", \"first_token_ms\": %.3f, \"prefill_ms\": %.3f, "
+               "\"decode_ms_per_token\": %.4f, \"preemptions\": %d}\n",
+               r->generated, stop_name(r->stop), r->first_token_ms, r->prefill_ms,
+               r->decode_steps ? r->decode_ms / r->decode_steps : 0.0, r->preemptions);
+    } else {
+        printf("[sequence %d seed %llu stop %s]\n%s\n\n", r->index, (unsigned long long)r->seed, stop_name(r->stop), text);
+    }
+    check_written(stdout, "standard output");
+    free(text);
+}
+
+static int streams_text(const Generation *g) { return g->list->n == 1 && !g->o->json && !g->serving; }
+
+/* The sequences that can print now: many print whole, in order, each once every sequence
+ * before it has; after an interruption, all that are left, as they are. */
+static void print_finished(Generation *g) {
+    while (g->next_to_print < g->list->n &&
+           (g->list->requests[g->next_to_print].stop != STOP_NONE || g->interrupted))
+        print_sequence(g, &g->list->requests[g->next_to_print++]);
+}
+
+/* Steps that ran only prompt tokens are prefill, only new tokens decode, both mixed. */
+static const char *step_phase(const StepResult *st) {
+    return st->prefill_tokens == st->n_tokens ? "prefill" : st->prefill_tokens == 0 ? "decode" : "mixed";
+}
+
+/* A step's token(s) out: the logits dumped, the text streamed, the step's line and CSV row. */
+static void report_step(Generation *g, const StepResult *st) {
+    const int V = g->model->cfg.vocab_size;
+    for (int k = 0; k < st->n_rows; k++) {
+        const StepRow *row = &st->rows[k];
+        if (g->dump && fwrite(st->logits + (size_t)k * V, sizeof(float), (size_t)V, g->dump) != (size_t)V)
+            die(1, "cannot write %s: %s", msg_path(g->o->dump_path).s, strerror(errno));
+        const int kept = row->token != g->model->cfg.eos_id || g->o->ignore_eos;
+        if (streams_text(g) && kept) print_text(g, spm_stream_put(g->stream, row->token));
+    }
+    if (g->n_steps == g->cap_steps) {
+        g->cap_steps = g->cap_steps ? 2 * g->cap_steps : 512;
+        if (!(g->step_ms = realloc(g->step_ms, (size_t)g->cap_steps * sizeof *g->step_ms))) die(1, "out of memory");
+    }
+    g->step_ms[g->n_steps++] = st->ms;
+    if (st->step == 0) g->first_step_tokens = st->n_tokens;
+    /* a lone sequence's line names its position and token */
+    const StepRow *only = st->running == 1 && st->n_rows == 1 ? &st->rows[0] : NULL;
+    if (g->step_lines) {
+        start_stderr_line(g);
+        if (only && st->step == 0) fprintf(stderr, "[prefill] tokens %d next %d ms %.3f\n", st->n_tokens, only->token, st->ms);
+        else if (only) fprintf(stderr, "[step %d] pos %d token %d ms %.3f\n", st->step, only->pos, only->token, st->ms);
+        else fprintf(stderr, "[step %d] sequences %d tokens %d ms %.3f\n", st->step, st->sequences, st->n_tokens, st->ms);
+    }
+    if (g->log_csv) {
+        fprintf(g->log_csv, "%d,%s,%d,%d,", st->step, step_phase(st), st->sequences, st->n_tokens);
+        if (only) fprintf(g->log_csv, "%d,%d,", only->pos, only->token);
+        else fputs("-1,-1,", g->log_csv);
+        fprintf(g->log_csv, "%.4f\n", st->ms);
+        check_written(g->log_csv, g->o->log_path);  /* a line at a time: a stopped run leaves whole lines */
+    }
+    if (st->n_finished == 0) return;
+    if (streams_text(g)) {
+        print_text(g, spm_stream_flush(g->stream));
+        if (g->mid_line || !g->one_terminal) print_text(g, "\n");  /* after a step line the terminal is at a line start */
+    } else {
+        print_finished(g);
+    }
+}
+
+static int compare_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double percentile(double *v, int n, double q) {
+    if (n == 0) return 0.0;
+    qsort(v, (size_t)n, sizeof *v, compare_double);
+    const double rank = q * (n - 1);
+    const int lo = (int)rank;
+    return lo + 1 < n ? v[lo] + (rank - lo) * (v[lo + 1] - v[lo]) : v[lo];
+}
+
+/* A run's figures, for the summary and its JSON form. The first step is the prefill,
+ * every later step decodes; with --prompts, latencies are per request, over the requests
+ * that got a token. After an interruption, requests are served (ended), cut (begun) or
+ * not started. */
+typedef struct {
+    int sequences, served, cut, not_started;
+    int prefill_tokens, decode_steps, decode_tokens, stops[4];  /* stops by StopReason; NONE: interrupted */
+    double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token, tokens_per_s, per_sequence_ms_per_token;
+    long served_tokens;                      /* every token sampled, the first included */
+    double ttft50, ttft95, token50, token95; /* --prompts: time to first token, per-token latency */
+    size_t kv_bytes;
+} Figures;
+
+static Figures figures_of(const Generation *g) {
+    const Scheduler *sch = g->sch;
+    const int n = g->list->n;
+    Figures f = {.sequences = n, .prefill_tokens = g->first_step_tokens, .decode_steps = g->n_steps > 0 ? g->n_steps - 1 : 0,
+                 .prefill_ms = g->n_steps ? g->step_ms[0] : 0.0,
+                 .kv_bytes = sch->kv ? kv_block_bytes(sch->pool) * (size_t)sch->pool->n_blocks : 0};
+    double *ttft = malloc((size_t)n * sizeof *ttft), *per_token = malloc((size_t)n * sizeof *per_token);
+    double *steps = malloc((size_t)(f.decode_steps + 1) * sizeof *steps);
+    if (!ttft || !per_token || !steps) die(1, "out of memory");
+    int n_ttft = 0, n_per_token = 0, n_decoding = 0;
+    for (int i = 0; i < n; i++) {
+        const Request *r = &g->list->requests[i];
+        f.decode_tokens += r->generated > 0 ? r->generated - 1 : 0;
+        f.served_tokens += r->generated;
+        f.stops[r->stop]++;
+        if (r->stop != STOP_NONE) f.served++;
+        else if (r->generated > 0) f.cut++;
+        else f.not_started++;
+        if (r->generated > 0) ttft[n_ttft++] = r->first_token_ms;
+        if (r->decode_steps) {
+            per_token[n_per_token++] = r->decode_ms / r->decode_steps;
+            f.per_sequence_ms_per_token += r->decode_ms / r->decode_steps;
+            n_decoding++;
+        }
+    }
+    f.stops[STOP_NONE] = f.cut;  /* interrupted: begun and cut short */
+    f.per_sequence_ms_per_token = n_decoding ? f.per_sequence_ms_per_token / n_decoding : 0.0;
+    for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[i + 1];
+    f.step_median_ms = percentile(steps, f.decode_steps, 0.5);
+    f.step_mean_ms = f.decode_steps ? f.decode_ms / f.decode_steps : 0.0;
+    f.ms_per_token = f.decode_tokens ? f.decode_ms / f.decode_tokens : 0.0;
+    f.tokens_per_s = g->serving ? (sch->total_ms > 0 ? 1000.0 * f.served_tokens / sch->total_ms : 0.0)
+                                : (f.decode_ms > 0 ? 1000.0 * f.decode_tokens / f.decode_ms : 0.0);
+    f.ttft50 = percentile(ttft, n_ttft, 0.5), f.ttft95 = percentile(ttft, n_ttft, 0.95);
+    f.token50 = percentile(per_token, n_per_token, 0.5), f.token95 = percentile(per_token, n_per_token, 0.95);
+    free(ttft);
+    free(per_token);
+    free(steps);
+    return f;
+}
+
+static void print_stops(FILE *out, const Figures *f) {
+    fprintf(out, "stops: eos %d, steps %d, context full %d", f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT]);
+    if (f->cut || f->not_started) fprintf(out, ", interrupted %d, not started %d", f->cut, f->not_started);
+}
+
+/* The summary line, and with the cache for more than one sequence (or -v) the pool's line.
+ * --prompts: requests served, throughput, time to first token and per-token latency
+ * (each request's decode time over its decode steps), median and 95th percentile. */
+static void write_summary(FILE *out, const Generation *g, const Figures *f) {
+    const Scheduler *sch = g->sch;
+    fprintf(out, "summary: %s %s", variant_name(&g->model->cfg), sch->kv ? "kv" : "no-kv");
+    if (g->serving) {
+        fprintf(out, " | %d requests served through %d slots in %d steps", f->served, sch->max_batch, sch->steps);
+        if (f->cut || f->not_started) fprintf(out, " (interrupted: %d cut short, %d not started)", f->cut, f->not_started);
+        fprintf(out, " | %ld tokens in %.1f ms, %.1f tokens/s | time to first token median %.3f ms, p95 %.3f ms | per "
+                "token median %.3f ms, p95 %.3f ms",
+                f->served_tokens, sch->total_ms, f->tokens_per_s, f->ttft50, f->ttft95, f->token50, f->token95);
+    } else {
+        if (f->sequences > 1) fprintf(out, " | %d sequences", f->sequences);
+        fprintf(out, " | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s, median step %.3f ms, "
+                "mean step %.3f ms", f->prefill_tokens, f->prefill_ms, f->decode_steps, f->ms_per_token, f->tokens_per_s,
+                f->step_median_ms, f->step_mean_ms);
+        if (f->sequences > 1) fprintf(out, " | per sequence %.3f ms/token", f->per_sequence_ms_per_token);
+    }
+    fprintf(out, " | KV cache %zu bytes%s | ", f->kv_bytes, sch->kv || g->serving ? "" : " (recomputed every step)");
+    if (f->sequences == 1 && !g->serving) fprintf(out, "stop: %s\n", stop_name(g->list->requests[0].stop));
+    else print_stops(out, f), fputc('\n', out);
+    if (!sch->kv || (f->sequences == 1 && !g->o->verbose)) return;
+    const KVPool *pool = sch->pool;
+    const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
+    fprintf(out, "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
+            "full contexts for %d sequences: %zu bytes | preemptions %d\n",
+            KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->peak_in_use, pool->n_blocks,
+            kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, sch->preemptions);
+}
+
+/* The summary on stderr: one line a part in a file or pipe; on a terminal each " | "
+ * starts an indented line, so that nothing wraps in the middle of a figure. */
+static void print_summary(const Generation *g, const Figures *f) {
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    if (!mem) die(1, "out of memory");
+    write_summary(mem, g, f);
+    if (fclose(mem) != 0) die(1, "out of memory");
+    if (!isatty(STDERR_FILENO)) fputs(text, stderr);
+    else
+        for (const char *s = text; *s;) {
+            const char *bar = strstr(s, " | ");
+            if (!bar) { fputs(s, stderr); break; }
+            fprintf(stderr, "%.*s\n  ", (int)(bar - s), s);
+            s = bar + 3;
+        }
+    free(text);
+}
+
+/* The summary as one JSON object on stdout, after the sequences' lines. */
+static void print_summary_json(const Generation *g, const Figures *f) {
+    const Scheduler *sch = g->sch;
+    const Options *o = g->o;
+    json_begin("summary", g->model, o, sch->kv ? "kv" : "no-kv");
+    printf(", \"serving\": %s", g->serving ? "true" : "false");
+    const struct {
+        const char *key;
+        double value;
+    } figures[] = {
+        {"sequences", f->sequences}, {"requests_served", f->served}, {"requests_cut", f->cut},
+        {"requests_not_started", f->not_started}, {"slots", sch->max_batch}, {"top_k", o->top_k}, {"top_p", o->top_p},
+        {"temperature", o->temperature}, {"steps", sch->steps}, {"prefill_tokens", f->prefill_tokens},
+        {"prefill_ms", f->prefill_ms}, {"decode_steps", f->decode_steps}, {"decode_tokens", f->decode_tokens},
+        {"decode_ms", f->decode_ms}, {"ms_per_token_mean", f->ms_per_token}, {"step_ms_median", f->step_median_ms},
+        {"step_ms_mean", f->step_mean_ms}, {"tokens_per_s", f->tokens_per_s},
+        {"per_sequence_ms_per_token", f->per_sequence_ms_per_token}, {"tokens_generated", (double)f->served_tokens},
+        {"total_ms", sch->total_ms}, {"first_token_ms_median", f->ttft50}, {"first_token_ms_p95", f->ttft95},
+        {"token_ms_median", f->token50}, {"token_ms_p95", f->token95},
+    };
+    for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) json_field(figures[i].key, figures[i].value);
+    printf(", \"kv_cache_bytes\": %zu, \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
+           "\"context_full\": %d, \"interrupted\": %d}",
+           f->kv_bytes, sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT],
+           f->stops[STOP_NONE]);
+    json_end();
+}
+
+/* Warm-up, as llama.cpp does after loading: one untimed forward of the first prompt (what
+ * a window takes in one pass), on a cache emptied after. A process's first forward runs
+ * cold (its weights come from DRAM); that is a cost of loading, so the timed prefill runs
+ * warm, like every decode step. The arithmetic is batch-invariant, so the prefill's
+ * logits are the same bits either way. */
+static void warm_up(const Model *m, KVPool *pool, const Options *o, const Request *first, Generation *g) {
+    const double t0 = now_ms();
+    Scheduler sch;
+    scheduler_open(&sch, m, pool, o, 1);
+    const int n = pool->window && first->n_prompt > pool->window ? pool->window : first->n_prompt;
+    Request r = {.tokens = first->tokens, .n_prompt = n, .cap_tokens = first->cap_tokens, .score = 1};
+    scheduler_add(&sch, &r);
+    StepResult st;
+    int rc;
+    while ((rc = scheduler_step(&sch, &st)) > 0) {}
+    check_model(rc);
+    scheduler_free(&sch);
+    if (g->step_lines) {
+        start_stderr_line(g);
+        fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - t0);
+    }
+}
+
+/* The signal that asked the run to stop, or 0. */
+static volatile sig_atomic_t interrupted_by;
+
+static void on_interrupt(int sig) { interrupted_by = sig; }
+
+/* SIGINT and SIGTERM end a generation at the next step boundary, so the outputs are whole;
+ * a second one acts at once (SA_RESETHAND). */
+static void catch_interrupts(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_interrupt;
+    sa.sa_flags = SA_RESETHAND | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+/* --log and --dump-logits, refused when they name one of the run's inputs or each other. */
+static FILE *open_output(const char *path, const Options *o, const char *log_path) {
+    const NamedPath inputs[] = {{"the checkpoint", o->checkpoint}, {"the prompt file", o->prompt_path},
+                                {"the --prompts file", o->prompts_path}, {"the --log file", log_path}};
+    FILE *f;
+    char err[512];
+    const int rc = output_open(&f, path, inputs, (int)(sizeof inputs / sizeof inputs[0]), err, sizeof err);
+    if (rc) die(rc, "%s", err);
+    return f;
+}
+
+/* The settings line on stderr, before the story: with the seed, any run can be repeated. */
+static void print_settings(const Model *m, const Options *o, int n_requests, int slots) {
+    const Config *c = &m->cfg;
+    fprintf(stderr, "seed %llu | %s | %s %s | mla form %s | threads %d | top-k %d | top-p %g | temperature %g",
+            (unsigned long long)o->seed, variant_name(c), o->kv ? "kv" : "no-kv", kv_dtype_name(o->kv_dtype),
+            c->variant == VARIANT_MLA ? mla_form_name(o->mla_form) : "n/a", threads_count(), o->top_k, o->top_p,
+            o->temperature);
+    if (n_requests > 1 || slots > 1)
+        fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", n_requests, slots, (unsigned long long)o->seed,
+                (unsigned long long)(o->seed + (uint64_t)n_requests - 1));
+    if (o->window) fprintf(stderr, " | window %d, %d sinks", o->window, o->window_sinks);
+    fputc('\n', stderr);
+}
+
+int mode_generate(const Model *m, KVPool *pool, const Options *o) {
+    RequestList list = requests_of(m, o);
+    Scheduler sch = {0};
+    Generation g = {.o = o, .model = m, .sch = &sch, .list = &list, .serving = o->prompts_path != NULL,
+                    .one_terminal = one_terminal()};
+    if (o->log_path) {
+        g.log_csv = open_output(o->log_path, o, NULL);
+        fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
+        check_written(g.log_csv, o->log_path);
+    }
+    if (o->dump_path) g.dump = open_output(o->dump_path, o, o->log_path);
+    print_settings(m, o, list.n, o->batch);
+    /* Step lines go to stderr when asked for, or when it is not the terminal the story is
+     * on (a file, a pipe, a terminal of its own): there they do not cut the story up. */
+    g.step_lines = !o->quiet && (o->verbose || !g.one_terminal);
+    if (!(g.stream = spm_stream_new(m->tokenizer))) die(1, "out of memory");
+    catch_interrupts();
+    if (streams_text(&g))
+        for (int i = 1; i < list.requests[0].n_prompt; i++) print_text(&g, spm_stream_put(g.stream, list.requests[0].tokens[i]));
+    warm_up(m, pool, o, &list.requests[0], &g);
+
+    scheduler_open(&sch, m, pool, o, o->batch);
+    for (int i = 0; i < list.n; i++) scheduler_add(&sch, &list.requests[i]);
+    StepResult st;
+    int rc = 0;
+    while (!interrupted_by && (rc = scheduler_step(&sch, &st)) > 0) report_step(&g, &st);
+    if (!interrupted_by) check_model(rc < 0 ? rc : 0);
+    if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) {  /* the text so far, as it is */
+        print_text(&g, spm_stream_flush(g.stream));
+        if (g.mid_line || !g.one_terminal) print_text(&g, "\n");
+    } else if (g.interrupted) {
+        print_finished(&g);
+    }
+    if (g.one_terminal && streams_text(&g)) fputc('\n', stderr);  /* a blank line between the story and the summary */
+    const Figures f = figures_of(&g);
+    print_summary(&g, &f);
+    if (o->json) print_summary_json(&g, &f);
+    if (g.log_csv) close_written(g.log_csv, o->log_path);
+    if (g.dump) close_written(g.dump, o->dump_path);
+    spm_stream_free(g.stream);
+    free(g.step_ms);
+    scheduler_free(&sch);
+    requests_free(&list);
+    return interrupted_by ? 128 + interrupted_by : 0;  /* as a shell reports a run a signal ended */
+}

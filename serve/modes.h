@@ -1,0 +1,22 @@
+/* modes.h: the modes of ./run, one a run, each driving the model through the scheduler's
+ * steps (scheduler.h). Each returns the run's exit status (die()s on bad data). */
+#ifndef MODES_H
+#define MODES_H
+
+#include "kvcache.h"
+#include "model.h"
+#include "serve/cli.h"
+
+/* Generation: one sequence, --batch B of the prompt, or --prompts through B slots. The text
+ * on stdout, step lines and the summary on stderr, --json, --log, --dump-logits. */
+int mode_generate(const Model *m, KVPool *pool, const Options *o);
+/* --check-batch: every sequence of the batch against itself run alone. Exit 1 when any differs. */
+int mode_check_batch(const Model *m, KVPool *pool, const Options *o);
+/* --check-kv: greedy with the cache against greedy without it. Exit 1 when they differ. */
+int mode_check_kv(const Model *m, KVPool *pool, const Options *o);
+/* --ppl FILE: mean NLL and perplexity of a text file of stories. */
+int mode_ppl(const Model *m, KVPool *pool, const Options *o);
+/* --info: the configuration, parameters and KV cache sizes. */
+int mode_info(const Model *m, const KVPool *pool, const Options *o);
+
+#endif /* MODES_H */

@@ -1,0 +1,136 @@
+/* session.c: what the modes share (session.h). */
+#include "serve/session.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/errmsg.h"
+#include "loader.h"
+#include "serve/json.h"
+#include "serve/textfile.h"
+#include "serve/version.h"
+#include "tokenizer/spm_c.h"
+
+void die(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("run: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(code);
+}
+
+void check_written(FILE *f, const char *name) {
+    if (fflush(f) != 0 || ferror(f)) die(1, "cannot write %s: %s", msg_path(name).s, strerror(errno ? errno : EIO));
+}
+
+void close_written(FILE *f, const char *name) {
+    check_written(f, name);
+    if (fclose(f) != 0) die(1, "cannot write %s: %s", msg_path(name).s, strerror(errno));
+}
+
+void check_model(int rc) {
+    if (rc == MODEL_ERR_NONFINITE)
+        die(1, "the model computes logits that are not finite numbers (NaN or infinity): its weights overflow "
+               "float arithmetic");
+    if (rc != 0) die(1, "out of memory");
+}
+
+const char *encode_error(int code) {
+    static char too_long[96];
+    snprintf(too_long, sizeof too_long, "is over %d bytes, more than the tokenizer encodes at once", SPM_MAX_TEXT_BYTES);
+    return code == SPM_ERR_TEXT ? "is not valid UTF-8 text" : code == SPM_ERR_NOMEM ? "cannot be encoded: out of memory"
+         : code == SPM_ERR_TOO_LONG ? too_long : "cannot be encoded by the tokenizer";
+}
+
+int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where) {
+    int n = spm_encode(m->tokenizer, prompt, strlen(prompt), 1, tokens, max_tokens);
+    if (n < 0) die(1, "%sthe prompt %s", where, encode_error(n));
+    if (n > m->cfg.max_seq_len)
+        die(1, "%sthe prompt is %d tokens, longer than the context (%d tokens)", where, n, m->cfg.max_seq_len);
+    if (n >= m->cfg.max_seq_len)
+        die(1, "%sthe prompt is %d tokens and fills the whole context (%d): no room to generate", where, n,
+            m->cfg.max_seq_len);
+    return n;
+}
+
+/* A request of the prompt's n tokens, with room for one more. */
+static Request request_of(const int *prompt, int n, int index, uint64_t seed) {
+    Request r = {.index = index, .n_prompt = n, .cap_tokens = n + 1, .seed = seed};
+    if (!(r.tokens = malloc((size_t)r.cap_tokens * sizeof(int)))) die(1, "out of memory");
+    memcpy(r.tokens, prompt, (size_t)n * sizeof(int));
+    return r;
+}
+
+RequestList requests_of(const Model *m, const Options *o) {
+    RequestList l = {0};
+    int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));
+    if (!prompt) die(1, "out of memory");
+    if (o->prompts_path) {
+        PromptFile *file = calloc(1, sizeof *file);
+        char err[512];
+        if (!file) die(1, "out of memory");
+        if (promptfile_read(file, o->prompts_path, err, sizeof err) != 0) die(1, "%s", err);
+        l.file = file;
+        l.n = file->n_prompts;
+        l.texts = (const char **)file->prompts;
+    } else {
+        l.n = o->batch;
+        if (!(l.texts = malloc((size_t)l.n * sizeof *l.texts))) die(1, "out of memory");
+        for (int i = 0; i < l.n; i++) l.texts[i] = o->prompt;
+    }
+    if (!(l.requests = calloc((size_t)l.n, sizeof *l.requests))) die(1, "out of memory");
+    for (int i = 0; i < l.n; i++) {
+        char where[320] = "";
+        if (o->prompts_path)
+            snprintf(where, sizeof where, "%s:%d: ", input_name(o->prompts_path).s,
+                     ((PromptFile *)l.file)->line_numbers[i]);
+        const int n = o->prompts_path || i == 0 ? encode_prompt(m, l.texts[i], prompt, m->cfg.max_seq_len + 1, where)
+                                                 : l.requests[0].n_prompt;
+        l.requests[i] = request_of(prompt, n, i, o->seed + (uint64_t)i);
+    }
+    free(prompt);
+    return l;
+}
+
+void requests_free(RequestList *l) {
+    for (int i = 0; i < l->n; i++) free(l->requests[i].tokens);
+    free(l->requests);
+    if (l->file) {
+        promptfile_free(l->file);
+        free(l->file);
+    } else {
+        free(l->texts);
+    }
+    memset(l, 0, sizeof *l);
+}
+
+void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options *o, int max_batch) {
+    *sch = (Scheduler){.model = m, .pool = pool, .kv = o->kv, .form = o->mla_form, .max_batch = max_batch,
+                       .max_new = o->steps, .ignore_eos = o->ignore_eos, .top_k = o->top_k, .top_p = o->top_p,
+                       .temperature = o->temperature};
+    if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);
+}
+
+void json_begin(const char *type, const Model *m, const Options *o, const char *mode) {
+    printf("{\"type\": \"%s\", \"version\": \"%s\", \"commit\": ", type, RUN_VERSION);
+    json_text(stdout, build_commit());
+    fputs(", \"checkpoint\": ", stdout);
+    json_text(stdout, o->checkpoint);
+    printf(", \"variant\": \"%s\", \"mode\": \"%s\", \"kv_dtype\": \"%s\", \"mla_form\": ", variant_name(&m->cfg), mode,
+           kv_dtype_name(o->kv_dtype));
+    if (m->cfg.variant == VARIANT_MLA && strcmp(type, "check-kv") != 0) printf("\"%s\"", mla_form_name(o->mla_form));
+    else fputs("null", stdout);  /* --check-kv names the form of each run it compares */
+    printf(", \"window\": %d, \"window_sinks\": %d, \"threads\": %d, \"seed\": %llu", o->window,
+           o->window ? o->window_sinks : 0, threads_count(), (unsigned long long)o->seed);
+}
+
+void json_field(const char *key, double value) {
+    printf(", \"%s\": ", key);
+    json_number(stdout, value);
+}
+
+void json_end(void) { fputs("}\n", stdout); }

@@ -1,0 +1,53 @@
+/* session.h: what every mode of ./run shares (serve/modes.h): ending the run with one line,
+ * writing outputs whose loss is never silent, a prompt's tokens, the requests of a run,
+ * a scheduler set up from the options, and the fields every --json object starts with. */
+#ifndef SESSION_H
+#define SESSION_H
+
+#include <stdio.h>
+
+#include "model.h"
+#include "serve/cli.h"
+#include "serve/scheduler.h"
+
+enum { EXIT_USAGE = 2 };
+
+/* "run: <message>" on stderr, and exit(code). */
+_Noreturn void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Dies with one line when f could not be written (a full disk, a closed descriptor, a
+ * broken pipe with SIGPIPE ignored): a run whose output is lost must not exit 0. */
+void check_written(FILE *f, const char *name);
+void close_written(FILE *f, const char *name);
+/* Dies with the line a scheduler or forward-pass error code deserves (none for 0). */
+void check_model(int rc);
+
+/* What a negative spm_encode result means, after "the prompt" or "story N". */
+const char *encode_error(int code);
+/* BOS and the prompt's tokens into tokens (max_tokens); `where` ("" or "FILE:LINE: ")
+ * starts any error message. Dies when the prompt does not leave room to generate. */
+int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where);
+
+/* The run's requests: B copies of the prompt (request i with seed + i), or a line each of
+ * the --prompts file, every line encoded (and refused with its number) before anything
+ * runs. A request holds its prompt's tokens only; its array grows as it generates. */
+typedef struct {
+    Request *requests;
+    int n;
+    const char **texts;   /* (n) each request's prompt text */
+    void *file;           /* the --prompts file they point into */
+} RequestList;
+RequestList requests_of(const Model *m, const Options *o);
+void requests_free(RequestList *l);
+
+/* A scheduler for the options' cache, form, sampling and -n, with max_batch slots,
+ * initialized (dies when it cannot be). */
+void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options *o, int max_batch);
+
+/* Opens a --json object with what every one carries: what it is, the program's version
+ * and commit, the checkpoint, variant and cache settings, the threads and the seed. The
+ * caller adds its figures (json_field, or its own printf) and closes it (json_end). */
+void json_begin(const char *type, const Model *m, const Options *o, const char *mode);
+void json_field(const char *key, double value);
+void json_end(void);
+
+#endif /* SESSION_H */
