@@ -183,8 +183,8 @@ def test_quick_mode(tmp_path):
 def test_quick_mode_defaults():
     """--quick's work: 64 decode steps, 3 timed rounds after a warm-up, the C engine alone, the
     report out of the committed results."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench as b
+    sys.path.insert(0, ROOT)
+    from bench import bench as b
     q = b.parse_args(["--quick"])
     assert (q.steps, q.reps, q.pytorch, q.full) == (64, 3, False, False)
     assert (q.batches, q.capacity_mib) == ((1, 16), ())   # a small throughput table, no capacity runs
