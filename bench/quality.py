@@ -13,55 +13,43 @@ import argparse
 import csv
 import glob
 import hashlib
-import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = os.environ.get("RUN_BINARY") or os.path.join(ROOT, "run")
+# run as a script (make quality), this file's folder is sys.path[0]: the repository root takes
+# its place, so that bench/engine.py imports as bench.engine
+if __package__ in (None, ""):
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench.common import ROOT, BenchError
+from bench.engine import engine_json, run_engine
+
 DTYPES = ["fp32", "bf16", "int8"]
 POLICIES = [("restart", []), ("ring", ["--kv", "--window", "{ctx}"]),
             ("sinks", ["--kv", "--window", "{ctx}", "--window-policy", "sinks"])]
-PPL = re.compile(r"ppl: .* \| (\d+) stories, (\d+) tokens \| mean NLL ([\d.]+) nats/token \| perplexity [\d.]+"
-                 r"(?: \| past the context \(position (\d+) on\): (\d+) tokens, mean NLL ([\d.]+))?")
-
-
-class QualityError(Exception):
-    pass
-
-
-def run(args):
-    p = subprocess.run([RUN] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if p.returncode != 0:
-        raise QualityError(f"./run {' '.join(map(str, args))}: {p.stderr.strip()}")
-    return p
 
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def info(ckpt):
-    out = run([ckpt, "--info"]).stdout
-    ctx = int(re.search(r"context (\d+)", out).group(1))
-    variant = re.search(r"^variant +(\S+)", out, re.M).group(1)
-    return variant, ctx
+def info(ckpt, *flags):
+    """./run CKPT --info --json [flags]."""
+    return engine_json([ckpt, "--info"] + list(flags), "--info", "info")[-1]
 
 
 def ppl(ckpt, text, extra):
-    m = PPL.search(run([ckpt, "--ppl", text] + extra).stdout)
-    if not m:
-        raise QualityError(f"{ckpt}: no ppl line")
-    return {"tokens": int(m.group(2)), "nll": float(m.group(3)),
-            "past_tokens": int(m.group(5) or 0), "past_nll": float(m.group(6)) if m.group(6) else None}
+    r = engine_json([ckpt, "--ppl", text] + extra, "--ppl", "ppl")[-1]
+    past = r["past_context"]
+    return {"tokens": r["tokens"], "nll": r["mean_nll"],
+            "past_tokens": past["tokens"] if past else 0, "past_nll": past["mean_nll"] if past else None}
 
 
-def greedy_tokens(ckpt, dtype, ctx):
-    out = run([ckpt, "-p", "Once upon a time", "-k", 1, "--ignore-eos", "--kv", "--kv-dtype", dtype, "--json", "-q"])
-    return json.loads(out.stdout.splitlines()[0])["tokens"]
+def greedy_tokens(ckpt, dtype):
+    objs = engine_json([ckpt, "-p", "Once upon a time", "-k", 1, "--ignore-eos", "--kv", "--kv-dtype", dtype, "-q"],
+                       "greedy run", "summary")
+    return objs[0]["tokens"]
 
 
 def leading_agreement(a, b):
@@ -72,8 +60,7 @@ def leading_agreement(a, b):
 
 
 def bytes_per_token(ckpt, dtype):
-    out = run([ckpt, "--info", "--kv", "--kv-dtype", dtype]).stdout
-    return int(re.search(r"= (\d+) bytes/token", out).group(1))
+    return info(ckpt, "--kv", "--kv-dtype", dtype)["kv_bytes_per_token"]
 
 
 def long_texts(valid, n_texts, per_text):
@@ -82,7 +69,7 @@ def long_texts(valid, n_texts, per_text):
         stories = [s.strip() for s in f.read().split("<|endoftext|>") if s.strip()]
     texts = ["\n".join(stories[i * per_text:(i + 1) * per_text]) for i in range(n_texts)]
     if len(texts[-1]) == 0:
-        raise QualityError(f"{valid} has fewer than {n_texts * per_text} stories")
+        raise BenchError(f"{valid} has fewer than {n_texts * per_text} stories")
     fd, path = tempfile.mkstemp(suffix=".txt")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write("\n<|endoftext|>\n".join(texts) + "\n")
@@ -107,12 +94,13 @@ def main(argv=None):
         long_path = long_texts(args.valid, args.long_texts, args.stories_per_text)
         dtype_rows, window_rows = [], []
         for ckpt in ckpts:
-            variant, ctx = info(ckpt)
+            i = info(ckpt)
+            variant, ctx = i["variant"], i["context"]
             base_tokens = None
             for dt in DTYPES:
                 log(f"{variant} {dt}: --ppl {args.valid}")
                 r = ppl(ckpt, args.valid, ["--kv-dtype", dt])
-                toks = greedy_tokens(ckpt, dt, ctx)
+                toks = greedy_tokens(ckpt, dt)
                 if dt == "fp32":
                     base, base_tokens = r["nll"], toks
                 dtype_rows.append({"variant": variant, "dtype": dt, "bytes_per_token": bytes_per_token(ckpt, dt),
@@ -126,7 +114,7 @@ def main(argv=None):
                                     "past_nll": r["past_nll"]})
         os.unlink(long_path)
         measured_on = provenance(ckpts)
-    except QualityError as e:
+    except BenchError as e:
         sys.exit(f"quality: {e}")
     write(args, dtype_rows, window_rows, measured_on)
 
@@ -137,7 +125,7 @@ def provenance(ckpts):
     for ckpt in ckpts:
         with open(ckpt, "rb") as f:
             sums.append(f"`{os.path.basename(ckpt)}` {hashlib.sha256(f.read()).hexdigest()[:12]}")
-    return (f"Engine: `{run(['--version']).stdout.strip()}`. Checkpoints (sha256, first 12 hex digits): "
+    return (f"Engine: `{run_engine(['--version'], '--version').stdout.strip()}`. Checkpoints (sha256, first 12 hex digits): "
             + ", ".join(sums) + ".")
 
 

@@ -26,6 +26,32 @@ def run(args, check=True, timeout=300):
     return p
 
 
+def run_json(args, check=True, timeout=300):
+    """Runs ./run with args and --json; returns (CompletedProcess, the objects of its stdout,
+    one a line, parsed)."""
+    import json
+    p = run(list(args) + ["--json"], check=check, timeout=timeout)
+    return p, [json.loads(line) for line in p.stdout.decode().splitlines()]
+
+
+def json_one(args, check=True):
+    """(exit code, the one --json object) of a mode that prints one: --info, --ppl,
+    --check-kv, --check-batch."""
+    p, objs = run_json(args, check=check)
+    assert len(objs) == 1, objs
+    return p.returncode, objs[0]
+
+
+def generate_json(args, check=True):
+    """A generation's (CompletedProcess, sequence objects, summary object): every line but the
+    last is a sequence, the last the summary, and the summary counts the sequences."""
+    p, objs = run_json(args, check=check)
+    assert objs and objs[-1]["type"] == "summary", objs
+    sequences, summary = objs[:-1], objs[-1]
+    assert all(s["type"] == "sequence" for s in sequences) and summary["sequences"] == len(sequences), objs
+    return p, sequences, summary
+
+
 def read_logits(path, vocab):
     a = np.fromfile(path, dtype=np.float32)
     assert a.size % vocab == 0

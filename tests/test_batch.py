@@ -2,44 +2,37 @@
 the same prompt and seed run alone (--check-batch, and independently through --json);
 the prompt is computed once and its blocks shared; preemption when the pool runs short
 changes nothing; bad values are refused."""
-import json
 import os
 import re
 
 import pytest
 
-from conftest import PROMPT, ROOT, VARIANTS, run
+from conftest import PROMPT, ROOT, VARIANTS, generate_json, json_one, run
 
-CHECK = re.compile(r"^check-batch variant=(\S+) mode=(\S+) batch=(\d+) index=(\d+) seed=(\d+) steps=(\d+) "
-                   r"identical_tokens=(\d+) bitwise_identical=([01]) first_difference=(-?\d+)$", re.M)
 POOL = re.compile(r"kv pool: (\d+)-token blocks of (\d+) bytes \| peak (\d+) of (\d+) blocks in use, (\d+) bytes \| "
                   r"contiguous full contexts for (\d+) sequences: (\d+) bytes \| preemptions (\d+)")
 
 
 def check_batch(args):
-    p = run(args + ["--check-batch"], check=False)
-    out = p.stdout.decode()
-    rows = CHECK.findall(out)
-    return p.returncode, out, rows
-
-
-def check_batch_json(args):
-    p = run(args + ["--check-batch", "--json"], check=False)
-    lines = p.stdout.decode().splitlines()
-    assert len(lines) == 1, lines
-    return p.returncode, json.loads(lines[0])
+    """(exit code, the --check-batch --json verdict): one object, its sequences in order."""
+    code, verdict = json_one(args + ["--check-batch"], check=False)
+    assert verdict["type"] == "check-batch", verdict
+    assert [s["index"] for s in verdict["sequences"]] == list(range(verdict["batch"])), verdict
+    return code, verdict
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kv", [["--kv"], []])
 def test_check_batch_every_variant(small_checkpoints, variant, kv):
     path, _ = small_checkpoints[variant]
-    code, out, rows = check_batch([path, "-p", PROMPT, "-n", 12, "--ignore-eos", "-s", 3, "--batch", 4] + kv)
-    assert code == 0, out
-    assert len(rows) == 4 and out.split("\n")[0].endswith("4 of 4 give the same tokens and bitwise the same logits "
-                                                         "as run alone")
-    assert [int(r[3]) for r in rows] == [0, 1, 2, 3] and [int(r[4]) for r in rows] == [3, 4, 5, 6]
-    assert all(r[7] == "1" and r[8] == "-1" and int(r[5]) == 12 and int(r[6]) == 12 for r in rows)
+    code, verdict = check_batch([path, "-p", PROMPT, "-n", 12, "--ignore-eos", "-s", 3, "--batch", 4] + kv)
+    assert code == 0, verdict
+    assert verdict["batch"] == 4 and verdict["identical"] is True and verdict["sequences_identical"] == 4
+    assert verdict["mode"] == ("kv" if kv else "no-kv")
+    rows = verdict["sequences"]
+    assert len(rows) == 4 and [r["seed"] for r in rows] == [3, 4, 5, 6]
+    assert all(r["bitwise_identical"] is True and r["first_difference"] == -1 and r["steps"] == 12
+               and r["identical_tokens"] == 12 for r in rows), rows
 
 
 def test_check_batch_json_agrees_with_solo_runs(small_checkpoints):
@@ -47,7 +40,7 @@ def test_check_batch_json_agrees_with_solo_runs(small_checkpoints):
     equal to what a plain --json run of that seed generates."""
     path, _ = small_checkpoints["mqa"]
     base = [path, "-p", PROMPT, "-n", 9, "--ignore-eos", "--kv", "-k", 5]
-    code, verdict = check_batch_json(base + ["-s", 11, "--batch", 3])
+    code, verdict = check_batch(base + ["-s", 11, "--batch", 3])
     assert code == 0 and verdict["type"] == "check-batch" and verdict["identical"] is True
     assert verdict["batch"] == 3 and verdict["sequences_identical"] == 3
     assert [s["seed"] for s in verdict["sequences"]] == [11, 12, 13]
@@ -58,10 +51,8 @@ def test_check_batch_json_agrees_with_solo_runs(small_checkpoints):
 
 
 def sequences(args):
-    """The --json lines of a run's sequences, parsed (the last line is the summary)."""
-    lines = [json.loads(line) for line in run(args + ["--json", "-q"]).stdout.decode().splitlines()]
-    assert lines[-1]["type"] == "summary" and lines[-1]["sequences"] == len(lines) - 1
-    return [s for s in lines if s["type"] == "sequence"]
+    """The --json lines of a run's sequences, parsed (generate_json checks the summary)."""
+    return generate_json(args + ["-q"])[1]
 
 
 @pytest.mark.parametrize("variant", ["gqa", "mla64"])
@@ -87,10 +78,11 @@ def test_sequences_ending_at_different_steps():
     path = os.path.join(ROOT, "weights", "mqa.bin")
     if not os.path.exists(path):
         pytest.fail("weights/mqa.bin is missing")
-    code, out, rows = check_batch([path, "-p", PROMPT, "--kv", "--batch", 6, "-s", 11])
-    assert code == 0, out
-    assert len(rows) == 6 and all(r[7] == "1" for r in rows)
-    assert len({int(r[5]) for r in rows}) > 1, "expected the stories to end at different steps"
+    code, verdict = check_batch([path, "-p", PROMPT, "--kv", "--batch", 6, "-s", 11])
+    assert code == 0, verdict
+    rows = verdict["sequences"]
+    assert len(rows) == 6 and all(r["bitwise_identical"] is True for r in rows)
+    assert len({r["steps"] for r in rows}) > 1, "expected the stories to end at different steps"
     ends = [s["stop"] for s in sequences([path, "-p", PROMPT, "--kv", "--batch", 6, "-s", 11])]
     assert "eos" in ends
 
@@ -103,7 +95,8 @@ def test_prompt_computed_once_and_shared(small_checkpoints, tmp_path):
     path, _ = small_checkpoints["gqa"]
     prompt = " ".join(["once"] * 36)
     log = tmp_path / "steps.csv"
-    p = run([path, "-p", prompt, "--kv", "--batch", 4, "-n", 6, "--ignore-eos", "-s", 1, "-q", "--log", log])
+    p, _, summary = generate_json([path, "-p", prompt, "--kv", "--batch", 4, "-n", 6, "--ignore-eos", "-s", 1, "-q",
+                                   "--log", log])
     rows = [r.split(",") for r in log.read_text().strip().split("\n")[1:]]
     n_prompt = int(rows[0][3])
     assert 32 < n_prompt and n_prompt + 6 - 2 < 48   # every position written lies in the first three blocks
@@ -112,25 +105,29 @@ def test_prompt_computed_once_and_shared(small_checkpoints, tmp_path):
     # the first sequence got its first token a step before the others, and ends a step before them
     assert all(r[1] == "decode" and r[3] == "4" for r in rows[2:-1]) and rows[-1][2:4] == ["3", "3"]
     assert len(rows) == 7
-    m = POOL.search(p.stderr.decode())
+    assert summary["preemptions"] == 0
+    m = POOL.search(p.stderr.decode())   # needs --json field: kv_peak_blocks
     assert m, p.stderr.decode()
-    assert int(m.group(3)) == 2 + 4 and int(m.group(8)) == 0
+    assert int(m.group(3)) == 2 + 4
 
 
 def test_preemption_changes_nothing(small_checkpoints):
     """A pool of one full context for 4 sequences: sequences are preempted and recomputed,
     and every one is still bitwise its solo run."""
     path, model = small_checkpoints["mla64"]
-    info = run([path, "--info", "--kv"]).stdout.decode()
-    block = int(re.search(r"KV pool +\d+ blocks of 16 tokens, (\d+) bytes each", info).group(1))
+    _, info = json_one([path, "--info", "--kv"])
+    assert info["kv_block_tokens"] == 16
+    block = info["kv_block_bytes"]
     blocks = model.cfg.max_seq_len // 16
     mb = f"{(blocks * block + block // 2) / 2**20:.6f}"
     args = [path, "-p", PROMPT, "--kv", "--batch", 4, "--kv-mem", mb, "-n", 40, "--ignore-eos", "-s", 9]
-    p = run(args + ["-q"])
-    m = POOL.search(p.stderr.decode())
-    assert m and int(m.group(4)) == blocks and int(m.group(8)) > 0, p.stderr.decode()
-    code, out, rows = check_batch(args)
-    assert code == 0 and len(rows) == 4 and all(r[7] == "1" for r in rows), out
+    p, _, summary = generate_json(args + ["-q"])
+    assert summary["preemptions"] > 0, summary
+    m = POOL.search(p.stderr.decode())   # needs --json field: kv_pool_blocks
+    assert m and int(m.group(4)) == blocks, p.stderr.decode()
+    code, verdict = check_batch(args)
+    rows = verdict["sequences"]
+    assert code == 0 and len(rows) == 4 and all(r["bitwise_identical"] is True for r in rows), verdict
 
 
 def test_text_blocks_in_order(small_checkpoints):
@@ -143,14 +140,15 @@ def test_text_blocks_in_order(small_checkpoints):
 
 def test_info_reports_the_pool(small_checkpoints):
     path, model = small_checkpoints["gqa"]
-    out = run([path, "--info", "--kv", "--batch", 8]).stdout.decode()
-    m = re.search(r"KV pool +(\d+) blocks of 16 tokens, (\d+) bytes each \((\d+) bytes\); a contiguous cache of the "
-                  r"full context for 8 sequences would take (\d+) bytes", out)
-    assert m, out
+    _, info = json_one([path, "--info", "--kv", "--batch", 8])
     cfg = model.cfg
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
-    assert int(m.group(1)) == 8 * cfg.max_seq_len // 16 and int(m.group(2)) == 16 * per_token
-    assert int(m.group(3)) == int(m.group(1)) * int(m.group(2)) and int(m.group(4)) == 8 * cfg.max_seq_len * per_token
+    assert info["kv_block_tokens"] == 16
+    assert info["kv_pool_blocks"] == 8 * cfg.max_seq_len // 16 and info["kv_block_bytes"] == 16 * per_token
+    assert info["kv_pool_bytes"] == info["kv_pool_blocks"] * info["kv_block_bytes"]
+    out = run([path, "--info", "--kv", "--batch", 8]).stdout.decode()   # needs --json field: kv_bytes_contiguous
+    m = re.search(r"a contiguous cache of the full context for 8 sequences would take (\d+) bytes", out)
+    assert m and int(m.group(1)) == 8 * cfg.max_seq_len * per_token, out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 
-from conftest import ROOT, RUN, run
+from conftest import ROOT, RUN, json_one
 
 BENCH = os.path.join(ROOT, "bench", "bench.py")
 MHA = os.path.join(ROOT, "weights", "mha.bin")
@@ -66,13 +66,11 @@ def table_rows(md, heading):
 
 
 def shape(ckpt):
-    """The model's shape from ./run --info (not from bench.py's own parsing)."""
-    info = run([ckpt, "--info"]).stdout.decode()
-    m = re.search(r"dim (\d+), layers (\d+), heads (\d+) x (\d+), kv heads (\d+), .* hidden (\d+), vocab (\d+)", info)
-    D, L, H, hd, Hkv, F, V = map(int, m.groups())
-    wbytes = int(re.search(r"(\d+) bytes of weights", info).group(1))
-    kv_per_token = int(re.search(r"(\d+) bytes/token", info).group(1))
-    return dict(D=D, L=L, H=H, hd=hd, Hkv=Hkv, F=F, V=V, weight_bytes=wbytes, kv_per_token=kv_per_token)
+    """The model's shape from ./run --info --json (not from the bench's own reading of it)."""
+    _, info = json_one([ckpt, "--info"])
+    keys = dict(D="dim", L="layers", H="heads", hd="head_dim", Hkv="kv_heads", F="hidden", V="vocab",
+                weight_bytes="weight_bytes", kv_per_token="kv_bytes_per_token")
+    return {k: info[v] for k, v in keys.items()}
 
 
 def test_full_report(tmp_path):
@@ -185,8 +183,8 @@ def test_quick_mode(tmp_path):
 def test_quick_mode_defaults():
     """--quick's work: 64 decode steps, 3 timed rounds after a warm-up, the C engine alone, the
     report out of the committed results."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench as b
+    sys.path.insert(0, ROOT)
+    from bench import bench as b
     q = b.parse_args(["--quick"])
     assert (q.steps, q.reps, q.pytorch, q.full) == (64, 3, False, False)
     assert (q.batches, q.capacity_mib) == ((1, 16), ())   # a small throughput table, no capacity runs

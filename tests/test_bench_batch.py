@@ -5,14 +5,13 @@ pool's measured count, the per-step rows, the weight-/cache-bound paragraph, and
 import csv
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, RUN, run
+from conftest import ROOT, RUN, json_one
 from test_bench import bench, report, table_rows, val
 
 BATCHES = (1, 2)
@@ -34,21 +33,18 @@ def batch_report(small_checkpoints, tmp_path_factory):
     slug, md, vals, steps, pngs = report(out)
     names = {}
     for path in paths:   # the engine's name of each (the small MLA's latent is 16 wide)
-        names[re.search(r"^variant\s+(\S+)", run([path, "--info"]).stdout.decode(), re.M).group(1)] = path
+        names[json_one([path, "--info"])[1]["variant"]] = path
     return dict(out=out, slug=slug, md=md, vals=vals, steps=steps, pngs=pngs, names=names)
 
 
 def shape(ckpt):
-    """The model's shape and pool from ./run --info (not from bench.py's parsing)."""
-    info = run([ckpt, "--info", "--kv", "--batch", 1]).stdout.decode()
-    m = re.search(r"dim (\d+), layers (\d+), heads (\d+) x (\d+), kv heads (\d+), latent (\d+), rope dim (\d+), "
-                  r"hidden (\d+), vocab (\d+), context (\d+)", info)
-    keys = ("D", "L", "H", "hd", "Hkv", "dc", "rd", "F", "V", "ctx")
-    s = dict(zip(keys, map(int, m.groups())))
-    s["W"] = int(re.search(r"(\d+) bytes of weights", info).group(1))
-    block_tokens, block_bytes = map(int, re.search(r"KV pool\s+\d+ blocks of (\d+) tokens, (\d+) bytes each",
-                                                   info).groups())
-    s.update(block_tokens=block_tokens, block_bytes=block_bytes, per_token=block_bytes // block_tokens)
+    """The model's shape and pool from ./run --info --json (not from the bench's reading of it)."""
+    _, info = json_one([ckpt, "--info", "--kv", "--batch", 1])
+    keys = dict(D="dim", L="layers", H="heads", hd="head_dim", Hkv="kv_heads", dc="kv_latent", rd="rope_dim",
+                F="hidden", V="vocab", ctx="context", W="weight_bytes", block_tokens="kv_block_tokens",
+                block_bytes="kv_block_bytes")
+    s = {k: info[v] for k, v in keys.items()}
+    s["per_token"] = s["block_bytes"] // s["block_tokens"]
     return s
 
 

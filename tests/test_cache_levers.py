@@ -1,22 +1,21 @@
 """The cache's other levers: bf16 and int8 cached elements (bitwise the same with and
 without the cache, and across a batch), and windows that let generation run past the
 context (ring and sinks), with --ppl scoring through them."""
-import re
-
 import numpy as np
 import pytest
 
-from conftest import PROMPT, VARIANTS, read_logits, run
+from conftest import PROMPT, VARIANTS, generate_json, json_one, read_logits, run
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 def test_check_kv_bitwise_for_every_dtype(small_checkpoints, variant, dtype):
     path, _ = small_checkpoints[variant]
-    p = run([path, "-p", PROMPT, "--kv", "--kv-dtype", dtype, "--check-kv", "-n", 30, "--ignore-eos"])
-    lines = [l for l in p.stdout.decode().splitlines() if l.startswith("check-kv ")]
-    same_form = [l for l in lines if "expand" not in l.split(" b=")[1].split()[0]] if variant.startswith("mla") else lines
-    assert same_form and all("bitwise_identical=1" in l and "identical_tokens=30" in l for l in same_form), lines
+    code, check = json_one([path, "-p", PROMPT, "--kv", "--kv-dtype", dtype, "--check-kv", "-n", 30, "--ignore-eos"])
+    pairs = check["comparisons"]
+    same_form = [c for c in pairs if "expand" not in c["b"]] if variant.startswith("mla") else pairs
+    assert code == 0 and check["kv_dtype"] == dtype, check
+    assert same_form and all(c["bitwise_identical"] is True and c["identical_tokens"] == 30 for c in same_form), pairs
 
 
 def dump_logits(path, tmp_path, *args):
@@ -43,8 +42,8 @@ def test_batch_invariance_with_int8_and_windows(small_checkpoints):
         args = [path, "-p", PROMPT, "--kv", "--batch", 3, "-s", 8, "--ignore-eos", "--check-batch"] + extra
         if "-n" not in extra:
             args += ["-n", 30]
-        out = run(args).stdout.decode()
-        assert "3 of 3 give the same tokens and bitwise the same logits" in out, (extra, out)
+        code, verdict = json_one(args)
+        assert code == 0 and verdict["batch"] == 3 and verdict["sequences_identical"] == 3, (extra, verdict)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "mla128"])
@@ -59,8 +58,9 @@ def test_window_runs_past_the_context(small_checkpoints, tmp_path, variant):
     assert len(ring) == 200 and len(sinks) == 200
     assert np.array_equal(ring[:60], plain) and np.array_equal(sinks[:60], plain)
     assert not np.array_equal(ring[70:], sinks[70:])
-    p = run([path, "-p", PROMPT, "--kv", "--window", 64, "-n", 150, "--ignore-eos", "-q"])
-    assert re.search(r"decode 149 steps.*\| stop: steps$", p.stderr.decode(), re.M)
+    _, [sequence], summary = generate_json([path, "-p", PROMPT, "--kv", "--window", 64, "-n", 150, "--ignore-eos", "-q"])
+    assert summary["decode_steps"] == 149 and summary["stops"]["steps"] == 1 and sequence["stop"] == "steps"
+    assert len(sequence["tokens"]) == 150
 
 
 def test_prompt_longer_than_the_window(small_checkpoints):
@@ -69,7 +69,8 @@ def test_prompt_longer_than_the_window(small_checkpoints):
     path, _ = small_checkpoints["gqa"]
     prompt = " ".join(["once"] * 39)
     args = [path, "-p", prompt, "--kv", "--window", 16, "-n", 20, "--ignore-eos", "-s", 1, "--batch", 2, "--check-batch"]
-    assert "2 of 2 give the same tokens and bitwise the same logits" in run(args).stdout.decode()
+    code, verdict = json_one(args)
+    assert code == 0 and verdict["batch"] == 2 and verdict["sequences_identical"] == 2, verdict
 
 
 def test_info_reports_dtype_and_window(small_checkpoints):
@@ -78,11 +79,10 @@ def test_info_reports_dtype_and_window(small_checkpoints):
     for dtype, per_token in (("fp32", 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4),
                              ("bf16", 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2),
                              ("int8", 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4))):
-        out = run([path, "--info", "--kv", "--kv-dtype", dtype, "--window", 32]).stdout.decode()
-        m = re.search(r"= (\d+) bytes/token; (\d+) bytes at full window \((\w+)", out)
-        assert m and int(m.group(1)) == per_token and m.group(3) == dtype and int(m.group(2)) == 32 * per_token, out
-        assert re.search(rf"allocated +{per_token} bytes/token", out)
-        assert "window         32 positions a sequence, 0 of them sinks" in out
+        _, info = json_one([path, "--info", "--kv", "--kv-dtype", dtype, "--window", 32])
+        assert info["kv_bytes_per_token"] == per_token and info["kv_dtype"] == dtype, info
+        assert info["kv_bytes_full"] == 32 * per_token and info["kv_bytes_per_token_allocated"] == per_token, info
+        assert info["window"] == 32 and info["window_sinks"] == 0, info
 
 
 def test_ppl_through_windows(small_checkpoints, tmp_path):
@@ -96,14 +96,14 @@ def test_ppl_through_windows(small_checkpoints, tmp_path):
     for name, extra in (("restart", []), ("ring", ["--kv", "--window", 64]),
                         ("sinks", ["--kv", "--window", 64, "--window-policy", "sinks"]),
                         ("int8", ["--kv-dtype", "int8"])):
-        out = run([path, "--ppl", f] + extra).stdout.decode()
-        m = re.search(r"(\d+) tokens \| mean NLL ([\d.]+) nats/token \| perplexity [\d.]+( \| past the context "
-                      r"\(position 64 on\): (\d+) tokens, mean NLL ([\d.]+))?", out)
-        assert m, out
-        rows[name] = m
-    assert len({r.group(1) for r in rows.values()}) == 1
-    assert rows["restart"].group(4) and rows["restart"].group(4) == rows["ring"].group(4) == rows["sinks"].group(4)
-    assert rows["ring"].group(2) != rows["sinks"].group(2) and rows["int8"].group(2) != rows["restart"].group(2)
+        _, rows[name] = json_one([path, "--ppl", f] + extra)
+    assert len({r["tokens"] for r in rows.values()}) == 1
+    past = {name: r["past_context"] for name, r in rows.items()}
+    assert all(past[n] and past[n]["from_position"] == 64 for n in ("restart", "ring", "sinks")), past
+    assert past["restart"]["tokens"] > 0 and past["restart"]["tokens"] == past["ring"]["tokens"] == past["sinks"]["tokens"]
+    # the mean NLLs to the 4 decimals a reader compares
+    nll = {name: f"{r['mean_nll']:.4f}" for name, r in rows.items()}
+    assert nll["ring"] != nll["sinks"] and nll["int8"] != nll["restart"], nll
 
 
 @pytest.mark.parametrize("args, message", [

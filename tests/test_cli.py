@@ -8,8 +8,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import PROMPT, ROOT, RUN, VARIANTS, read_logits, run
+from conftest import PROMPT, ROOT, RUN, VARIANTS, generate_json, json_one, read_logits, run
 
+# the human summary line: only where it is the subject (that it reaches stderr)
 SUMMARY = re.compile(r"summary: (\S+) (kv|no-kv) \| prefill (\d+) tokens ([\d.]+) ms \| decode (\d+) steps, "
                      r"([\d.]+) ms/token, ([\d.]+) tokens/s, median step ([\d.]+) ms, mean step ([\d.]+) ms \| "
                      r"KV cache (\d+) bytes")
@@ -21,16 +22,14 @@ def test_generates_and_logs(small_checkpoints, variant, kv, tmp_path):
     path, model = small_checkpoints[variant]
     log = tmp_path / "steps.csv"
     args = [path, "-p", PROMPT, "-n", 20, "-s", 7, "--ignore-eos", "--log", log] + (["--kv"] if kv else [])
-    p = run(args)
+    p, [sequence], summary = generate_json(args)
     err = p.stderr.decode()
-    assert "seed 7" in err
-    m = SUMMARY.search(err)
-    assert m, err
+    assert summary["seed"] == sequence["seed"] == 7
     name = f"mla{model.cfg.kv_latent}" if variant.startswith("mla") else variant   # small MLA: latent 16/32
-    assert m.group(1) == name and m.group(2) == ("kv" if kv else "no-kv")
-    assert int(m.group(3)) == 5                    # BOS + 4 prompt tokens
-    assert int(m.group(5)) == 19                   # 20 tokens: one from the prefill, 19 decode steps
-    kv_bytes = int(m.group(10))
+    assert summary["variant"] == name and summary["mode"] == ("kv" if kv else "no-kv")
+    assert summary["prefill_tokens"] == sequence["prompt_tokens"] == 5   # BOS + 4 prompt tokens
+    assert summary["decode_steps"] == 19           # 20 tokens: one from the prefill, 19 decode steps
+    kv_bytes = summary["kv_cache_bytes"]
     cfg = model.cfg
     per_token = (cfg.n_layers * (cfg.kv_latent + cfg.rope_dim) * 4 if cfg.kv_latent
                  else 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4)
@@ -43,10 +42,12 @@ def test_generates_and_logs(small_checkpoints, variant, kv, tmp_path):
     assert [c[1] for c in cells] == ["prefill"] + ["decode"] * 19
     assert [int(c[3]) for c in cells] == [5] + ([1] * 19 if kv else list(range(6, 25)))
     assert [int(c[4]) for c in cells] == list(range(4, 24)) and {c[2] for c in cells} == {"1"}
-    assert p.stdout.decode().startswith(PROMPT)
+    assert sequence["text"].startswith(PROMPT) and len(sequence["tokens"]) == 20
+    assert [int(c[5]) for c in cells] == sequence["tokens"]
     # -q keeps the summary and drops the step lines
-    q = run(args + ["-q"]).stderr.decode()
-    assert SUMMARY.search(q) and "[step" not in q
+    q = run(args + ["-q"])
+    assert SUMMARY.search(q.stderr.decode()) and "[step" not in q.stderr.decode()
+    assert q.stdout.decode().startswith(PROMPT)
 
 
 def dump(path, tmp_path, name, *extra):
@@ -88,22 +89,23 @@ def test_seeded_sampling_repeats(small_checkpoints):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_check_kv(small_checkpoints, variant):
     path, _ = small_checkpoints[variant]
-    out = run([path, "--check-kv", "-p", PROMPT, "-n", 30, "--ignore-eos"]).stdout.decode().strip().split("\n")
-    machine = [l for l in out if l.startswith("check-kv ")]
+    code, check = json_one([path, "--check-kv", "-p", PROMPT, "-n", 30, "--ignore-eos"])
+    assert code == 0 and check["type"] == "check-kv" and check["identical"] is True, check
+    pairs = check["comparisons"]
     if variant.startswith("mla"):
-        assert len(machine) == 2
-        assert "a=kv-absorb b=no-kv-expand" in machine[0]
-        assert "a=kv-absorb b=no-kv-absorb" in machine[1]
-        assert "bitwise_identical=1" in machine[1] and "identical_tokens=30" in machine[1]
+        assert [(c["a"], c["b"]) for c in pairs] == [("kv-absorb", "no-kv-expand"), ("kv-absorb", "no-kv-absorb")]
+        assert pairs[1]["bitwise_identical"] is True and pairs[1]["identical_tokens"] == 30
     else:
-        assert len(machine) == 1
-        assert "bitwise_identical=1" in machine[0] and machine[0].endswith("max_abs_logit_diff=0")
-        assert "identical_tokens=30" in machine[0] and "first_divergent_step=-1" in machine[0]
-    assert out[-len(machine):] == machine   # the machine-readable lines come last
+        assert [(c["a"], c["b"]) for c in pairs] == [("kv", "no-kv")]
+        assert pairs[0]["bitwise_identical"] is True and pairs[0]["max_abs_logit_diff"] == 0
+        assert pairs[0]["identical_tokens"] == 30 and pairs[0]["first_divergent_step"] is None
 
 
-def check_kv_lines(out):
-    return [dict(kv.split("=", 1) for kv in l.split()[1:]) for l in out.splitlines() if l.startswith("check-kv ")]
+def same_form(check):
+    """The --check-kv comparisons of a run with and without the cache in the same form."""
+    pairs = [c for c in check["comparisons"] if c["a"].replace("kv", "no-kv") == c["b"]]
+    assert all(c["same_form"] is True for c in pairs), check
+    return pairs
 
 
 @pytest.mark.parametrize("variant", ["gqa", "mla64"])
@@ -119,11 +121,10 @@ def test_check_kv_fails_when_a_window_changes_the_logits(small_checkpoints, vari
     n_prompt = 1 + len(spm.SentencePieceProcessor(model_file=TOKENIZER).encode(PROMPT))
     window, first = 16, 16 - (n_prompt - 1)
     args = [path, "--check-kv", "-p", PROMPT, "-n", 40, "--ignore-eos"]
-    p = run(args + ["--window", window], check=False)
-    assert p.returncode == 1, p.stderr
-    same_form = [c for c in check_kv_lines(p.stdout.decode()) if c["a"].replace("kv", "no-kv") == c["b"]]
-    assert len(same_form) == 1 and same_form[0]["window"] == str(window)
-    assert int(same_form[0]["first_bitwise_difference"]) == first and same_form[0]["bitwise_identical"] == "0"
+    code, check = json_one(args + ["--window", window], check=False)
+    assert code == 1 and check["identical"] is False and check["window"] == window, check
+    [pair] = same_form(check)
+    assert pair["first_bitwise_difference"] == first and pair["bitwise_identical"] is False
     form = ["--mla", "absorb"] if variant.startswith("mla") else []
     run([path, "-p", PROMPT, "-k", 1, "-n", 40, "--ignore-eos", "-q", "--kv", "--window", window, "--dump-logits",
          tmp_path / "w.bin"] + form)
@@ -132,24 +133,26 @@ def test_check_kv_fails_when_a_window_changes_the_logits(small_checkpoints, vari
     rows = min(len(w), len(n))
     assert [i for i in range(rows) if not np.array_equal(w[i], n[i])][0] == first
     # stopped before the tokens part, the runs differ in their logits alone: a failure all the same
-    diverged = int(same_form[0]["first_divergent_step"])
-    assert diverged > first, same_form   # so this checkpoint shows the case
-    p = run([path, "--check-kv", "-p", PROMPT, "-n", diverged, "--ignore-eos", "--window", window], check=False)
-    [line] = [c for c in check_kv_lines(p.stdout.decode()) if c["a"].replace("kv", "no-kv") == c["b"]]
-    assert line["identical_tokens"] == str(diverged) and line["bitwise_identical"] == "0" and p.returncode == 1
-    p = run(args + ["--window", 64], check=False)   # 5 + 40 positions: the window never slides
-    assert p.returncode == 0 and all(c["bitwise_identical"] == "1" for c in check_kv_lines(p.stdout.decode())
-                                     if c["a"].replace("kv", "no-kv") == c["b"])
+    diverged = pair["first_divergent_step"]
+    assert diverged is not None and diverged > first, pair   # so this checkpoint shows the case
+    code, check = json_one([path, "--check-kv", "-p", PROMPT, "-n", diverged, "--ignore-eos", "--window", window],
+                           check=False)
+    [line] = same_form(check)
+    assert line["identical_tokens"] == diverged and line["bitwise_identical"] is False and code == 1
+    assert line["first_divergent_step"] is None
+    code, check = json_one(args + ["--window", 64], check=False)   # 5 + 40 positions: the window never slides
+    assert code == 0 and check["identical"] is True and same_form(check)
+    assert all(c["bitwise_identical"] is True for c in same_form(check))
 
 
 def test_info(small_checkpoints):
     path, model = small_checkpoints["mla64"]
-    out = run([path, "--info"]).stdout.decode()
+    _, info = json_one([path, "--info"])
     n_params = sum(p.numel() for p in model.parameters())
-    assert f"parameters     {n_params} " in out
+    assert info["type"] == "info" and info["parameters"] == n_params
     per_token = model.cfg.n_layers * (model.cfg.kv_latent + model.cfg.rope_dim) * 4
-    assert f"= {per_token} bytes/token; {per_token * model.cfg.max_seq_len} bytes at full context" in out
-    assert f"allocated      {per_token} bytes/token" in out
+    assert info["kv_bytes_per_token"] == per_token and info["kv_bytes_full"] == per_token * model.cfg.max_seq_len
+    assert info["kv_bytes_per_token_allocated"] == per_token and info["kv_dtype"] == "fp32"
 
 
 def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
@@ -163,9 +166,8 @@ def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
                "Lily saw a bird."]
     text = tmp_path / "stories.txt"
     text.write_text("\n<|endoftext|>\n".join(stories) + "\n<|endoftext|>\n")
-    out = run([path, "--ppl", text]).stdout.decode()
-    m = re.search(r"(\d+) stories, (\d+) tokens \| mean NLL ([\d.]+) nats/token", out)
-    assert m, out
+    _, ppl = json_one([path, "--ppl", text])
+    assert ppl["type"] == "ppl" and ppl["path"] == str(text)
     sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
     story_nll, story_count = [], []
     model.eval()
@@ -179,19 +181,18 @@ def test_ppl_matches_pytorch(small_checkpoints, tmp_path):
                 story_nll[-1] += float(torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum"))
                 story_count[-1] += len(y)
     total, count = sum(story_nll), sum(story_count)
-    assert int(m.group(1)) == 3 and int(m.group(2)) == count
-    assert abs(float(m.group(3)) - total / count) < 1e-4
+    assert ppl["stories"] == 3 and ppl["tokens"] == count
+    assert abs(ppl["mean_nll"] - total / count) < 1e-4
     # the standard error of the ratio sum(NLL) / sum(tokens) over the 3 stories
     mean, k = total / count, len(stories)
     se = (k / (k - 1) * sum((s - mean * n) ** 2 for s, n in zip(story_nll, story_count))) ** 0.5 / count
-    m = re.search(r"\| PPL = ([\d.]+) \+/- ([\d.]+), mean NLL ([\d.]+) \+/- ([\d.]+) \(standard errors over 3 stories\)$",
-                  out.strip())
-    assert m, out
-    assert abs(float(m.group(1)) - np.exp(mean)) < 2e-3 and abs(float(m.group(2)) - np.exp(mean) * se) < 2e-3
-    assert abs(float(m.group(4)) - se) < 2e-4
+    assert abs(ppl["perplexity"] - np.exp(mean)) < 2e-3 and abs(ppl["perplexity_stderr"] - np.exp(mean) * se) < 2e-3
+    assert abs(ppl["mean_nll_stderr"] - se) < 2e-4
     # one story has no standard error
     (tmp_path / "one.txt").write_text(stories[0] + "\n")
-    assert run([path, "--ppl", tmp_path / "one.txt"]).stdout.decode().endswith("(one story: no standard error)\n")
+    _, one = json_one([path, "--ppl", tmp_path / "one.txt"])
+    assert one["stories"] == 1 and one["mean_nll_stderr"] is None and one["perplexity_stderr"] is None
+    assert one["perplexity"] == pytest.approx(np.exp(one["mean_nll"]))
 
 
 def test_ppl_progress_only_on_a_terminal(small_checkpoints, tmp_path):
@@ -208,11 +209,6 @@ def test_ppl_progress_only_on_a_terminal(small_checkpoints, tmp_path):
 
 # ---- --json: one object a line, parsed with the json module ----
 
-def json_lines(p):
-    import json
-    return [json.loads(line) for line in p.stdout.decode().splitlines()]
-
-
 def version_and_commit():
     m = re.fullmatch(r"run (\S+) \(commit (\S+)\)\n", run(["--version"]).stdout.decode())
     return m.group(1), m.group(2)
@@ -223,8 +219,8 @@ def test_json_summary(small_checkpoints, tmp_path):
     from conftest import TOKENIZER
     path, _ = small_checkpoints["mqa"]
     log = tmp_path / "steps.csv"
-    p = run([path, "-p", PROMPT, "-n", 20, "-s", 17, "--top-p", 0.9, "--ignore-eos", "--kv", "--json", "--log", log])
-    sequence, summary = json_lines(p)
+    _, [sequence], summary = generate_json([path, "-p", PROMPT, "-n", 20, "-s", 17, "--top-p", 0.9, "--ignore-eos",
+                                            "--kv", "--log", log])
     assert sequence["type"] == "sequence" and len(sequence["tokens"]) == 20 and sequence["seed"] == 17
     version, commit = version_and_commit()
     assert summary["type"] == "summary" and (summary["version"], summary["commit"]) == (version, commit)
@@ -245,7 +241,7 @@ def test_json_info_ppl_and_check_kv(small_checkpoints, tmp_path):
     path, model = small_checkpoints["gqa"]
     cfg = model.cfg
     version, commit = version_and_commit()
-    [info] = json_lines(run([path, "--info", "--json", "--kv-dtype", "bf16"]))
+    _, info = json_one([path, "--info", "--kv-dtype", "bf16"])
     assert info["type"] == "info" and (info["version"], info["commit"]) == (version, commit)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
@@ -253,23 +249,24 @@ def test_json_info_ppl_and_check_kv(small_checkpoints, tmp_path):
     assert info["kv_dtype"] == "bf16" and info["context"] == cfg.max_seq_len and info["variant"] == "gqa"
     text = tmp_path / "stories.txt"
     text.write_text("The cat sat.\n<|endoftext|>\nTom had a ball and a kite.\n<|endoftext|>\n")
-    [ppl] = json_lines(run([path, "--ppl", text, "--json", "-s", 3]))
-    m = re.search(r"(\d+) tokens \| mean NLL ([\d.]+) nats/token .* \+/- [\d.]+, mean NLL [\d.]+ \+/- ([\d.]+)",
-                  run([path, "--ppl", text]).stdout.decode())
-    assert ppl["type"] == "ppl" and ppl["seed"] == 3 and ppl["stories"] == 2 and ppl["tokens"] == int(m.group(1))
-    assert ppl["mean_nll"] == pytest.approx(float(m.group(2)), abs=1e-4)
+    _, ppl = json_one([path, "--ppl", text, "-s", 3])
+    # BOS, the story's pieces and EOS: every token but BOS is scored (both stories fit the context)
+    import sentencepiece as spm
+    from conftest import TOKENIZER
+    sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
+    want_tokens = sum(len(sp.encode(s)) + 1 for s in ("The cat sat.", "Tom had a ball and a kite."))
+    assert ppl["type"] == "ppl" and ppl["seed"] == 3 and ppl["stories"] == 2 and ppl["tokens"] == want_tokens
     assert ppl["perplexity"] == pytest.approx(np.exp(ppl["mean_nll"]))
-    assert ppl["mean_nll_stderr"] == pytest.approx(float(m.group(3)), abs=1e-4) and ppl["past_context"] is None
-    args = [path, "--check-kv", "-p", PROMPT, "-n", 30, "--ignore-eos", "--json"]
-    p = run(args)
-    [check] = json_lines(p)
-    assert check["type"] == "check-kv" and check["identical"] is True and p.returncode == 0
+    assert ppl["perplexity_stderr"] == pytest.approx(ppl["perplexity"] * ppl["mean_nll_stderr"])
+    assert ppl["mean_nll_stderr"] > 0 and ppl["past_context"] is None
+    args = [path, "--check-kv", "-p", PROMPT, "-n", 30, "--ignore-eos"]
+    code, check = json_one(args)
+    assert check["type"] == "check-kv" and check["identical"] is True and code == 0
     [c] = check["comparisons"]
     assert (c["a"], c["b"], c["same_form"], c["steps"], c["identical_tokens"]) == ("kv", "no-kv", True, 30, 30)
     assert c["bitwise_identical"] is True and c["first_bitwise_difference"] is None and c["max_abs_logit_diff"] == 0
-    p = run(args + ["--window", 16], check=False)
-    [check] = json_lines(p)
-    assert p.returncode == 1 and check["identical"] is False and check["window"] == 16
+    code, check = json_one(args + ["--window", 16], check=False)
+    assert code == 1 and check["identical"] is False and check["window"] == 16
     assert check["comparisons"][0]["first_bitwise_difference"] == 12   # position 16: see the test above
 
 
@@ -349,7 +346,11 @@ def test_long_flags_mean_the_short_ones(small_checkpoints):
     long = run(["--prompt=" + PROMPT, "--n-predict", 9, "--top-k=5", "--temp=0.7", "--seed", 11, "--quiet",
                 "--ignore-eos", "--", path])
     assert short.stdout == long.stdout and short.stdout.startswith(PROMPT.encode())
-    assert b"top-k 5 | top-p 1 | temperature 0.7" in long.stderr
+    _, [sequence], summary = generate_json(["--prompt=" + PROMPT, "--n-predict", 9, "--top-k=5", "--temp=0.7",
+                                            "--seed", 11, "--quiet", "--ignore-eos", path])
+    assert (summary["top_k"], summary["top_p"], summary["seed"]) == (5, 1, 11)
+    assert summary["temperature"] == pytest.approx(0.7) and summary["decode_steps"] == 8
+    assert sequence["text"].encode() == short.stdout.rstrip(b"\n"), (sequence["text"], short.stdout)
     # top-p narrows what is drawn: 0 keeps the most likely token only, as greedy does
     greedy = run([path, "-p", PROMPT, "-n", 9, "-k", 1, "-q", "--ignore-eos"]).stdout
     nucleus = run([path, "-p", PROMPT, "-n", 9, "--top-p", 0, "-t", 1.5, "-s", 4, "-q", "--ignore-eos"]).stdout

@@ -4,15 +4,12 @@ length. test_cli.py::test_bad_flags and ::test_bad_prompts hold the plain out-of
 cases; these are the boundaries and the cases they leave out (test_robustness.py: limits
 set from outside the flags). The small checkpoints have a 64-token context and the real
 4096-piece tokenizer."""
-import re
-
 import pytest
 
-from conftest import TOKENIZER, run
+from conftest import TOKENIZER, generate_json, run
 
 CONTEXT = 64
 VOCAB = 4096
-STOP = re.compile(r"decode (\d+) steps.*\| stop: (eos|context full|steps)$", re.M)
 
 
 def prompt_of(n_tokens):
@@ -32,10 +29,13 @@ def error(args, code, message):
     assert p.stdout == b""
 
 
-def stop_of(p):
-    m = STOP.search(p.stderr.decode())
-    assert m, p.stderr.decode()
-    return int(m.group(1)), m.group(2)
+def stop_of(args):
+    """(decode steps, why the one sequence stopped) of a --json run; the summary's count of
+    stops agrees."""
+    _, [sequence], summary = generate_json(args)
+    stop = sequence["stop"]
+    assert summary["stops"] == {k: int(k == stop.replace(" ", "_")) for k in summary["stops"]}, summary
+    return summary["decode_steps"], stop
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +58,12 @@ def test_prompt_filling_the_context(ckpt):
 @pytest.mark.parametrize("kv", [[], ["--kv"]])
 def test_prompt_one_short_of_the_context(ckpt, kv):
     # 63 positions used: the prefill gives token 64, which fills the context; one more is sampled
-    p = run([ckpt, "-p", prompt_of(62), "--ignore-eos", "-s", "1", "-q"] + kv)
-    assert stop_of(p) == (1, "context full")
+    assert stop_of([ckpt, "-p", prompt_of(62), "--ignore-eos", "-s", "1", "-q"] + kv) == (1, "context full")
 
 
 def test_empty_prompt_starts_from_bos(ckpt):
-    p = run([ckpt, "-p", "", "-n", "3", "--ignore-eos", "-s", "1", "-q"])
-    assert "prefill 1 tokens" in p.stderr.decode() and stop_of(p) == (2, "steps")
+    args = [ckpt, "-p", "", "-n", "3", "--ignore-eos", "-s", "1", "-q"]
+    assert generate_json(args)[2]["prefill_tokens"] == 1 and stop_of(args) == (2, "steps")
 
 
 # ---- -n: 1..context; past what the prompt leaves, generation stops at the full context ----
@@ -80,10 +79,9 @@ def test_steps_bounds(ckpt):
 @pytest.mark.parametrize("kv", [[], ["--kv"]])
 def test_steps_equal_to_the_context_stop_when_it_is_full(ckpt, kv):
     # BOS + 4 prompt tokens: 60 tokens fit, the 60th fills the context, so -n 64 stops there
-    p = run([ckpt, "-p", "Once upon a time", "-n", str(CONTEXT), "--ignore-eos", "-s", "1", "-q"] + kv)
-    assert stop_of(p) == (CONTEXT - 5, "context full")
-    p = run([ckpt, "-p", "Once upon a time", "-n", "1", "--ignore-eos", "-s", "1", "-q"] + kv)
-    assert stop_of(p) == (0, "steps")
+    args = [ckpt, "-p", "Once upon a time", "--ignore-eos", "-s", "1", "-q"] + kv
+    assert stop_of(args + ["-n", str(CONTEXT)]) == (CONTEXT - 5, "context full")
+    assert stop_of(args + ["-n", "1"]) == (0, "steps")
 
 
 # ---- -k: 1..vocab ----

@@ -3,6 +3,7 @@
 and SIGTERM stop a generation at a step boundary with whole CSV lines; an output that is
 one of the run's inputs is refused before anything is truncated; a FIFO never hangs."""
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -75,10 +76,11 @@ def test_broken_pipe_with_sigpipe_ignored(ckpt):
 # ---- a signal stops the generation at a step boundary ----
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_leaves_whole_csv_lines(ckpt, tmp_path, sig, code):
+@pytest.mark.parametrize("form", [[], ["--json"]])
+def test_signal_leaves_whole_csv_lines(ckpt, tmp_path, sig, code, form):
     log, out = tmp_path / "steps.csv", tmp_path / "story.txt"
     with open(out, "wb") as story:
-        p = subprocess.Popen(args_of([ckpt, "-p", PROMPT, "--log", log] + ENDLESS), stdout=story,
+        p = subprocess.Popen(args_of([ckpt, "-p", PROMPT, "--log", log] + ENDLESS + form), stdout=story,
                              stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while (not log.exists() or log.read_text().count("\n") < 20) and time.monotonic() < deadline:
@@ -93,9 +95,15 @@ def test_signal_leaves_whole_csv_lines(ckpt, tmp_path, sig, code):
     for i, line in enumerate(lines[1:]):
         cells = line.split(",")
         assert len(cells) == len(COLUMNS) and int(cells[0]) == i and float(cells[6]) >= 0, line
+    assert out.read_bytes().endswith(b"\n")
+    if not form:   # the story, its line ended
+        assert out.read_bytes().startswith(PROMPT.encode())
+        return
     # the summary counts the steps the log holds, and says why the run ended
-    assert f"decode {len(lines) - 2} steps" in err and err.rstrip().endswith("stop: interrupted"), err
-    assert out.read_bytes().startswith(PROMPT.encode()) and out.read_bytes().endswith(b"\n")
+    [sequence, summary] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sequence["text"].startswith(PROMPT) and sequence["stop"] == "interrupted"
+    assert summary["type"] == "summary" and summary["decode_steps"] == len(lines) - 2, (summary, len(lines))
+    assert summary["stops"]["interrupted"] == 1, summary
 
 
 # ---- an output that is an input, or a file that is no file ----

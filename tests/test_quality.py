@@ -54,10 +54,11 @@ def test_quality_tables(small_checkpoints, tmp_path):
         # fp32 agrees with itself for every greedy token; the other dtypes never for more.
         n = int(rows[("dtype", variant, "fp32", "greedy_of")])
         assert n > 0 and int(rows[("dtype", variant, "fp32", "greedy_agree")]) == n
-        # quantized caches move the NLL, but by little on a model this size
+        # quantized caches move the NLL (by enough to show in the table's 4 decimals), but by little on a
+        # model this size
         for dtype in ("bf16", "int8"):
             delta = float(rows[("dtype", variant, dtype, "delta")])
-            assert delta != 0 and abs(delta) < 0.5, (variant, dtype, delta)
+            assert round(delta, 4) != 0 and abs(delta) < 0.5, (variant, dtype, delta)
             assert int(rows[("dtype", variant, dtype, "greedy_agree")]) <= n
         # the long text outgrows the small models' 64-token context; every policy scores
         # the same tokens, and the same ones past it
@@ -66,7 +67,7 @@ def test_quality_tables(small_checkpoints, tmp_path):
         for policy in ("ring", "sinks"):
             assert rows[("window", variant, policy, "tokens")] == restart["tokens"]
             assert rows[("window", variant, policy, "past_tokens")] == restart["past_tokens"]
-            assert rows[("window", variant, policy, "past_nll")] != restart["past_nll"]
+            assert f"{float(rows[('window', variant, policy, 'past_nll')]):.4f}" != f"{float(restart['past_nll']):.4f}"
         assert f"| {variant} | int8 |" in md
     version = subprocess.run([RUN, "--version"], stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
     assert f"Engine: `{version}`." in md

@@ -1,12 +1,11 @@
 """Serving a file of prompts with continuous batching (--prompts): every prompt's output
 equals its solo run with the same seed whatever the slots and the order of admission, the
 slots stay full, and a bad file is refused, naming the line, before anything runs."""
-import json
 import re
 
 import pytest
 
-from conftest import run
+from conftest import generate_json, json_one, run
 
 PROMPTS = [
     "Once upon a time",
@@ -28,42 +27,37 @@ def prompt_file(tmp_path):
 
 
 def served(args):
-    """The sequences' JSON lines and stderr; the last JSON line, the summary, is checked
-    against the sequences."""
-    p = run(args + ["--json"])
-    lines = [json.loads(line) for line in p.stdout.decode().splitlines()]
-    sequences, summary = lines[:-1], lines[-1]
-    assert all(s["type"] == "sequence" for s in sequences) and summary["type"] == "summary"
-    assert summary["sequences"] == len(sequences) and summary["serving"] == ("--prompts" in map(str, args))
+    """The sequences' JSON lines and the summary's, checked against the sequences."""
+    _, sequences, summary = generate_json(args)
+    assert summary["serving"] == ("--prompts" in map(str, args))
     assert summary["tokens_generated"] == sum(s["generated"] for s in sequences)
-    return sequences, p.stderr.decode()
+    return sequences, summary
 
 
 @pytest.mark.parametrize("variant", ["mqa", "mla128"])
 def test_each_prompt_equals_its_solo_run(small_checkpoints, prompt_file, variant):
     path, _ = small_checkpoints[variant]
     common = ["-n", 20, "-k", 10, "--kv"]
-    out, err = served([path, "--prompts", prompt_file, "--batch", 3, "-s", 100, "-q"] + common)
+    out, summary = served([path, "--prompts", prompt_file, "--batch", 3, "-s", 100, "-q"] + common)
     assert [o["index"] for o in out] == list(range(len(PROMPTS)))
     assert [o["prompt"] for o in out] == PROMPTS and [o["seed"] for o in out] == list(range(100, 108))
     for o in out:
         alone, _ = served([path, "-p", o["prompt"], "-s", o["seed"], "-q"] + common)
         assert alone[0]["tokens"] == o["tokens"] and alone[0]["text"] == o["text"], o["prompt"]
         assert o["text"].startswith(o["prompt"]) and o["first_token_ms"] > 0
-    m = re.search(r"summary: \S+ kv \| 8 requests served through 3 slots in (\d+) steps \| (\d+) tokens in [\d.]+ ms, "
-                  r"[\d.]+ tokens/s \| time to first token median [\d.]+ ms, p95 [\d.]+ ms \| per token median "
-                  r"[\d.]+ ms, p95 [\d.]+ ms", err)
-    assert m, err
-    assert int(m.group(2)) == sum(o["generated"] for o in out)
+    assert summary["mode"] == "kv" and summary["sequences"] == 8 and summary["slots"] == 3 and summary["steps"] > 0
+    assert summary["tokens_generated"] == sum(o["generated"] for o in out)
+    ttft = sorted(o["first_token_ms"] for o in out)
+    assert summary["first_token_ms_median"] == pytest.approx((ttft[3] + ttft[4]) / 2, abs=1e-3), (summary, ttft)
+    assert 0 < summary["token_ms_median"] <= summary["token_ms_p95"] and summary["tokens_per_s"] > 0
 
 
 def test_check_batch_with_prompts(small_checkpoints, prompt_file):
     path, _ = small_checkpoints["gqa"]
     for kv in (["--kv"], []):
-        p = run([path, "--prompts", prompt_file, "--batch", 4, "-n", 12, "-s", 5, "--check-batch"] + kv)
-        out = p.stdout.decode()
-        assert "8 of 8 give the same tokens and bitwise the same logits as run alone" in out
-        assert out.count("bitwise_identical=1") == 8
+        code, verdict = json_one([path, "--prompts", prompt_file, "--batch", 4, "-n", 12, "-s", 5, "--check-batch"] + kv)
+        assert code == 0 and verdict["identical"] is True and verdict["batch"] == 8 and verdict["slots"] == 4
+        assert verdict["sequences_identical"] == 8 and [s["bitwise_identical"] for s in verdict["sequences"]] == [True] * 8
 
 
 def test_slots_refill_as_sequences_end(small_checkpoints, prompt_file, tmp_path):

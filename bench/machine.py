@@ -1,0 +1,161 @@
+"""The machine the bench runs on: CPU model, cores, caches, memory, the git revision, and how
+busy other processes keep it (before the bench and during it)."""
+import datetime
+import os
+import platform
+import re
+import subprocess
+import time
+
+from bench.common import ROOT, log
+
+
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def cpu_model():
+    for line in sh(["lscpu"]).splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown-cpu"
+
+
+def physical_cores():
+    pairs = set()
+    for line in sh(["lscpu", "-p=CORE,SOCKET"]).splitlines():
+        if line and not line.startswith("#"):
+            pairs.add(tuple(line.split(",")))
+    return len(pairs) or os.cpu_count() or 1
+
+
+def logical_cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_slug(model, cores, threads):
+    s = model.lower()
+    s = re.sub(r"\((r|tm)\)", "", s)
+    s = re.sub(r"@.*$", "", s)                                # "@ 2.10GHz"
+    s = re.sub(r"\b(\d+|[a-z]+)-cores?\b", "", s)             # "24-Cores", "eight-core"
+    s = re.sub(r"\b(cpu|processor|with radeon graphics)\b", "", s)
+    s = re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "cpu"
+    return f"{s}-{cores}c-{threads}t"
+
+
+def cpu_detail():
+    """ "family F, model M, stepping S" from lscpu, to tell CPU generations apart."""
+    vals = {}
+    for line in sh(["lscpu"]).splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() in ("CPU family", "Model", "Stepping", "Hypervisor vendor"):
+            vals[k.strip()] = v.strip()
+    parts = [f"{k.lower()} {vals[k]}" for k in ("CPU family", "Model", "Stepping") if k in vals]
+    if "Hypervisor vendor" in vals:
+        parts.append(f"virtual machine ({vals['Hypervisor vendor']})")
+    return ", ".join(parts)
+
+
+def cache_line(level):
+    """The cache of that level, as lscpu tells it, or else as CPUID tells it (a VM may show no
+    cache in lscpu, and its CPUID may describe the host's)."""
+    for line in sh(["lscpu"]).splitlines():
+        if line.startswith(f"{level} cache:"):
+            return line.split(":", 1)[1].strip()
+    n = sh(["getconf", f"LEVEL{level[1:]}_CACHE_SIZE"]).strip()  # glibc reads it from CPUID
+    return f"{int(n) / 2**20:g} MiB (CPUID)" if n.isdigit() and int(n) > 0 else "?"
+
+
+def size_bytes(text):
+    """Bytes of a size as lscpu or cache_line write it ("48 MiB (1 instance)"), or None."""
+    m = re.match(r"\s*([\d.]+)\s*([KMG])i?B?\b", text or "")
+    return int(float(m.group(1)) * 1024 ** " KMG".index(m.group(2))) if m else None
+
+
+def mem_total():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_jiffies():
+    """(busy, steal) seconds of all CPUs since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = v[:7]
+    steal = v[7] if len(v) > 7 else 0
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def own_cpu_seconds():
+    """CPU seconds used by this process and its waited-for children (the engine runs)."""
+    import resource
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+class Background:
+    """CPU time other processes use while the bench runs: all CPUs' busy time from /proc/stat
+    minus this process's own (and its children's)."""
+
+    def __init__(self):
+        self.t, self.j, self.own = time.time(), cpu_jiffies(), own_cpu_seconds()
+
+    def since(self):
+        j = cpu_jiffies()
+        if not (j and self.j):
+            return None
+        wall = time.time() - self.t
+        other = max(0.0, (j[0] - self.j[0]) - (own_cpu_seconds() - self.own))
+        return {"wall_s": wall, "other_cpu_s": other, "steal_s": j[1] - self.j[1],
+                "other_frac": other / wall if wall > 0 else 0.0}
+
+
+def git_describe():
+    rev = sh(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]).strip()
+    if not re.fullmatch(r"[0-9a-f]+", rev):
+        return "not a git checkout"
+    dirty = sh(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"]).strip()
+    return rev + (" with uncommitted changes" if dirty else "")
+
+
+def survey(b):
+    """The machine, and how busy other processes keep it over 2 s (--load-seconds) before the bench starts."""
+    args, m = b.args, b.machine
+    m.update(cpu=cpu_model(), cpu_detail=cpu_detail(), cores=physical_cores(), logical=logical_cpus(),
+             mem=mem_total(), l2=cache_line("L2"), l3=cache_line("L3"), llc_bytes=size_bytes(cache_line("L3")),
+             compiler=(sh([args.cc, "--version"]).splitlines() or ["?"])[0], git=git_describe(),
+             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             load_start=os.getloadavg()[0])
+    b.phase = "measuring the machine's load"
+    bg = Background()
+    time.sleep(args.load_seconds)
+    m["bg_before"] = bg.since()
+    busy = m["bg_before"]["other_frac"] if m["bg_before"] else 0.0
+    log(f"bench: {m['cpu']}, {m['cores']} cores, {args.threads} threads; load average {m['load_start']:.2f}; "
+        f"other processes busy {busy * 100:.0f}% of one CPU")
+    if busy > 0.1:
+        log(f"bench: WARNING: other processes keep {busy * 100:.0f}% of one CPU busy: timings will be disturbed")
+    b.bg = Background()
