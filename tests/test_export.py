@@ -491,6 +491,22 @@ def test_cli_refusals_are_one_line(tmp_path, capsys):
     assert not out.exists() and not l2c.exists()
 
 
+@pytest.mark.parametrize("damage", ["half", "head", "random"])
+def test_damaged_training_checkpoint_is_one_line(tmp_path, capsys, damage):
+    """A best.pt cut short, or random bytes behind torch.save's zip signature: one line naming the
+    file and what to give instead, exit status 1, nothing written."""
+    good = save_training_checkpoint(export.random_model("gqa", small=True), tmp_path / "good.pt")
+    raw = good.read_bytes()
+    bad = tmp_path / "best.pt"
+    bad.write_bytes({"half": raw[:len(raw) // 2], "head": raw[:1000],
+                     "random": raw[:4] + np.random.default_rng(45).bytes(len(raw))}[damage])
+    status, err = cli(capsys, bad, tmp_path / "out.bin")
+    assert status == 1 and err.startswith(f"export.py: {bad}: it is truncated or damaged"), err
+    assert err.count("\n") == 1 and "train/train.py" in err, err
+    assert not (tmp_path / "out.bin").exists()
+
+
+
 def llama2c_logits(path, tokens):
     """The logits llama2.c's run.c computes for tokens, position by position, from a legacy file:
     its arithmetic in numpy (heads dim / n_heads wide, query head h reading KV head h / (n_heads /

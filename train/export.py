@@ -17,12 +17,14 @@ its vocabulary is the tokenizer's piece count.
 legacy "version 0" fp32 format) and DIR/tokenizer.bin (llama2.c's tokenizer format).
 Its tensors hold the same numbers as the main file (bf16-rounded when --dtype bf16).
 
+A training checkpoint is never loaded with a general unpickler: torch.load(weights_only=True)
+on PyTorch 2.x, an unpickler restricted to tensors and plain values on 1.13 (train/checkpoint.py).
+
 Functions used by the tests: export, round_to_bf16_, load_checkpoint, load_input, random_model,
 read_header, read_tensors, export_llama2c, tensor_layout.
 """
 import argparse
 import os
-import pickle
 import struct
 import sys
 
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 from model import VARIANTS, Config, Transformer, rope_tables  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -420,12 +423,17 @@ def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
 def load_checkpoint(path):
     """A Transformer from a .pt saved by train/train.py ({"model": state_dict, "config": Config.__dict__})."""
     try:
-        ck = torch.load(path, map_location="cpu")
-    except (pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"{path}: not a PyTorch checkpoint ({e})") from None
-    if not isinstance(ck, dict) or not {"model", "config"} <= set(ck):
+        ck = checkpoint.load(path)  # weights_only where torch has it (checkpoint.py)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"{e}; export a best.pt or last.pt that train/train.py saved, or train one "
+                         "(train/README.md)") from None
+    if not isinstance(ck, dict) or not {"model", "config"} <= set(ck) or not isinstance(ck["config"], dict):
         raise ValueError(f"{path}: a PyTorch file, but not a checkpoint saved by train.py (no model and config)")
-    cfg = Config(**ck["config"])
+    try:
+        cfg = Config(**ck["config"])
+    except TypeError:
+        raise ValueError(f"{path}: its config has fields Config does not know "
+                         f"({', '.join(sorted(map(str, ck['config'])))}); not a checkpoint of this train.py") from None
     model = Transformer(cfg)
     sd = {k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}
     model.load_state_dict(sd)
