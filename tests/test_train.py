@@ -469,3 +469,31 @@ def test_load_mode_follows_what_torch_load_can_read(monkeypatch):
         monkeypatch.undo()
         checkpoint.load_mode.cache_clear()
 
+
+# ---------------------------------------------------------------- the model on PyTorch 1.13 and 2.x
+
+def test_attention_follows_cpu_autocast_without_deprecated_calls():
+    """bf16 attention products under CPU autocast, fp32 outside it, asked through
+    torch.is_autocast_enabled("cpu") where torch has it (2.4 on) and with no warning raised
+    (is_autocast_cpu_enabled is deprecated in 2.x)."""
+    import warnings
+
+    import model
+    try:
+        torch.is_autocast_enabled("cpu")
+        new_api = True
+    except TypeError:   # 1.13: is_autocast_enabled() takes no argument
+        new_api = False
+    assert (model.cpu_autocast_enabled is torch.is_autocast_cpu_enabled) == (not new_api)
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model.cpu_autocast_enabled()
+            mixed = model.causal_attention(q, q, q, 8 ** -0.5, 0)
+        assert not model.cpu_autocast_enabled()
+        full = model.causal_attention(q, q, q, 8 ** -0.5, 0)
+    assert mixed.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.allclose(mixed.float(), full, atol=0.05)
+    assert torch.allclose(full[..., 0, :], q[..., 0, :])  # the first query sees only itself
+
