@@ -497,3 +497,26 @@ def test_attention_follows_cpu_autocast_without_deprecated_calls():
     assert torch.allclose(mixed.float(), full, atol=0.05)
     assert torch.allclose(full[..., 0, :], q[..., 0, :])  # the first query sees only itself
 
+
+# ---------------------------------------------------------------- the progress bar
+
+def test_progress_text_names_its_figures():
+    """"-" for a validation loss not measured yet, never nan or inf; the moving average named."""
+    before = train.progress_text(8.3456, float("nan"), float("inf"), 1234.4, 1e-3)
+    assert before.startswith(f"train loss 8.346 (EMA of {train.EMA_STEPS} steps), val -, ")
+    assert "nan" not in before and "inf" not in before and "1234 tok/s" in before
+    resumed = train.progress_text(4.0, float("nan"), 3.25, 10, 1e-4)
+    assert "val - (best 3.250)" in resumed
+    after = train.progress_text(4.0, 3.5, 3.25, 10, 1e-4)
+    assert "val 3.500 (best 3.250)" in after and "lr 1.0e-04" in after
+
+
+def test_progress_bar_before_the_first_validation(finished):
+    """The 3-step run validates only at its end: its training bar shows "val -", the
+    moving average under its name, and neither nan nor inf."""
+    _, p = finished
+    lines = [line for line in p.stderr.replace("\r", "\n").splitlines() if "step/s" in line or "s/step" in line]
+    assert lines, p.stderr
+    assert "train loss " in lines[-1] and f"(EMA of {train.EMA_STEPS} steps), val -," in lines[-1], lines[-1]
+    assert not any("nan" in line or "inf" in line for line in lines), lines
+

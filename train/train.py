@@ -37,6 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOS_ID = 1
 # The equal-training protocol: 4,656 steps of 16 x 256 tokens = 19,070,976 tokens.
 PROTOCOL_STEPS = 4656
+# The training loss on the progress bar and in log.csv: an exponential moving average
+# with a time constant of this many steps (a weight of 1/EMA_STEPS on each new step).
+EMA_STEPS = 50
 
 
 def keep_freed_memory():
@@ -163,6 +166,15 @@ def refuse_other_run(ck, cfg, args, last_path):
         sys.exit(f"train.py: --resume: the run's budget is {ck['budget_steps']} steps, not {args.steps}")
 
 
+def progress_text(train_ema, val, best_val, tok_s, lr):
+    """The training bar's postfix: what each figure is, and "-" for a validation loss not
+    measured yet (in this sitting; the best so far is shown once there is one)."""
+    val_text = "-" if math.isnan(val) else f"{val:.3f}"
+    best_text = f" (best {best_val:.3f})" if math.isfinite(best_val) else ""
+    return (f"train loss {train_ema:.3f} (EMA of {EMA_STEPS} steps), val {val_text}{best_text}, "
+            f"{tok_s:.0f} tok/s, lr {lr:.1e}")
+
+
 def cpu_name():
     try:
         with open("/proc/cpuinfo") as f:
@@ -185,7 +197,7 @@ def plot_log(log_path, png_path, title):
     tr = [(float(r["tokens"]) / 1e6, float(r["train_loss"])) for r in rows if r["train_loss"]]
     va = [(float(r["tokens"]) / 1e6, float(r["val_loss"])) for r in rows if r["val_loss"]]
     if tr:
-        ax.plot(*zip(*tr), label="train (smoothed)", alpha=0.8)
+        ax.plot(*zip(*tr), label=f"train (EMA of {EMA_STEPS} steps)", alpha=0.8)
     if va:
         ax.plot(*zip(*va), "o-", label="validation")
     ax.set_xlabel("tokens seen (millions)")
@@ -370,10 +382,9 @@ def main():
             elapsed += now - t_sitting - sitting["seconds"]
             sitting["seconds"], sitting["last_step"] = now - t_sitting, step
             bar.update(1)
-            smooth = float(loss) if smooth is None else 0.98 * smooth + 0.02 * float(loss)
-            bar.set_postfix_str(f"loss {smooth:.3f} val {val:.3f} (best {best_val:.3f}) "
-                                f"{(step - sitting['first_step']) * B * T / sitting['seconds']:.0f} tok/s "
-                                f"lr {lr:.1e}")
+            smooth = float(loss) if smooth is None else smooth + (float(loss) - smooth) / EMA_STEPS
+            bar.set_postfix_str(progress_text(smooth, val, best_val,
+                                              (step - sitting["first_step"]) * B * T / sitting["seconds"], lr))
             if elapsed - last_log >= 30:
                 log(smooth, None)
                 last_log = elapsed
