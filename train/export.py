@@ -18,7 +18,8 @@ legacy "version 0" fp32 format) and DIR/tokenizer.bin (llama2.c's tokenizer form
 Its tensors hold the same numbers as the main file (bf16-rounded when --dtype bf16).
 
 A training checkpoint is never loaded with a general unpickler: torch.load(weights_only=True)
-on PyTorch 2.x, an unpickler restricted to tensors and plain values on 1.13 (train/checkpoint.py).
+on PyTorch 2.x, an unpickler restricted to tensors and plain values on 1.13 (train/checkpoint.py). An output that would replace a checkpoint the project ships (a file
+in weights/ that git tracks) is refused unless --force is given.
 
 Functions used by the tests: export, round_to_bf16_, load_checkpoint, load_input, random_model,
 read_header, read_tensors, export_llama2c, tensor_layout.
@@ -26,6 +27,7 @@ read_header, read_tensors, export_llama2c, tensor_layout.
 import argparse
 import os
 import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -493,6 +495,22 @@ def random_model(variant, small=False, seed=0, vocab_size=None):
 
 # ---------------------------------------------------------------- CLI
 
+def shipped(path):
+    """Whether writing path would replace a file the project ships: a file in ROOT/weights/
+    that git tracks (where git cannot tell, any file there)."""
+    real, weights = os.path.realpath(path), os.path.realpath(os.path.join(ROOT, "weights"))
+    if os.path.dirname(real) != weights or not os.path.isfile(real):
+        return False
+    try:
+        p = subprocess.run(["git", "-C", ROOT, "ls-files", "--error-unmatch", "--",
+                            os.path.relpath(real, os.path.realpath(ROOT))],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return p.returncode != 1  # 0: tracked; 1: not tracked; other: git cannot tell
+
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", metavar="PATH",
@@ -506,6 +524,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="SentencePiece model (default: the one an engine INPUT embeds, "
                                         "else tokenizer/tokenizer.model)")
     ap.add_argument("--llama2c", metavar="DIR", help="also write DIR/VARIANT_llama2c.bin and DIR/tokenizer.bin")
+    ap.add_argument("--force", action="store_true",
+                    help="replace a checkpoint the project ships (a file in weights/ that git tracks)")
     args = ap.parse_args(argv)
 
     if args.random:
@@ -530,8 +550,16 @@ def main(argv=None):
             model, embedded, in_dtype = load_input(src)
         tokenizer = args.tokenizer or embedded or DEFAULT_TOKENIZER
         dtype = args.dtype or in_dtype or "bf16"
+        targets = [out] if out else []
         if args.llama2c:
             check_llama2c(model.cfg)  # before anything is written
+            targets += [os.path.join(args.llama2c, f"{model.cfg.variant}_llama2c.bin"),
+                        os.path.join(args.llama2c, "tokenizer.bin")]
+        for t in targets:
+            if not args.force and shipped(t):
+                stem = os.path.splitext(os.path.basename(t))[0]
+                raise ValueError(f"{t} is a checkpoint the project ships (git tracks it); write a new file "
+                                 f"(weights/{stem}-mine.bin, say), or pass --force to replace it")
         if out:
             hdr = export(model, out, tokenizer, dtype)
             n_params = sum(p.numel() for p in model.parameters())
