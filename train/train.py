@@ -295,7 +295,7 @@ def main():
             ck = checkpoint.load(last_path)
         except checkpoint.CheckpointError as e:
             reason = str(e).removeprefix(f"{last_path}: ")
-            sys.exit(f"train.py: --resume: {last_path} cannot be read ({reason}); start afresh with --force")
+            sys.exit(f"train.py: --resume: {last_path} cannot be read: {reason}; start afresh with --force")
         refuse_other_run(ck, cfg, args, last_path)
         try:
             model.load_state_dict(ck["model"])
