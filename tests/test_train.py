@@ -520,3 +520,19 @@ def test_progress_bar_before_the_first_validation(finished):
     assert "train loss " in lines[-1] and f"(EMA of {train.EMA_STEPS} steps), val -," in lines[-1], lines[-1]
     assert not any("nan" in line or "inf" in line for line in lines), lines
 
+
+
+def test_report_refuses_a_damaged_or_missing_best_pt(finished, last_pt_bytes, tmp_path):
+    """train/report.py on a run folder whose best.pt is cut short, or missing: one line on stderr
+    naming the file, exit 1, before ./run is ever started."""
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run)
+    (run / "best.pt").write_bytes(last_pt_bytes[:5000])
+    args = [os.path.join(ROOT, "weights", "gqa.bin"), "--run", run, "--valid", tmp_path / "unused.txt"]
+    p = run_py("report.py", *args)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith(f"report: {run / 'best.pt'}: it is truncated or damaged"), p.stderr
+    (run / "best.pt").unlink()
+    p = run_py("report.py", *args)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"report: {run / 'best.pt'} is missing; ") and "train/train.py" in p.stderr, p.stderr
