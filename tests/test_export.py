@@ -491,6 +491,54 @@ def test_cli_refusals_are_one_line(tmp_path, capsys):
     assert not out.exists() and not l2c.exists()
 
 
+@pytest.mark.parametrize("damage", ["half", "head", "random"])
+def test_damaged_training_checkpoint_is_one_line(tmp_path, capsys, damage):
+    """A best.pt cut short, or random bytes behind torch.save's zip signature: one line naming the
+    file and what to give instead, exit status 1, nothing written."""
+    good = save_training_checkpoint(export.random_model("gqa", small=True), tmp_path / "good.pt")
+    raw = good.read_bytes()
+    bad = tmp_path / "best.pt"
+    bad.write_bytes({"half": raw[:len(raw) // 2], "head": raw[:1000],
+                     "random": raw[:4] + np.random.default_rng(45).bytes(len(raw))}[damage])
+    status, err = cli(capsys, bad, tmp_path / "out.bin")
+    assert status == 1 and err.startswith(f"export.py: {bad}: it is truncated or damaged"), err
+    assert err.count("\n") == 1 and "train/train.py" in err, err
+    assert not (tmp_path / "out.bin").exists()
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git repository standing in for the project (export.ROOT): weights/shipped.bin tracked,
+    weights/untracked.bin not."""
+    root = tmp_path / "repo"
+    (root / "weights").mkdir(parents=True)
+    (root / "weights" / "shipped.bin").write_bytes(b"shipped")
+    (root / "weights" / "untracked.bin").write_bytes(b"mine")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "weights/shipped.bin"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "x"], check=True)
+    monkeypatch.setattr(export, "ROOT", str(root))
+    return root
+
+
+def test_export_refuses_to_replace_a_shipped_checkpoint(repo, tmp_path, capsys):
+    """README's old recipe wrote over weights/gqa.bin: a file git tracks in weights/ is replaced
+    only with --force; an untracked or new file there is written as before."""
+    pt = save_training_checkpoint(export.random_model("gqa", small=True), tmp_path / "best.pt")
+    shipped = repo / "weights" / "shipped.bin"
+    status, err = cli(capsys, pt, shipped)
+    assert status == 1 and err.count("\n") == 1, err
+    assert str(shipped) in err and "--force" in err and "shipped-mine.bin" in err, err
+    assert shipped.read_bytes() == b"shipped"
+    assert cli(capsys, pt, repo / "weights" / "untracked.bin")[0] == 0
+    assert cli(capsys, pt, repo / "weights" / "new.bin")[0] == 0
+    for f in ("untracked.bin", "new.bin"):
+        assert export.read_header(str(repo / "weights" / f))["magic"] == "AKVC"
+    assert cli(capsys, pt, shipped, "--force")[0] == 0
+    assert export.read_header(str(shipped))["magic"] == "AKVC"
+
+
 def llama2c_logits(path, tokens):
     """The logits llama2.c's run.c computes for tokens, position by position, from a legacy file:
     its arithmetic in numpy (heads dim / n_heads wide, query head h reading KV head h / (n_heads /

@@ -1,16 +1,20 @@
 """train/prepare.py and train/train.py as a user meets them: the committed tokenizer kept
 unless --new-tokenizer, one line and a non-zero exit for every bad input, a second run
 into an existing --out refused, a --resume of another run refused, Ctrl-C and SIGTERM
-leaving a last.pt to resume from, the validation's progress bar, warmup as a fraction.
-Tiny models (--small, --ctx 32, batches of 4) on token files made in tmp_path."""
+leaving a last.pt to resume from, the validation's progress bar, warmup as a fraction,
+checkpoints that load without a general unpickler (train/checkpoint.py) and a damaged
+last.pt refused in one line. Tiny models (--small, --ctx 32, batches of 4) on token files made in tmp_path."""
 import argparse
 import csv
+import io
 import os
+import pickletools
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -19,6 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "train"))
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "tokenizer", "tokenizer.model")
@@ -275,3 +280,259 @@ def test_warmup_is_a_fraction_of_the_run(data, tmp_path):
         assert lrs[-1] == pytest.approx(1e-4, abs=1e-6)
     p = run_py("train.py", "--variant", "mha", *TINY, "--warmup", "100", "--data", data, "--out", tmp_path / "o")
     assert_one_line_error(p, "--warmup is a fraction", "not 100")
+
+
+# ---------------------------------------------------------------- checkpoints: safe loading
+
+# The globals a checkpoint of tensors and plain values refers to. PyTorch 2.x's weights_only
+# load allows these (and refuses e.g. numpy scalars, argparse.Namespace, anything callable).
+TENSOR_GLOBALS = {"collections OrderedDict", "torch._utils _rebuild_tensor_v2"}
+
+
+def pickled_globals(path):
+    """The module.name of every GLOBAL in a torch.save zip's data.pkl, read with pickletools
+    (nothing is unpickled)."""
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    found = set()
+    for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+        if op.name == "GLOBAL":
+            found.add(arg)
+        assert op.name != "STACK_GLOBAL", "protocol 4 pickles are not expected from torch.save"
+    return found
+
+
+def plain_leaves(obj, where="ck"):
+    """Every leaf's type is a tensor or a plain Python value; returns how many leaves."""
+    if isinstance(obj, dict):
+        return sum(plain_leaves(v, f"{where}[{k!r}]") for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return sum(plain_leaves(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    assert obj is None or type(obj) in (torch.Tensor, bool, int, float, str), (where, type(obj))
+    return 1
+
+
+@pytest.mark.parametrize("name", ["last.pt", "best.pt"])
+def test_saved_checkpoints_hold_only_tensors_and_plain_values(finished, name):
+    """What train.py saves needs no global beyond tensor rebuilding, so a weights_only load
+    (PyTorch 2.6's default) takes it; checkpoint.load gives back what torch.load does."""
+    out, _ = finished
+    globals_ = pickled_globals(out / name)
+    assert {g for g in globals_ if not g.startswith("torch ") or not g.endswith("Storage")} <= TENSOR_GLOBALS, \
+        globals_
+    ck = checkpoint.load(str(out / name))
+    assert plain_leaves(ck) > 20
+    ref = torch.load(out / name)  # 1.13: the general unpickler; 2.6+: weights_only by default
+    assert ck.keys() == ref.keys() and ck["config"] == ref["config"] and ck["step"] == ref["step"] == 3
+    assert all(torch.equal(ck["model"][k], ref["model"][k]) for k in ref["model"])
+    if name == "last.pt":
+        assert ck["rng"] == ref["rng"] and ck["rng"]["bit_generator"] == "PCG64"
+        assert ck["optim"]["param_groups"] == ref["optim"]["param_groups"]
+    if checkpoint.load_mode() == "weights_only":  # PyTorch 2.x: torch's own weights-only unpickler
+        torch.load(out / name, weights_only=True)
+
+
+def test_plain_converts_what_weights_only_would_refuse(tmp_path):
+    """numpy scalars and arrays, Namespaces and dataclasses are saved as plain values; anything
+    else is refused at save time rather than written as a checkpoint no safe load can read."""
+    obj = {"a": np.float64(0.25), "n": np.int64(7), "arr": np.arange(3, dtype=np.uint32),
+           "ns": argparse.Namespace(lr=1e-3, steps=np.int32(5)), "cfg": train.Config(variant="gqa"),
+           "t": torch.arange(4), "nested": [(np.float32(1.5), None, True)]}
+    checkpoint.save(obj, str(tmp_path / "x.pt"))
+    back = checkpoint.load(str(tmp_path / "x.pt"))
+    assert type(back["a"]) is float and back["a"] == 0.25
+    assert type(back["n"]) is int and back["n"] == 7
+    assert back["arr"] == [0, 1, 2] and back["ns"] == {"lr": 1e-3, "steps": 5}
+    assert back["cfg"]["variant"] == "gqa" and back["cfg"]["n_kv_heads"] == 16 and back["cfg"]["dim"] == 512
+    assert torch.equal(back["t"], torch.arange(4)) and back["nested"] == [(1.5, None, True)]
+    assert pickled_globals(tmp_path / "x.pt") <= TENSOR_GLOBALS | {"torch LongStorage"}
+    assert not (tmp_path / "x.pt.tmp").exists()
+    with pytest.raises(TypeError, match=r"ck\['bad'\] is a builtins.object"):
+        checkpoint.plain({"bad": object()}, "ck")
+
+
+class _Mkdir:
+    """Unpickles into a call of os.mkdir: what a malicious checkpoint would do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_load_runs_no_code_from_a_checkpoint(tmp_path, legacy):
+    """A .pt whose pickle calls a function is refused in one line, and the call never happens,
+    in torch.save's zip form and its older plain form."""
+    marker = tmp_path / "made_by_unpickling"
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "config": _Mkdir(str(marker))}, path, _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load(str(path))
+    assert not marker.exists()
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and "\n" not in msg and "mkdir" in msg, msg
+
+
+@pytest.fixture(scope="module")
+def last_pt_bytes(finished):
+    return (finished[0] / "last.pt").read_bytes()
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("random", ["not a PyTorch file"]),
+    ("random-zip", ["truncated or damaged"]),
+    ("half", ["truncated or damaged"]),
+    ("head", ["truncated or damaged"]),
+    ("empty", ["empty"]),
+])
+def test_damaged_last_pt_is_one_line(finished, data, last_pt_bytes, tmp_path, damage, words):
+    """--resume on a last.pt of random bytes (with and without a zip signature), or a real one
+    cut short (to half, to its first 1,000 bytes) or empty: exactly one line on stderr naming
+    the file and what to run, exit 1, and the run's files as they were."""
+    out = tmp_path / "mha"
+    shutil.copytree(finished[0], out)
+    rng = np.random.default_rng(45)
+    bad = {"random": rng.bytes(65536), "random-zip": b"PK\x03\x04" + rng.bytes(65536),
+           "half": last_pt_bytes[:len(last_pt_bytes) // 2], "head": last_pt_bytes[:1000], "empty": b""}[damage]
+    (out / "last.pt").write_bytes(bad)
+    before = {f: (out / f).read_bytes() for f in ("log.csv", "last.pt", "best.pt")}
+    p = run_py("train.py", "--variant", "mha", *TINY, "--steps", "3", "--data", data, "--out", out, "--resume")
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.endswith("\n"), p.stderr  # no bar: nothing ran
+    assert_one_line_error(p, str(out / "last.pt"), "cannot be read", "--force", *words)
+    assert {f: (out / f).read_bytes() for f in before} == before
+
+
+# PyTorch 2.x's weights-only failures, laid out as its torch.load words them (advice, then
+# "WeightsUnpickler error: CAUSE", then a pointer to the docs; bold terminal escapes in one).
+TORCH2_ERRORS = [
+    ("Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` will likely "
+     "succeed, but it can result in arbitrary code execution. Do it only if you got the file from a trusted "
+     "source.\n Please file an issue with the following so that we can make `weights_only=True` compatible "
+     "with your use case: WeightsUnpickler error: Unsupported operand 149\n\nCheck the documentation of "
+     "torch.load to learn more about types accepted by default with weights_only https://pytorch.org/docs.",
+     ["truncated or damaged", "Unsupported operand 149"]),
+    ("Weights only load failed. This file can still be loaded, to do so you have two options, \x1b[1mdo those "
+     "steps only if you trust the source of the checkpoint\x1b[0m. \n\t(1) Re-running `torch.load` with "
+     "`weights_only` set to `False` will likely succeed.\n\t(2) Alternatively, to load with `weights_only=True` "
+     "please check the recommended steps in the following error message.\n\tWeightsUnpickler error: "
+     "Unsupported global: GLOBAL numpy.core.multiarray.scalar was not an allowed global by default. Please use "
+     "`torch.serialization.add_safe_globals([scalar])` to allowlist this global.\n\nCheck the documentation.",
+     ["numpy.core.multiarray.scalar", "not loaded for safety"]),
+]
+
+
+@pytest.mark.parametrize("message, words", TORCH2_ERRORS)
+def test_torch2_weights_only_errors_become_one_line(finished, monkeypatch, message, words):
+    """The weights_only branch of checkpoint.load (the one PyTorch 2.x takes), with torch.load
+    failing as 2.x does: one line naming the file and the cause, none of torch's advice."""
+    import pickle
+    path = str(finished[0] / "best.pt")
+
+    def failing_load(f, map_location=None, weights_only=None, **kw):
+        assert weights_only is True and map_location == "cpu"
+        raise pickle.UnpicklingError(message)
+    monkeypatch.setattr(checkpoint, "load_mode", lambda: "weights_only")
+    monkeypatch.setattr(torch, "load", failing_load)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load(path)
+    msg = str(e.value)
+    assert msg.startswith(path + ": ") and msg.isprintable(), repr(msg)
+    assert "weights_only" not in msg and "Re-running" not in msg and len(msg) < len(path) + 140, msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_load_mode_follows_what_torch_load_can_read(monkeypatch):
+    """weights_only only where torch.load takes the argument and reads floats and big ints back
+    with it (1.13's weights-only unpickler has no float opcode); the restricted unpickler else."""
+    real = torch.load
+    checkpoint.load_mode.cache_clear()
+    try:
+        expected = "weights_only" if not torch.__version__.startswith("1.") else "restricted"
+        assert checkpoint.load_mode() == expected
+        checkpoint.load_mode.cache_clear()
+
+        def works(f, map_location=None, weights_only=False):
+            return real(f, map_location=map_location)   # a torch whose weights_only load reads everything
+        monkeypatch.setattr(torch, "load", works)
+        assert checkpoint.load_mode() == "weights_only"
+        checkpoint.load_mode.cache_clear()
+
+        def no_argument(f, map_location=None):
+            return real(f, map_location=map_location)   # a torch from before the argument
+        monkeypatch.setattr(torch, "load", no_argument)
+        assert checkpoint.load_mode() == "restricted"
+    finally:
+        monkeypatch.undo()
+        checkpoint.load_mode.cache_clear()
+
+
+# ---------------------------------------------------------------- the model on PyTorch 1.13 and 2.x
+
+def test_attention_follows_cpu_autocast_without_deprecated_calls():
+    """bf16 attention products under CPU autocast, fp32 outside it, asked through
+    torch.is_autocast_enabled("cpu") where torch has it (2.4 on) and with no warning raised
+    (is_autocast_cpu_enabled is deprecated in 2.x)."""
+    import warnings
+
+    import model
+    try:
+        torch.is_autocast_enabled("cpu")
+        new_api = True
+    except TypeError:   # 1.13: is_autocast_enabled() takes no argument
+        new_api = False
+    assert (model.cpu_autocast_enabled is torch.is_autocast_cpu_enabled) == (not new_api)
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model.cpu_autocast_enabled()
+            mixed = model.causal_attention(q, q, q, 8 ** -0.5, 0)
+        assert not model.cpu_autocast_enabled()
+        full = model.causal_attention(q, q, q, 8 ** -0.5, 0)
+    assert mixed.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.allclose(mixed.float(), full, atol=0.05)
+    assert torch.allclose(full[..., 0, :], q[..., 0, :])  # the first query sees only itself
+
+
+# ---------------------------------------------------------------- the progress bar
+
+def test_progress_text_names_its_figures():
+    """"-" for a validation loss not measured yet, never nan or inf; the moving average named."""
+    before = train.progress_text(8.3456, float("nan"), float("inf"), 1234.4, 1e-3)
+    assert before.startswith(f"train loss 8.346 (EMA of {train.EMA_STEPS} steps), val -, ")
+    assert "nan" not in before and "inf" not in before and "1234 tok/s" in before
+    resumed = train.progress_text(4.0, float("nan"), 3.25, 10, 1e-4)
+    assert "val - (best 3.250)" in resumed
+    after = train.progress_text(4.0, 3.5, 3.25, 10, 1e-4)
+    assert "val 3.500 (best 3.250)" in after and "lr 1.0e-04" in after
+
+
+def test_progress_bar_before_the_first_validation(finished):
+    """The 3-step run validates only at its end: its training bar shows "val -", the
+    moving average under its name, and neither nan nor inf."""
+    _, p = finished
+    lines = [line for line in p.stderr.replace("\r", "\n").splitlines() if "step/s" in line or "s/step" in line]
+    assert lines, p.stderr
+    assert "train loss " in lines[-1] and f"(EMA of {train.EMA_STEPS} steps), val -," in lines[-1], lines[-1]
+    assert not any("nan" in line or "inf" in line for line in lines), lines
+
+
+
+def test_report_refuses_a_damaged_or_missing_best_pt(finished, last_pt_bytes, tmp_path):
+    """train/report.py on a run folder whose best.pt is cut short, or missing: one line on stderr
+    naming the file, exit 1, before ./run is ever started."""
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run)
+    (run / "best.pt").write_bytes(last_pt_bytes[:5000])
+    args = [os.path.join(ROOT, "weights", "gqa.bin"), "--run", run, "--valid", tmp_path / "unused.txt"]
+    p = run_py("report.py", *args)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith(f"report: {run / 'best.pt'}: it is truncated or damaged"), p.stderr
+    (run / "best.pt").unlink()
+    p = run_py("report.py", *args)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"report: {run / 'best.pt'} is missing; ") and "train/train.py" in p.stderr, p.stderr

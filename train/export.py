@@ -17,19 +17,24 @@ its vocabulary is the tokenizer's piece count.
 legacy "version 0" fp32 format) and DIR/tokenizer.bin (llama2.c's tokenizer format).
 Its tensors hold the same numbers as the main file (bf16-rounded when --dtype bf16).
 
+A training checkpoint is never loaded with a general unpickler: torch.load(weights_only=True)
+on PyTorch 2.x, an unpickler restricted to tensors and plain values on 1.13 (train/checkpoint.py). An output that would replace a checkpoint the project ships (a file
+in weights/ that git tracks) is refused unless --force is given.
+
 Functions used by the tests: export, round_to_bf16_, load_checkpoint, load_input, random_model,
 read_header, read_tensors, export_llama2c, tensor_layout.
 """
 import argparse
 import os
-import pickle
 import struct
+import subprocess
 import sys
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 from model import VARIANTS, Config, Transformer, rope_tables  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -420,12 +425,17 @@ def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
 def load_checkpoint(path):
     """A Transformer from a .pt saved by train/train.py ({"model": state_dict, "config": Config.__dict__})."""
     try:
-        ck = torch.load(path, map_location="cpu")
-    except (pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"{path}: not a PyTorch checkpoint ({e})") from None
-    if not isinstance(ck, dict) or not {"model", "config"} <= set(ck):
+        ck = checkpoint.load(path)  # weights_only where torch has it (checkpoint.py)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"{e}; export a best.pt or last.pt that train/train.py saved, or train one "
+                         "(train/README.md)") from None
+    if not isinstance(ck, dict) or not {"model", "config"} <= set(ck) or not isinstance(ck["config"], dict):
         raise ValueError(f"{path}: a PyTorch file, but not a checkpoint saved by train.py (no model and config)")
-    cfg = Config(**ck["config"])
+    try:
+        cfg = Config(**ck["config"])
+    except TypeError:
+        raise ValueError(f"{path}: its config has fields Config does not know "
+                         f"({', '.join(sorted(map(str, ck['config'])))}); not a checkpoint of this train.py") from None
     model = Transformer(cfg)
     sd = {k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}
     model.load_state_dict(sd)
@@ -485,6 +495,22 @@ def random_model(variant, small=False, seed=0, vocab_size=None):
 
 # ---------------------------------------------------------------- CLI
 
+def shipped(path):
+    """Whether writing path would replace a file the project ships: a file in ROOT/weights/
+    that git tracks (where git cannot tell, any file there)."""
+    real, weights = os.path.realpath(path), os.path.realpath(os.path.join(ROOT, "weights"))
+    if os.path.dirname(real) != weights or not os.path.isfile(real):
+        return False
+    try:
+        p = subprocess.run(["git", "-C", ROOT, "ls-files", "--error-unmatch", "--",
+                            os.path.relpath(real, os.path.realpath(ROOT))],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return p.returncode != 1  # 0: tracked; 1: not tracked; other: git cannot tell
+
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", metavar="PATH",
@@ -498,6 +524,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="SentencePiece model (default: the one an engine INPUT embeds, "
                                         "else tokenizer/tokenizer.model)")
     ap.add_argument("--llama2c", metavar="DIR", help="also write DIR/VARIANT_llama2c.bin and DIR/tokenizer.bin")
+    ap.add_argument("--force", action="store_true",
+                    help="replace a checkpoint the project ships (a file in weights/ that git tracks)")
     args = ap.parse_args(argv)
 
     if args.random:
@@ -522,8 +550,16 @@ def main(argv=None):
             model, embedded, in_dtype = load_input(src)
         tokenizer = args.tokenizer or embedded or DEFAULT_TOKENIZER
         dtype = args.dtype or in_dtype or "bf16"
+        targets = [out] if out else []
         if args.llama2c:
             check_llama2c(model.cfg)  # before anything is written
+            targets += [os.path.join(args.llama2c, f"{model.cfg.variant}_llama2c.bin"),
+                        os.path.join(args.llama2c, "tokenizer.bin")]
+        for t in targets:
+            if not args.force and shipped(t):
+                stem = os.path.splitext(os.path.basename(t))[0]
+                raise ValueError(f"{t} is a checkpoint the project ships (git tracks it); write a new file "
+                                 f"(weights/{stem}-mine.bin, say), or pass --force to replace it")
         if out:
             hdr = export(model, out, tokenizer, dtype)
             n_params = sum(p.numel() for p in model.parameters())

@@ -83,11 +83,25 @@ def apply_rope(x, cos, sin):
     return torch.view_as_real(xc * torch.complex(cos, sin)).flatten(-2)
 
 
+def _cpu_autocast_check():
+    """A function telling whether CPU autocast is on: torch.is_autocast_enabled("cpu") where it
+    takes a device type (PyTorch 2.4 on; is_autocast_cpu_enabled is deprecated there), else
+    torch.is_autocast_cpu_enabled (1.13, whose is_autocast_enabled takes no argument)."""
+    try:
+        torch.is_autocast_enabled("cpu")
+    except TypeError:
+        return torch.is_autocast_cpu_enabled
+    return lambda: torch.is_autocast_enabled("cpu")
+
+
+cpu_autocast_enabled = _cpu_autocast_check()
+
+
 def causal_attention(q, k, v, scale, start_pos):
     """q: (B, H, Tq, d); k: (B, H, Tk, d); v: (B, H, Tk, dv). Query i sits at position start_pos+i.
     Under autocast (training) the two products run in bf16 and the softmax in fp32; otherwise all fp32."""
     Tq, Tk = q.shape[-2], k.shape[-2]
-    dtype = torch.bfloat16 if torch.is_autocast_cpu_enabled() else torch.float32
+    dtype = torch.bfloat16 if cpu_autocast_enabled() else torch.float32
     with torch.autocast("cpu", enabled=False):
         scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))    # (B, H, Tq, Tk)
         scores.mul_(scale)

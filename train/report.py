@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 import export  # noqa: E402
 from model import onednn_copy, story_windows  # noqa: E402
 from prepare import read_stories  # noqa: E402
@@ -71,8 +72,20 @@ def main():
     import sentencepiece as spm
 
     name = os.path.basename(args.checkpoint)[:-4]
-    best = torch.load(os.path.join(args.run, "best.pt"), map_location="cpu")
+    for f in ("best.pt", "log.csv", "loss.png"):
+        if not os.path.isfile(os.path.join(args.run, f)):
+            sys.exit(f"report: {os.path.join(args.run, f)} is missing; --run takes the folder of a run of "
+                     "train/train.py (out/VARIANT)")
+    try:
+        best = checkpoint.load(os.path.join(args.run, "best.pt"))  # weights_only where torch has it
+    except checkpoint.CheckpointError as e:
+        sys.exit(f"report: {e}; --run takes the folder of a finished run of train/train.py (resume it with "
+                 "--resume, or train it again)")
+    if not isinstance(best, dict) or not {"best_val", "step", "tokens", "elapsed"} <= set(best):
+        sys.exit(f"report: {os.path.join(args.run, 'best.pt')} is not a best.pt saved by train/train.py")
     rows = list(csv.DictReader(open(os.path.join(args.run, "log.csv"))))
+    if not rows:
+        sys.exit(f"report: {os.path.join(args.run, 'log.csv')} holds no step yet; run train/train.py to the end first")
     last = rows[-1]
     train_tokens = args.train_tokens or os.path.getsize(os.path.join(ROOT, "data", "train.bin")) // 2
     vals = [(float(r["minutes"]), int(r["tokens"]), float(r["val_loss"])) for r in rows if r["val_loss"]]

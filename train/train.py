@@ -12,14 +12,15 @@ story scored within the context, as the C engine's --ppl does) is measured every
 OUT/last.pt is saved every --save-minutes, at each validation and on Ctrl-C or SIGTERM
 (once the step or validation batch under way ends), with the data sampler's state, so a
 run continues across sittings (--resume) on the same data order. A CSV loss log
-(OUT/log.csv) and its plot (OUT/loss.png) are written at every validation.
+(OUT/log.csv) and its plot (OUT/loss.png) are written at every validation. The
+checkpoints hold tensors and plain values only, and are read back without a general
+unpickler (train/checkpoint.py: weights_only where PyTorch can).
 """
 import argparse
 import csv
 import ctypes
 import math
 import os
-import pickle
 import signal
 import sys
 import time
@@ -29,12 +30,16 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 from model import VARIANTS, Config, Transformer, story_windows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOS_ID = 1
 # The equal-training protocol: 4,656 steps of 16 x 256 tokens = 19,070,976 tokens.
 PROTOCOL_STEPS = 4656
+# The training loss on the progress bar and in log.csv: an exponential moving average
+# with a time constant of this many steps (a weight of 1/EMA_STEPS on each new step).
+EMA_STEPS = 50
 
 
 def keep_freed_memory():
@@ -142,7 +147,8 @@ def refuse_other_run(ck, cfg, args, last_path):
     """Exits with one line if last.pt (ck) was saved by a run other than the one args describe:
     another variant or model shape, batch or budget. Its weights would not load, or the
     schedule and data order would silently differ from the run's."""
-    if not isinstance(ck, dict) or not {"config", "model", "optim", "rng", "step", "tokens"} <= set(ck):
+    needed = {"config", "model", "optim", "rng", "step", "tokens", "elapsed", "best_val"}
+    if not isinstance(ck, dict) or not needed <= set(ck) or not isinstance(ck["config"], dict):
         sys.exit(f"train.py: --resume: {last_path} is not a last.pt saved by train.py; start afresh with --force")
     saved = ck["config"]
     if saved.get("variant") != cfg.variant:
@@ -158,6 +164,15 @@ def refuse_other_run(ck, cfg, args, last_path):
                  f"{args.batch_size} x {args.ctx}; resume with the --batch-size it started with")
     if ck.get("budget_steps", args.steps) != args.steps:
         sys.exit(f"train.py: --resume: the run's budget is {ck['budget_steps']} steps, not {args.steps}")
+
+
+def progress_text(train_ema, val, best_val, tok_s, lr):
+    """The training bar's postfix: what each figure is, and "-" for a validation loss not
+    measured yet (in this sitting; the best so far is shown once there is one)."""
+    val_text = "-" if math.isnan(val) else f"{val:.3f}"
+    best_text = f" (best {best_val:.3f})" if math.isfinite(best_val) else ""
+    return (f"train loss {train_ema:.3f} (EMA of {EMA_STEPS} steps), val {val_text}{best_text}, "
+            f"{tok_s:.0f} tok/s, lr {lr:.1e}")
 
 
 def cpu_name():
@@ -182,7 +197,7 @@ def plot_log(log_path, png_path, title):
     tr = [(float(r["tokens"]) / 1e6, float(r["train_loss"])) for r in rows if r["train_loss"]]
     va = [(float(r["tokens"]) / 1e6, float(r["val_loss"])) for r in rows if r["val_loss"]]
     if tr:
-        ax.plot(*zip(*tr), label="train (smoothed)", alpha=0.8)
+        ax.plot(*zip(*tr), label=f"train (EMA of {EMA_STEPS} steps)", alpha=0.8)
     if va:
         ax.plot(*zip(*va), "o-", label="validation")
     ax.set_xlabel("tokens seen (millions)")
@@ -277,14 +292,19 @@ def main():
     log_path = os.path.join(out, "log.csv")
     if args.resume:
         try:
-            ck = torch.load(last_path)
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-            sys.exit(f"train.py: --resume: {last_path} cannot be read ({e}); start afresh with --force")
+            ck = checkpoint.load(last_path)
+        except checkpoint.CheckpointError as e:
+            reason = str(e).removeprefix(f"{last_path}: ")
+            sys.exit(f"train.py: --resume: {last_path} cannot be read: {reason}; start afresh with --force")
         refuse_other_run(ck, cfg, args, last_path)
-        model.load_state_dict(ck["model"])
-        optim.load_state_dict(ck["optim"])
+        try:
+            model.load_state_dict(ck["model"])
+            optim.load_state_dict(ck["optim"])
+            rng.bit_generator.state = ck["rng"]
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged last.pt
+            sys.exit(f"train.py: --resume: {last_path} holds state that does not fit the run "
+                     f"({' '.join(str(e).split())[:120]}); start afresh with --force")
         step, tokens_seen, elapsed, best_val = ck["step"], ck["tokens"], ck["elapsed"], ck["best_val"]
-        rng.bit_generator.state = ck["rng"]
         sittings = ck.get("sittings", [])
         evals_done = ck.get("evals_done", tokens_seen // args.eval_tokens)
         started = ck.get("precision_name")
@@ -304,14 +324,13 @@ def main():
     sitting = {"cpu": cpu_name(), "precision": precision, "first_step": step, "last_step": step, "seconds": 0.0}
     sittings.append(sitting)
 
-    def save(path, kind):
-        torch.save({"model": model.state_dict(), "config": cfg.__dict__, "step": step, "tokens": tokens_seen,
-                    "elapsed": elapsed, "best_val": best_val, "kind": kind, "budget_steps": args.steps,
-                    "precision": "bf16 autocast" if bf16 else "fp32", "precision_name": precision,
-                    "sittings": sittings, "evals_done": evals_done,
-                    **({"optim": optim.state_dict(), "rng": rng.bit_generator.state} if kind == "last" else {})},
-                   path + ".tmp")
-        os.replace(path + ".tmp", path)
+    def save(path, kind):  # plain values and tensors only (checkpoint.plain), loadable with weights_only
+        checkpoint.save({"model": model.state_dict(), "config": cfg.__dict__, "step": step, "tokens": tokens_seen,
+                         "elapsed": elapsed, "best_val": best_val, "kind": kind, "budget_steps": args.steps,
+                         "precision": "bf16 autocast" if bf16 else "fp32", "precision_name": precision,
+                         "sittings": sittings, "evals_done": evals_done,
+                         **({"optim": optim.state_dict(), "rng": rng.bit_generator.state} if kind == "last" else {})},
+                        path)
 
     def log(train_loss, val_loss):
         with open(log_path, "a") as f:
@@ -363,10 +382,9 @@ def main():
             elapsed += now - t_sitting - sitting["seconds"]
             sitting["seconds"], sitting["last_step"] = now - t_sitting, step
             bar.update(1)
-            smooth = float(loss) if smooth is None else 0.98 * smooth + 0.02 * float(loss)
-            bar.set_postfix_str(f"loss {smooth:.3f} val {val:.3f} (best {best_val:.3f}) "
-                                f"{(step - sitting['first_step']) * B * T / sitting['seconds']:.0f} tok/s "
-                                f"lr {lr:.1e}")
+            smooth = float(loss) if smooth is None else smooth + (float(loss) - smooth) / EMA_STEPS
+            bar.set_postfix_str(progress_text(smooth, val, best_val,
+                                              (step - sitting["first_step"]) * B * T / sitting["seconds"], lr))
             if elapsed - last_log >= 30:
                 log(smooth, None)
                 last_log = elapsed
