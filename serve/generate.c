@@ -296,9 +296,14 @@ static void print_summary_json(const Generation *g, const Figures *f) {
         {"token_ms_median", f->token50}, {"token_ms_p95", f->token95},
     };
     for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) json_field(figures[i].key, figures[i].value);
-    printf(", \"kv_cache_bytes\": %zu, \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
+    const KVPool *pool = sch->pool;
+    printf(", \"kv_cache_bytes\": %zu, \"kv_block_tokens\": %d, \"kv_block_bytes\": %zu, \"kv_pool_blocks\": %d, "
+           "\"kv_peak_blocks\": %d, \"kv_peak_bytes\": %zu",
+           f->kv_bytes, KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->n_blocks, pool->peak_in_use,
+           kv_block_bytes(pool) * (size_t)pool->peak_in_use);
+    printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
-           f->kv_bytes, sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT],
+           sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT],
            f->stops[STOP_NONE]);
     json_end();
 }

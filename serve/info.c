@@ -15,12 +15,13 @@ static void info_json(const Model *m, const KVPool *pool, const Options *o, size
            "\"kv_latent\": %d, \"rope_dim\": %d, \"hidden\": %d, \"vocab\": %d, \"context\": %d, \"parameters\": %zu, "
            "\"weight_bytes\": %zu, \"kv_bytes_per_token\": %zu, \"kv_bytes_full\": %zu, "
            "\"kv_bytes_per_token_allocated\": %zu, \"kv_pool_blocks\": %d, \"kv_block_tokens\": %d, "
-           "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"kernels\": \"%s\"",
+           "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"batch\": %d, \"kv_bytes_contiguous\": %zu, "
+           "\"kernels\": \"%s\"",
            c->dtype == DTYPE_BF16 ? "bf16" : "fp32", c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
            c->kv_latent, config_rope_width(c), c->hidden_dim, c->vocab_size, c->max_seq_len, model_param_count(c),
            model_param_count(c) * dtype_size(c->dtype), per_token, per_token * (size_t)kept, kv_bytes_per_token(pool),
            pool->n_blocks, KV_BLOCK_TOKENS, kv_block_bytes(pool), kv_block_bytes(pool) * (size_t)pool->n_blocks,
-           kernels_simd_name());
+           o->batch, kv_bytes_per_token(pool) * (size_t)kept * (size_t)o->batch, kernels_simd_name());
     json_end();
 }
 

@@ -99,3 +99,55 @@ def test_bad_prompt_files(small_checkpoints, tmp_path):
     assert p.returncode == 1 and p.stderr.decode().startswith("run: cannot open ") and p.stdout == b""
     p = run([path, "--prompts", tmp_path / "p.txt", "-p", "x"], check=False)
     assert p.returncode == 2 and p.stderr.decode() == "run: -p and --prompts cannot be combined\n"
+
+
+def test_one_token_requests_keep_the_slots_full(small_checkpoints, tmp_path):
+    """512 requests of one word that each end in their prefill step (-n 1), through 256
+    slots: none waits for a prompt computed in the same step, since that one is gone after
+    it (and BOS alone is no shared prefix). The step's prompt budget (the context's worth of
+    prompt tokens) is all that spreads them over steps."""
+    path, model = small_checkpoints["gqa"]
+    f = tmp_path / "hi.txt"
+    f.write_text("Hi\n" * 512)
+    sequences, summary = served([path, "--prompts", f, "--kv", "--batch", 256, "-n", 1, "-q"])
+    assert summary["requests_served"] == 512 and all(s["generated"] == 1 for s in sequences)
+    n_prompt = sequences[0]["prompt_tokens"]   # BOS and "Hi"
+    assert all(s["prompt_tokens"] == n_prompt for s in sequences)
+    per_step = model.cfg.max_seq_len // n_prompt
+    assert summary["steps"] == -(-512 // per_step), (summary["steps"], per_step)
+
+
+def test_interrupted_summary_counts_what_ran(small_checkpoints, tmp_path):
+    """SIGINT in the middle of 300 requests through 2 slots: the summary counts the requests
+    served, cut short and never started (together 300), and its latencies come from the
+    requests that got a token."""
+    import json
+    import signal
+    import subprocess
+    import time
+    from conftest import RUN
+    path, _ = small_checkpoints["mqa"]
+    f = tmp_path / "many.txt"
+    f.write_text("".join(f"Story {i} begins\n" for i in range(300)))
+    log, out = tmp_path / "steps.csv", tmp_path / "out.jsonl"
+    with open(out, "wb") as sink:
+        p = subprocess.Popen([RUN, path, "--prompts", str(f), "--kv", "--batch", "2", "-n", "20", "--ignore-eos", "-q",
+                              "--json", "--log", str(log)], stdout=sink, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while (not log.exists() or log.read_text().count("\n") < 40) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 130, err
+    objs = [json.loads(line) for line in out.read_text().splitlines()]
+    sequences, summary = objs[:-1], objs[-1]
+    ended = [s for s in sequences if s["stop"] != "interrupted"]
+    cut = [s for s in sequences if s["stop"] == "interrupted" and s["generated"] > 0]
+    never = [s for s in sequences if s["generated"] == 0]
+    assert len(sequences) == summary["sequences"] == 300
+    assert summary["requests_served"] == len(ended) > 0 and summary["requests_cut"] == len(cut)
+    assert summary["requests_not_started"] == len(never) > 100
+    assert len(ended) + len(cut) + len(never) == 300 and summary["stops"]["interrupted"] == len(cut)
+    assert summary["tokens_generated"] == sum(s["generated"] for s in sequences)
+    firsts = sorted(s["first_token_ms"] for s in ended + cut)
+    assert summary["first_token_ms_median"] > 0 and firsts[0] <= summary["first_token_ms_median"] <= firsts[-1]
