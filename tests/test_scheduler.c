@@ -1,0 +1,219 @@
+/* test_scheduler.c: the scheduler on its own (serve/scheduler.h), on a small random GQA
+ * checkpoint: admission into the slots and retirement, a prompt computed once and shared,
+ * preemption when the pool runs short (exactly when, and with nothing changed), and the
+ * step's rows of logits. Greedy with EOS ignored, so every request's length is known. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "serve/scheduler.h"
+#include "testutil.h"
+
+static Model model;
+
+static int setup(void **state) {
+    (void)state;
+    Config c = test_config(VARIANT_GQA, 0, 320, DTYPE_BF16);
+    char err[256];
+    SpmTokenizer *tok = spm_load_file(g_tokenizer_path, err, sizeof err);
+    if (!tok) return -1;
+    c.vocab_size = spm_vocab_size(tok);
+    spm_free(tok);
+    const char *path = temp_path("sched.bin");
+    if (write_test_checkpoint(path, &c, g_tokenizer_path, 77) != 0) return -1;
+    return model_load(&model, path, err, sizeof err);
+}
+
+static int teardown(void **state) {
+    (void)state;
+    model_free(&model);
+    return 0;
+}
+
+/* A request of prompt tokens 1 (BOS), then 3, 4, 5, ... up to n tokens. */
+static Request request(int index, int n) {
+    Request r = {.index = index, .n_prompt = n, .cap_tokens = n + 1};
+    r.tokens = malloc((size_t)r.cap_tokens * sizeof(int));
+    r.tokens[0] = 1;
+    for (int i = 1; i < n; i++) r.tokens[i] = 2 + i;
+    return r;
+}
+
+static Scheduler greedy(KVPool *pool, int slots, int max_new) {
+    return (Scheduler){.model = &model, .pool = pool, .kv = 1, .form = MLA_ABSORBED, .max_batch = slots,
+                       .max_new = max_new, .ignore_eos = 1, .top_k = 1, .top_p = 1.0f, .temperature = 1.0f};
+}
+
+/* What a run's steps showed. */
+typedef struct {
+    int steps, max_running, tokens[8], finished_order[8], n_finished, prefill_tokens[64], step_tokens[64];
+} Trace;
+
+static Trace run_all(Scheduler *sch, Request *requests, int n) {
+    Trace tr = {0};
+    assert_int_equal(scheduler_init(sch), 0);
+    for (int i = 0; i < n; i++) scheduler_add(sch, &requests[i]);
+    StepResult st;
+    int rc;
+    while ((rc = scheduler_step(sch, &st)) > 0) {
+        assert_true(tr.steps < 64);
+        tr.prefill_tokens[tr.steps] = st.prefill_tokens;
+        tr.step_tokens[tr.steps] = st.n_tokens;
+        tr.steps++;
+        if (st.running > tr.max_running) tr.max_running = st.running;
+        for (int k = 0; k < st.n_rows; k++) {
+            assert_int_equal(st.rows[k].pos, st.rows[k].request->n_tokens - 2);  /* the row of its last token */
+            tr.tokens[st.rows[k].request->index]++;
+        }
+        for (int k = 0; k < st.n_finished; k++) tr.finished_order[tr.n_finished++] = st.finished[k]->index;
+    }
+    assert_int_equal(rc, 0);
+    scheduler_free(sch);
+    return tr;
+}
+
+/* Five requests through two slots: never more than two run, each ends after exactly -n
+ * tokens, in the order they came, and its tokens are its run alone. */
+static void test_admission_and_retirement(void **state) {
+    (void)state;
+    KVPool pool;
+    assert_int_equal(kv_pool_init(&pool, &model.cfg, DTYPE_F32, 2 * kv_blocks_for(model.cfg.max_seq_len)), 0);
+    Request rs[5];
+    for (int i = 0; i < 5; i++) rs[i] = request(i, 2 + i);
+    Scheduler sch = greedy(&pool, 2, 6);
+    const Trace tr = run_all(&sch, rs, 5);
+    assert_int_equal(tr.max_running, 2);
+    assert_int_equal(tr.n_finished, 5);
+    for (int i = 0; i < 5; i++) {
+        assert_int_equal(tr.finished_order[i], i);
+        assert_int_equal(tr.tokens[i], 6);
+        assert_int_equal(rs[i].generated, 6);
+        assert_int_equal(rs[i].stop, STOP_STEPS);
+        Request alone = request(i, 2 + i);
+        Scheduler solo = greedy(&pool, 1, 6);
+        run_all(&solo, &alone, 1);
+        assert_memory_equal(alone.tokens, rs[i].tokens, (size_t)rs[i].n_tokens * sizeof(int));
+        free(alone.tokens);
+        free(rs[i].tokens);
+    }
+    /* 5 requests of 6 tokens, 2 at a time: three rounds of 6 steps */
+    assert_int_equal(tr.steps, 18);
+    assert_int_equal(kv_blocks_in_use(&pool), 0);  /* every block back in the pool */
+    kv_pool_free(&pool);
+}
+
+/* Three copies of a 40-token prompt: the first step computes it once, the other two wait
+ * that step and then share its blocks, computing only their last token. */
+static void test_prompt_computed_once_and_shared(void **state) {
+    (void)state;
+    KVPool pool;
+    assert_int_equal(kv_pool_init(&pool, &model.cfg, DTYPE_F32, 3 * kv_blocks_for(model.cfg.max_seq_len)), 0);
+    Request rs[3];
+    for (int i = 0; i < 3; i++) rs[i] = request(i, 40);
+    Scheduler sch = greedy(&pool, 3, 4);
+    const Trace tr = run_all(&sch, rs, 3);
+    assert_int_equal(tr.step_tokens[0], 40);       /* the prompt, once */
+    assert_int_equal(tr.prefill_tokens[1], 2);      /* the others' last prompt token each */
+    assert_int_equal(tr.step_tokens[1], 3);         /* and the first one's new token */
+    /* the two full blocks of the prompt shared three ways, each sequence's third block its own */
+    assert_int_equal(pool.peak_in_use, 2 + 3);
+    for (int i = 1; i < 3; i++) assert_memory_equal(rs[i].tokens, rs[0].tokens, (size_t)rs[0].n_tokens * sizeof(int));
+    for (int i = 0; i < 3; i++) free(rs[i].tokens);
+    kv_pool_free(&pool);
+}
+
+/* A pool of one full context (4 blocks of 16) for two one-token prompts of 40 new tokens
+ * each: both grow together until each holds 2 blocks (32 positions); the first then needs
+ * a third, and the second, admitted last, is preempted, exactly once, and recomputed after
+ * the first ends. Both end with their solo runs' tokens. Admission that let a sequence in
+ * one block short, or preempted the wrong one, changes the count. */
+static void test_preemption_exactly_when_the_pool_runs_out(void **state) {
+    (void)state;
+    KVPool pool;
+    const int per_sequence = kv_blocks_for(model.cfg.max_seq_len);
+    assert_int_equal(per_sequence, 4);
+    assert_int_equal(kv_pool_init(&pool, &model.cfg, DTYPE_F32, per_sequence), 0);
+    Request rs[2] = {request(0, 1), request(1, 1)};
+    rs[1].tokens[0] = 1;
+    Scheduler sch = greedy(&pool, 2, 40);
+    const Trace tr = run_all(&sch, rs, 2);
+    assert_int_equal(sch.preemptions, 1);
+    assert_int_equal(rs[0].preemptions, 0);
+    assert_int_equal(rs[1].preemptions, 1);
+    assert_int_equal(tr.finished_order[0], 0);
+    assert_int_equal(tr.finished_order[1], 1);
+    KVPool roomy;
+    assert_int_equal(kv_pool_init(&roomy, &model.cfg, DTYPE_F32, per_sequence), 0);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(rs[i].generated, 40);
+        Request alone = request(i, 1);
+        Scheduler solo = greedy(&roomy, 1, 40);
+        run_all(&solo, &alone, 1);
+        assert_memory_equal(alone.tokens, rs[i].tokens, (size_t)rs[i].n_tokens * sizeof(int));
+        free(alone.tokens);
+        free(rs[i].tokens);
+    }
+    kv_pool_free(&roomy);
+    kv_pool_free(&pool);
+}
+
+/* Admission waits for room: a one-token request runs in a pool of one full context (4
+ * blocks); a prompt of 49 tokens needs all 4 blocks, one more than is free beside it, so it
+ * waits until the first request ends, with no preemption. (Admitted one block short, it
+ * would be preempted at once, step after step.) */
+static void test_admission_waits_for_room(void **state) {
+    (void)state;
+    KVPool pool;
+    assert_int_equal(kv_pool_init(&pool, &model.cfg, DTYPE_F32, kv_blocks_for(model.cfg.max_seq_len)), 0);
+    Request rs[2] = {request(0, 1), request(1, 49)};
+    Scheduler sch = greedy(&pool, 2, 8);
+    const Trace tr = run_all(&sch, rs, 2);
+    assert_int_equal(sch.preemptions, 0);
+    assert_int_equal(tr.max_running, 1);
+    assert_int_equal(tr.steps, 8 + 8);
+    assert_int_equal(tr.step_tokens[8], 49);  /* its prompt, once the first has ended */
+    for (int i = 0; i < 2; i++) free(rs[i].tokens);
+    kv_pool_free(&pool);
+}
+
+/* A scored request reports a row of logits for every position it computes, and samples
+ * nothing. */
+static void test_scored_request_reports_every_position(void **state) {
+    (void)state;
+    KVPool pool;
+    assert_int_equal(kv_pool_init(&pool, &model.cfg, DTYPE_F32, kv_blocks_for(model.cfg.max_seq_len)), 0);
+    Request r = request(0, 20);
+    r.score = 1;
+    Scheduler sch = greedy(&pool, 1, 0);
+    assert_int_equal(scheduler_init(&sch), 0);
+    scheduler_add(&sch, &r);
+    StepResult st;
+    assert_int_equal(scheduler_step(&sch, &st), 1);
+    assert_int_equal(st.n_rows, 20);
+    assert_int_equal(st.sequences, 0);
+    for (int k = 0; k < 20; k++) {
+        assert_int_equal(st.rows[k].pos, k);
+        assert_int_equal(st.rows[k].token, -1);
+    }
+    assert_int_equal(st.n_finished, 1);
+    assert_int_equal(r.n_tokens, 20);
+    assert_int_equal(scheduler_step(&sch, &st), 0);
+    scheduler_free(&sch);
+    free(r.tokens);
+    kv_pool_free(&pool);
+}
+
+int main(int argc, char **argv) {
+    g_tokenizer_path = argc > 1 ? argv[1] : NULL;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_admission_and_retirement),
+        cmocka_unit_test(test_prompt_computed_once_and_shared),
+        cmocka_unit_test(test_preemption_exactly_when_the_pool_runs_out),
+        cmocka_unit_test(test_admission_waits_for_room),
+        cmocka_unit_test(test_scored_request_reports_every_position),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
