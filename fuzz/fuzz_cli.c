@@ -26,7 +26,7 @@ static void check(int rc, const Options *o, const char *err, size_t errlen) {
         if (!(o->top_p >= 0.0f && o->top_p <= 1.0f) || (o->quiet && o->verbose)) abort();
         if (o->steps < 0 || o->steps > (1 << 20) || o->top_k < 1 || o->top_k > (1 << 20)) abort();
         if (!(o->temperature >= 0.0f && o->temperature <= 100.0f)) abort();
-        if (o->threads < 0 || o->threads > CLI_MAX_THREADS || (o->mla_form != MLA_ABSORBED && o->mla_form != MLA_EXPANDED)) abort();
+        if (o->threads < 0 || o->threads > TEAM_MAX_THREADS || (o->mla_form != MLA_ABSORBED && o->mla_form != MLA_EXPANDED)) abort();
         if ((int64_t)o->seed < 0) abort();
     }
 }
