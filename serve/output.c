@@ -18,6 +18,13 @@ int output_open(FILE **out, const char *path, const NamedPath *inputs, int n_inp
             if (inputs[i].path && stat(inputs[i].path, &input) == 0 && input.st_dev == target.st_dev &&
                 input.st_ino == target.st_ino)
                 return errmsg(err, errlen, 2, "cannot write %s: it is %s", msg_path(path).s, inputs[i].what);
+        /* a regular file standard output or error already writes: the two would interleave */
+        static const struct { int fd; const char *what; } streams[] = {{STDOUT_FILENO, "standard output"},
+                                                                        {STDERR_FILENO, "standard error"}};
+        for (size_t i = 0; i < sizeof streams / sizeof streams[0] && S_ISREG(target.st_mode); i++)
+            if (fstat(streams[i].fd, &input) == 0 && input.st_dev == target.st_dev && input.st_ino == target.st_ino)
+                return errmsg(err, errlen, 2, "cannot write %s: standard %s already writes to it", msg_path(path).s,
+                              streams[i].what + strlen("standard "));
         if (S_ISDIR(target.st_mode) || S_ISSOCK(target.st_mode) || S_ISBLK(target.st_mode))
             return errmsg(err, errlen, 2, "cannot write %s: it is a %s", msg_path(path).s, file_kind(target.st_mode));
     }

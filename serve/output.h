@@ -13,7 +13,8 @@ typedef struct {
 
 /* Opens path for writing, truncated, into *out. Refused, with one sentence in err: a
  * regular file that is one of inputs[0..n_inputs) under any name (the same device and
- * inode: a symlink or hard link too), a directory, a socket or a block device (return 2, a misuse); a path
+ * inode: a symlink or hard link too) or the file standard output or standard error writes,
+ * a directory, a socket or a block device (return 2, a misuse); a path
  * that cannot be opened, and a FIFO no process reads, which would block the open forever
  * (return 1). A FIFO with a reader and character devices (/dev/null) are written like
  * files. Returns 0 on success. */

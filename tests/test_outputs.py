@@ -161,3 +161,21 @@ def test_fifo_never_hangs(ckpt, tmp_path):
     assert got.decode().split("\n")[0].split(",") == COLUMNS and got.count(b"\n") == 4
     null = run([ckpt, "-n", 3, "-q", "--log", "/dev/null", "--dump-logits", "/dev/null"])
     assert null.returncode == 0
+
+
+def test_output_that_a_standard_stream_writes_is_refused(ckpt, tmp_path):
+    """--log F > F, --dump-logits F 2> F, --log F 2> F: refused with exit 2 before anything
+    is written, rather than two writers interleaving in one file."""
+    for flag, stream in (("--log", "stdout"), ("--dump-logits", "stderr"), ("--log", "stderr")):
+        target = tmp_path / f"{flag[2:]}-{stream}.out"
+        with open(target, "wb") as f:
+            p = subprocess.run(args_of([ckpt, "-n", 3, flag, target]), stdout=f if stream == "stdout" else subprocess.PIPE,
+                               stderr=f if stream == "stderr" else subprocess.PIPE, timeout=120)
+        assert p.returncode == 2
+        said = target.read_bytes() if stream == "stderr" else p.stderr
+        name = "output" if stream == "stdout" else "error"
+        assert said == f"run: cannot write {target}: standard {name} already writes to it\n".encode(), said
+    # /dev/null for both is fine: it is no regular file
+    p = subprocess.run(args_of([ckpt, "-n", 3, "--log", "/dev/null"]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
