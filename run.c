@@ -108,6 +108,9 @@ int main(int argc, char **argv) {
         die(EXIT_USAGE, "%s", usage_err);
     }
     check_standard_streams(&o);
+    if (o.threads_note)
+        fprintf(stderr, "run: note: -t %g is the temperature (as in llama2.c); the thread count is --threads\n",
+                (double)o.temperature);
     char *prompt_text = o.prompt_path ? read_prompt(o.prompt_path) : NULL;
     if (prompt_text) o.prompt = prompt_text;
     if (o.threads > 0) threads_set(o.threads);

@@ -75,8 +75,8 @@ static int parse_float(const char *flag, const char *s, float lo, float hi, floa
     float v = strtof(s, &end);  /* ERANGE needs no check: an overflow is inf, an underflow rounds */
     if (end == s || *end || isnan(v)) return errmsg(err, errlen, 2, "%s needs a number, got '%s'", flag, s);
     if (isinf(v))  /* 1e39 overflows a float (ERANGE) as inf does: a number, out of range */
-        return errmsg(err, errlen, 2, "%s %s is out of range (%g..%g)", flag, s, lo, hi);
-    if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %g is out of range (%g..%g)", flag, v, lo, hi);
+        return errmsg(err, errlen, 2, "%s %s is out of range (%.10g..%.10g)", flag, s, lo, hi);
+    if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %.10g is out of range (%.10g..%.10g)", flag, v, lo, hi);
     *out = v;
     return 0;
 }
@@ -207,7 +207,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case 'n': if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n; break;
         case 'k': if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n; break;
         case OPT_TOP_P: rc = parse_float(flag, v, 0.0f, 1.0f, &o->top_p, err, errlen); break;
-        case 't': rc = parse_float(flag, v, 0.0f, 100.0f, &o->temperature, err, errlen); break;
+        case 't':
+            rc = parse_float(flag, v, 0.0f, 100.0f, &o->temperature, err, errlen);
+            o->threads_note = !rc && !strcmp(flag, "-t") && o->temperature > 2.0f;  /* llama.cpp's -t is threads */
+            break;
         case 's': if (!(rc = parse_long(flag, v, 0, INT64_MAX, &n, err, errlen))) o->seed = (uint64_t)n; break;
         case 'v': o->verbose = 1; break;
         case 'q': o->quiet = 1; break;

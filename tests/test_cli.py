@@ -434,3 +434,16 @@ def test_bad_files(small_checkpoints, tmp_path):
     (tmp_path / "empty.txt").write_text("\n<|endoftext|>\n")
     expect_error([path, "--ppl", tmp_path / "empty.txt"], 1, "no story found")
     expect_error([path, "--log", tmp_path / "no" / "dir.csv"], 1, "cannot write")
+
+
+def test_messages_of_issue_45(small_checkpoints):
+    """A size far out of range is quoted as typed, not as 1.04858e+06; -t above 2 (llama.cpp's
+    thread flag) is the temperature here, and one line says so; --temp and a small -t say
+    nothing."""
+    path, _ = small_checkpoints["mqa"]
+    p = run([path, "--kv-mem", "1048577"], check=False)
+    assert p.returncode == 2 and p.stderr.decode() == "run: --kv-mem 1048577 is out of range (0..1048576)\n"
+    note = "run: note: -t 4 is the temperature (as in llama2.c); the thread count is --threads\n"
+    assert run([path, "-t", 4, "-n", 2, "-q"]).stderr.decode().startswith(note)
+    for args in (["--temp", 4], ["-t", "0.8"], ["-t", 2]):
+        assert "note:" not in run([path, "-n", 2, "-q"] + args).stderr.decode(), args
