@@ -76,7 +76,7 @@ static int parse_float(const char *flag, const char *s, float lo, float hi, floa
     if (end == s || *end || isnan(v)) return errmsg(err, errlen, 2, "%s needs a number, got '%s'", flag, s);
     if (isinf(v))  /* 1e39 overflows a float (ERANGE) as inf does: a number, out of range */
         return errmsg(err, errlen, 2, "%s %s is out of range (%.10g..%.10g)", flag, s, lo, hi);
-    if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %.10g is out of range (%.10g..%.10g)", flag, v, lo, hi);
+    if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %s is out of range (%.10g..%.10g)", flag, s, lo, hi);
     *out = v;
     return 0;
 }
