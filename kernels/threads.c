@@ -1,15 +1,13 @@
 /* threads.c: the team of a step (threads.h). */
-#define _GNU_SOURCE /* sched_getaffinity, syscall */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include "kernels/threads.h"
 
 #include <errno.h>
 #include <limits.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -32,17 +30,12 @@ struct Team {
     _Alignas(64) atomic_uint posted;       /* steps posted so far */
     _Alignas(64) atomic_uint arrived;      /* threads at the barrier now */
     _Alignas(64) atomic_uint passed;       /* barriers passed so far */
-    _Alignas(64) atomic_int sleepers;      /* threads asleep on posted or passed */
     Claim claims[TEAM_MAX_THREADS];        /* one per part (share_next) */
     pthread_t ids[TEAM_MAX_THREADS];
     Worker workers[TEAM_MAX_THREADS];
 };
 
-/* ---- waiting: a short spin, then sleep ---- */
-
-static long futex(atomic_uint *word, int op, unsigned value) {
-    return syscall(SYS_futex, (unsigned *)word, op | FUTEX_PRIVATE_FLAG, value, NULL, NULL, 0);
-}
+/* ---- waiting: a spin, then giving the core away ---- */
 
 static long elapsed_ns(const struct timespec *t0) {
     struct timespec t;
@@ -50,10 +43,11 @@ static long elapsed_ns(const struct timespec *t0) {
     return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
 }
 
-/* Returns once *word differs from seen. Spins for up to t->spin_ns, long enough for the
- * waits of a step on an idle machine; past that a team member is late (descheduled on a
- * busy machine), and a spinning thread would only keep it from a core, so this one
- * sleeps until wake_all. */
+/* Returns once *word differs from seen. Spins for up to t->spin_ns, longer than the waits
+ * of a step on an idle machine; past that a team member is late (descheduled on a busy
+ * machine), and this thread yields its core at every turn, so the late one (or whatever
+ * else wants the core) runs. It stays runnable: a thread asleep in the kernel took
+ * milliseconds to be woken on a busy machine (docs/PERFORMANCE.md). */
 static void wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -64,15 +58,8 @@ static void wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
 #endif
         if (spins % 64 == 0 && elapsed_ns(&t0) >= t->spin_ns) break;
     }
-    atomic_fetch_add(&t->sleepers, 1);  /* seq_cst: wake_all's load of sleepers sees it, or we see its store */
-    while (atomic_load(word) == seen) futex(word, FUTEX_WAIT, seen);
-    atomic_fetch_sub(&t->sleepers, 1);
+    while (atomic_load_explicit(word, memory_order_acquire) == seen) sched_yield();
 }
-
-static void wake_all(Team *t, atomic_uint *word) {
-    if (atomic_load(&t->sleepers) > 0) futex(word, FUTEX_WAKE, INT_MAX);
-}
-
 
 /* ---- the team ---- */
 
@@ -82,8 +69,8 @@ static void *member_main(void *arg) {
     return NULL;
 }
 
-/* A spin of about a step's longest idle wait; none when the team has more threads than the
- * machine has CPUs for it, where the thread waited for may not be running at all. */
+/* A spin longer than a step's waits on an idle machine; none when the team has more threads
+ * than the machine has CPUs for it, where the thread waited for may not be running at all. */
 enum { SPIN_NS = 1000000 };
 
 Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
@@ -112,15 +99,13 @@ void team_close(Team *t) {
     if (!t) return;
     t->closing = 1;
     atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
-    wake_all(t, &t->posted);
     for (int i = 1; i < t->threads; i++) pthread_join(t->ids[i], NULL);
     free(t);
 }
 
 void team_post(Team *t) {
     t->workers[0].pending = 0;
-    atomic_fetch_add(&t->posted, 1);
-    wake_all(t, &t->posted);
+    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
 }
 
 int team_wait(Worker *w) {
@@ -140,8 +125,7 @@ void team_barrier(Worker *w) {
     const unsigned passed = atomic_load_explicit(&t->passed, memory_order_acquire);
     if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)t->threads) {
         atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add(&t->passed, 1);
-        wake_all(t, &t->passed);
+        atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
         return;
     }
     wait_for_change(t, &t->passed, passed);

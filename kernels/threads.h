@@ -8,9 +8,9 @@
  *
  * Thread 0 is the caller's own thread. It posts a step (team_post) to the others, which
  * wait for it in team_wait, runs its share, and leaves the last barrier with every
- * thread's writes visible. A waiting thread spins for a short while, then sleeps in the
- * kernel (futex) until it is woken, so that on a busy machine a late team member gets a
- * core instead of a spinning one (docs/PERFORMANCE.md).
+ * thread's writes visible. A waiting thread spins for a while, then yields its core at
+ * every turn, so that on a busy machine a late team member gets a core instead of a
+ * spinning one (docs/PERFORMANCE.md).
  *
  * Whether work is worth the other threads is one policy, parallel_mode. A Worker of one
  * thread (worker_alone) runs every share itself and its barriers return at once: the
