@@ -362,20 +362,6 @@ static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int 
     return n;
 }
 
-/* An item's scores and its mix, for the pass's variant and form. thread: the one running
- * the item, whose tables of cache blocks it may use. */
-static void item_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
-    if (p->L->cfg->variant != VARIANT_MLA) kv_heads_scores(p, h0, nh, t, thread, att);
-    else if (p->form == MLA_ABSORBED) mla_absorbed_scores(p, h0, nh, t, thread, att);
-    else mla_expanded_scores(p, h0, nh, t, thread, att);
-}
-
-static void item_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
-    if (p->L->cfg->variant != VARIANT_MLA) kv_heads_mix(p, h0, nh, t, thread, att);
-    else if (p->form == MLA_ABSORBED) mla_absorbed_mix(p, h0, nh, t, thread, att);
-    else mla_expanded_mix(p, h0, nh, t, thread, att);
-}
-
 /* Heads an item takes: as many of the `sharing` heads that read the same rows as divide
  * them, up to ATTN_MAX_HEADS_PER_ITEM, halved while the pass has too few items to share
  * among the threads. */
@@ -401,17 +387,26 @@ static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     float *att[2];  /* two items' scores, then probabilities: this thread's own */
     att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
     att[1] = att[0] + p->a->scores_per_item;
+    const Variant variant = p->L->cfg->variant;
     Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim, t1 - t0));
-    for (long lo, hi; share_next(&sh, &lo, &hi);) {
-        item_scores(p, items[2 * lo], nh, items[2 * lo + 1], thread, att[0]);
-        for (long i = lo; i < hi; i++) {
-            float *probs = att[(i - lo) % 2];
-            const int h0 = items[2 * i], t = items[2 * i + 1];
-            if (i + 1 < hi) item_scores(p, items[2 * i + 2], nh, items[2 * i + 3], thread, att[(i + 1 - lo) % 2]);
-            for (int h = 0; h < nh; h++) softmax(probs + (size_t)h * p->a->scores_stride, keys_of(p, t));
-            item_mix(p, h0, nh, t, thread, probs);
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long i = lo; i <= hi; i++) {
+            if (i < hi) {  /* item i's scores, one item ahead of the mix */
+                const int h0 = items[2 * i], t = items[2 * i + 1];
+                float *scores = att[(i - lo) % 2];
+                if (variant != VARIANT_MLA) kv_heads_scores(p, h0, nh, t, thread, scores);
+                else if (p->form == MLA_ABSORBED) mla_absorbed_scores(p, h0, nh, t, thread, scores);
+                else mla_expanded_scores(p, h0, nh, t, thread, scores);
+            }
+            if (i > lo) {  /* item i-1's softmax and weighted sum */
+                const int h0 = items[2 * i - 2], t = items[2 * i - 1];
+                float *probs = att[(i - 1 - lo) % 2];
+                for (int h = 0; h < nh; h++) softmax(probs + (size_t)h * p->a->scores_stride, keys_of(p, t));
+                if (variant != VARIANT_MLA) kv_heads_mix(p, h0, nh, t, thread, probs);
+                else if (p->form == MLA_ABSORBED) mla_absorbed_mix(p, h0, nh, t, thread, probs);
+                else mla_expanded_mix(p, h0, nh, t, thread, probs);
+            }
         }
-    }
     share_end(&sh);
 }
 
