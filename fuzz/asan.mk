@@ -30,7 +30,7 @@ ASAN_ENV = ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:strict_string_checks=1:de
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 .PHONY: test-asan valgrind
-.SECONDARY: $(ASAN_OBJS) $(ASAN_B)/run.o $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/tokenizer_checks.o \
+.SECONDARY: $(ASAN_OBJS) $(ASAN_B)/tests/spm_c_hooks.o $(ASAN_B)/run.o $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/tokenizer_checks.o \
   $(FUZZ_HARNESSES:%=$(ASAN_B)/fuzz/fuzz_%.o)
 
 $(ASAN_B)/%.o: %.c $(HEADERS)
@@ -51,7 +51,12 @@ $(ASAN_B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(ASAN_CFLAGS) -I. -Wno-unused-parameter -c $< -o $@
 
-$(ASAN_B)/tests/test_%: $(ASAN_B)/tests/test_%.o $(ASAN_B)/tests/testutil.o $(ASAN_OBJS)
+ASAN_TEST_OBJS = $(filter-out $(ASAN_B)/tokenizer/spm_c.o,$(ASAN_OBJS)) $(ASAN_B)/tests/spm_c_hooks.o
+$(ASAN_B)/tests/spm_c_hooks.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
+	@mkdir -p $(@D)
+	$(CXX) $(ASAN_CXXFLAGS) -DSPM_TEST_HOOKS -c $< -o $@
+
+$(ASAN_B)/tests/test_%: $(ASAN_B)/tests/test_%.o $(ASAN_B)/tests/testutil.o $(ASAN_TEST_OBJS)
 	$(CXX) -pthread $(ASAN_SAN) $^ -o $@ $(LDLIBS) -lcmocka
 
 # the fuzz harnesses with fuzz/replay.c's main() instead of libFuzzer
@@ -60,7 +65,7 @@ $(ASAN_B)/fuzz/%.o: fuzz/%.c fuzz/tokenizer_checks.h $(HEADERS)
 	$(CC) $(ASAN_CFLAGS) -I. -DFUZZ_TINY_MODEL='"$(CURDIR)/$(TINY_TOKENIZER)"' \
 	  -DFUZZ_REAL_MODEL='"$(CURDIR)/$(REAL_TOKENIZER)"' -c $< -o $@
 
-$(ASAN_B)/fuzz/replay_%: $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/fuzz_%.o $(ASAN_B)/fuzz/tokenizer_checks.o $(ASAN_OBJS)
+$(ASAN_B)/fuzz/replay_%: $(ASAN_B)/fuzz/replay.o $(ASAN_B)/fuzz/fuzz_%.o $(ASAN_B)/fuzz/tokenizer_checks.o $(ASAN_TEST_OBJS)
 	$(CXX) -pthread $(ASAN_SAN) $^ -o $@ $(LDLIBS)
 
 test-asan: $(ASAN_B)/run build/roofline $(ASAN_UNIT_BINS) $(ASAN_REPLAYS) $(TINY_TOKENIZER) fuzz-seeds

@@ -37,7 +37,7 @@ $(FUZZ_B)/obj/%.o: %.c $(HEADERS)
 
 $(FUZZ_B)/obj/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
 	@mkdir -p $(@D)
-	$(FUZZ_CXX) $(FUZZ_CXXFLAGS) -c $< -o $@
+	$(FUZZ_CXX) $(FUZZ_CXXFLAGS) -DSPM_TEST_HOOKS -c $< -o $@
 
 $(FUZZ_B)/obj/tokenizer_checks.o: fuzz/tokenizer_checks.c fuzz/tokenizer_checks.h $(HEADERS)
 	@mkdir -p $(@D)

@@ -47,14 +47,12 @@ struct PieceInfo {
     std::string text;        // normal piece with U+2581 replaced by ' '
 };
 
-bool is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
-
 // Copies text into dst (dstlen > 0), NUL-terminated, cut at a UTF-8 character boundary when
 // it does not fit, so that dst stays valid UTF-8.
 void copy_cut(char *dst, size_t dstlen, std::string_view text) {
     size_t k = text.size() < dstlen - 1 ? text.size() : dstlen - 1;
     if (k < text.size())
-        while (k > 0 && is_trail(static_cast<unsigned char>(text[k]))) k--;
+        while (k > 0 && utf8_is_trail(static_cast<unsigned char>(text[k]))) k--;
     std::memcpy(dst, text.data(), k);
     dst[k] = '\0';
 }
@@ -602,9 +600,11 @@ size_t spm_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_
     }
 }
 
-/* Not part of the API (not in spm_c.h): the library's own DecodeIds, for the tests to
- * check the decoder above against. Writes like spm_decode (no truncation care); returns
- * the length of the text, or -1 when the library reports an error. */
+#ifdef SPM_TEST_HOOKS
+/* Not part of the API (not in spm_c.h), and built only into the tests and fuzzers (the
+ * Makefile's spm_c_hooks.o): the library's own DecodeIds, to check the decoder above
+ * against. Writes like spm_decode (no truncation care); returns the length of the text, or
+ * -1 when the library reports an error. */
 long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize);
 long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize) {
     try {
@@ -622,5 +622,6 @@ long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char 
         return -1;
     }
 }
+#endif
 
 }  // extern "C"

@@ -5,7 +5,6 @@
 
 #define REPLACEMENT "\xEF\xBF\xBD" /* U+FFFD, 3 bytes */
 
-static int is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
 
 size_t utf8_char_len(const char *str, size_t n) {
     const unsigned char *s = (const unsigned char *)str;
@@ -20,7 +19,7 @@ size_t utf8_char_len(const char *str, size_t n) {
     else return 0;
     if (n < len) return 0;
     for (size_t k = 1; k < len; k++) {
-        if (!is_trail(s[k])) return 0;
+        if (!utf8_is_trail(s[k])) return 0;
         cp = (cp << 6) | (s[k] & 0x3F);
     }
     if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;

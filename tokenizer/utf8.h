@@ -10,6 +10,9 @@
 extern "C" {
 #endif
 
+/* 1 when c is a continuation (trail) byte, 10xxxxxx: never the start of a character. */
+static inline int utf8_is_trail(unsigned char c) { return (c & 0xC0) == 0x80; }
+
 /* Length (1..4) of the valid UTF-8 character that starts s[0..n), or 0 when none does: n is
  * 0, the sequence is cut short, a trail byte is wrong, or it is an overlong form, a surrogate
  * (U+D800..U+DFFF) or above U+10FFFF. A NUL byte is a valid 1-byte character here. These are
