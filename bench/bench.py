@@ -80,6 +80,8 @@ def parse_args(argv):
     ap.add_argument("--pt-budget", type=float, default=120.0,
                     help="seconds a plain eager PyTorch run may take before auto switches (default 120)")
     ap.add_argument("--skip-pytorch", action="store_true", help="measure the C engine only")
+    ap.add_argument("--allow-disturbed", action="store_true",
+                    help="measure even when other processes keep the machine busy (the report says so)")
     ap.add_argument("--batches", default=None, metavar="B,B,...",
                     help="batch sizes of the throughput table, 1..256, or none (default "
                          f"{','.join(map(str, BATCHES))}; --quick: {','.join(map(str, QUICK_BATCHES))})")

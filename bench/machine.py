@@ -7,7 +7,7 @@ import re
 import subprocess
 import time
 
-from bench.common import ROOT, log
+from bench.common import ROOT, BenchError, log
 
 
 def sh(cmd):
@@ -156,6 +156,9 @@ def survey(b):
     busy = m["bg_before"]["other_frac"] if m["bg_before"] else 0.0
     log(f"bench: {m['cpu']}, {m['cores']} cores, {args.threads} threads; load average {m['load_start']:.2f}; "
         f"other processes busy {busy * 100:.0f}% of one CPU")
+    if busy > 0.1 and not args.allow_disturbed:
+        raise BenchError(f"other processes keep {busy * 100:.0f}% of one CPU busy, so the timings would be disturbed: "
+                         f"stop them, or pass --allow-disturbed to write a report that says so")
     if busy > 0.1:
         log(f"bench: WARNING: other processes keep {busy * 100:.0f}% of one CPU busy: timings will be disturbed")
     b.bg = Background()

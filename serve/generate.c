@@ -175,8 +175,14 @@ typedef struct {
     double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token, tokens_per_s, per_sequence_ms_per_token;
     long served_tokens;                      /* every token sampled, the first included */
     double ttft50, ttft95, token50, token95; /* --prompts: time to first token, per-token latency */
+    int slow_steps;                          /* decode steps over 3x the median: waits on other processes */
     size_t kv_bytes;
 } Figures;
+
+/* A run is disturbed when over 2% of its decode steps take 3x the median: on an idle machine
+ * a step is within a small factor of the median, and a busy one deschedules a thread of the
+ * team for milliseconds now and then. */
+static int disturbed(const Figures *f) { return f->decode_steps >= 20 && f->slow_steps * 50 > f->decode_steps; }
 
 static Figures figures_of(const Generation *g) {
     const Scheduler *sch = g->sch;
@@ -207,6 +213,7 @@ static Figures figures_of(const Generation *g) {
     f.per_sequence_ms_per_token = n_decoding ? f.per_sequence_ms_per_token / n_decoding : 0.0;
     for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[i + 1];
     f.step_median_ms = percentile(steps, f.decode_steps, 0.5);
+    for (int i = 0; i < f.decode_steps; i++) f.slow_steps += g->step_ms[i + 1] > 3.0 * f.step_median_ms;
     f.step_mean_ms = f.decode_steps ? f.decode_ms / f.decode_steps : 0.0;
     f.ms_per_token = f.decode_tokens ? f.decode_ms / f.decode_tokens : 0.0;
     f.tokens_per_s = g->serving ? (sch->total_ms > 0 ? 1000.0 * f.served_tokens / sch->total_ms : 0.0)
@@ -246,6 +253,9 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
     fprintf(out, " | KV cache %zu bytes%s | ", f->kv_bytes, sch->kv || g->serving ? "" : " (recomputed every step)");
     if (f->sequences == 1 && !g->serving) fprintf(out, "stop: %s\n", stop_name(g->list->requests[0].stop));
     else print_stops(out, f), fputc('\n', out);
+    if (disturbed(f))
+        fprintf(out, "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
+                "cores?): the mean and the totals are not the engine's own\n", f->slow_steps, f->decode_steps);
     if (!sch->kv || (f->sequences == 1 && !g->o->verbose)) return;
     const KVPool *pool = sch->pool;
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
@@ -280,7 +290,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     const Scheduler *sch = g->sch;
     const Options *o = g->o;
     json_begin("summary", g->model, o, sch->kv ? "kv" : "no-kv");
-    printf(", \"serving\": %s", g->serving ? "true" : "false");
+    printf(", \"serving\": %s, \"disturbed\": %s", g->serving ? "true" : "false", disturbed(f) ? "true" : "false");
     const struct {
         const char *key;
         double value;
@@ -293,7 +303,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
         {"step_ms_mean", f->step_mean_ms}, {"tokens_per_s", f->tokens_per_s},
         {"per_sequence_ms_per_token", f->per_sequence_ms_per_token}, {"tokens_generated", (double)f->served_tokens},
         {"total_ms", sch->total_ms}, {"first_token_ms_median", f->ttft50}, {"first_token_ms_p95", f->ttft95},
-        {"token_ms_median", f->token50}, {"token_ms_p95", f->token95},
+        {"token_ms_median", f->token50}, {"token_ms_p95", f->token95}, {"steps_over_3x_median", f->slow_steps},
     };
     for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) json_field(figures[i].key, figures[i].value);
     const KVPool *pool = sch->pool;

@@ -9,6 +9,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 from conftest import ROOT, RUN, json_one
 
@@ -24,7 +25,8 @@ SPREAD = re.compile(r"^\d[\d,.]* ± \d[\d,.]*$")   # a cell: median ± spread
 
 
 def bench_cmd(out, *args):
-    return [sys.executable, BENCH, "--out", str(out), "--load-seconds", "0.2"] + [str(a) for a in args]
+    # the tests run beside each other: the load check is tested on its own (test_busy_machine_refused)
+    return [sys.executable, BENCH, "--out", str(out), "--load-seconds", "0.2", "--allow-disturbed"] + [str(a) for a in args]
 
 
 def bench_env(**extra):
@@ -271,3 +273,21 @@ def test_bad_input_one_line(tmp_path):
         err = [x for x in p.stderr.splitlines() if x and not x.startswith("usage:") and not x.startswith("  ")]
         assert len(err) == 1 and words in err[0], (args, p.stderr)
         assert not list((tmp_path / "out").glob("*.md"))
+
+
+def test_busy_machine_refused(tmp_path):
+    """Another process keeping a CPU busy while the bench looks at the load: no report, one line
+    that says why and how to go on anyway."""
+    out = tmp_path / "busy"
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        p = subprocess.run([sys.executable, BENCH, "--out", str(out), "--load-seconds", "1", "--quick", MHA],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300, env=bench_env())
+    finally:
+        spin.kill()
+        spin.wait()
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert re.search(r"bench: other processes keep \d+% of one CPU busy, so the timings would be disturbed: stop them, "
+                     r"or pass --allow-disturbed", p.stderr), p.stderr[-2000:]
+    assert not out.exists() or not any(f.endswith(".md") for f in os.listdir(out))

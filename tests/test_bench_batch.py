@@ -246,7 +246,7 @@ def test_a_failing_batch_run_leaves_the_rest(tmp_path):
                     f"exec {RUN} \"$@\"\n")
     fake.chmod(0o755)
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--out", str(out), "--load-seconds",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--out", str(out), "--allow-disturbed", "--load-seconds",
                         "0.1", "--quick", "--steps", "2", "--reps", "2", "--batches", "1,2", MQA],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300,
                        env=dict(os.environ, RUN_BINARY=str(fake)))

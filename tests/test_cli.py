@@ -447,3 +447,23 @@ def test_messages_of_issue_45(small_checkpoints):
     assert run([path, "-t", 4, "-n", 2, "-q"]).stderr.decode().startswith(note)
     for args in (["--temp", 4], ["-t", "0.8"], ["-t", 2]):
         assert "note:" not in run([path, "-n", 2, "-q"] + args).stderr.decode(), args
+
+
+def test_disturbed_steps_counted_from_the_steps(small_checkpoints, tmp_path):
+    """The summary's steps_over_3x_median is the count of decode steps in the --log over 3x
+    their median, and `disturbed` says whether they are over 2% of them (20 steps at least)."""
+    import csv
+    import json
+    import statistics
+    path, _ = small_checkpoints["gqa"]
+    log = tmp_path / "steps.csv"
+    out = run([path, "-p", "Once", "--kv", "-n", 60, "--ignore-eos", "-q", "--json", "--log", log]).stdout.decode()
+    summary = json.loads(out.strip().splitlines()[-1])
+    with open(log) as f:
+        ms = [float(r["ms"]) for r in csv.DictReader(f)][1:]
+    median = statistics.median(ms)
+    slow = sum(1 for m in ms if m > 3 * median)
+    assert summary["decode_steps"] == len(ms) == 59
+    assert abs(summary["step_ms_median"] - median) < 1e-3
+    assert summary["steps_over_3x_median"] == slow
+    assert summary["disturbed"] is (slow * 50 > len(ms))
