@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 /* ---- RoPE ---- */
 
 int rope_tables_init(RopeTables *r, const Config *c) {
@@ -79,8 +78,10 @@ static void mix_reference(float *out, const float *p, int n, const float *rows, 
     for (int d = 0; d < width; d++) {
         float even = 0.0f, odd = 0.0f;
         for (int j = 0; j < n; j++) {
-            if (j % 2 == 0) even = fmaf(p[j], rows[(size_t)j * stride + d], even);
-            else odd = fmaf(p[j], rows[(size_t)j * stride + d], odd);
+            if (j % 2 == 0)
+                even = fmaf(p[j], rows[(size_t)j * stride + d], even);
+            else
+                odd = fmaf(p[j], rows[(size_t)j * stride + d], odd);
         }
         out[d] = even + odd;
     }
@@ -96,8 +97,7 @@ static void matvec_reference(float *y, Mat w, int r0, int n, const float *x) {
 }
 
 /* MHA, GQA, MQA: score_j = q . k_j / sqrt(d); p = softmax(scores); out = sum_j p_j v_j. */
-static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
-                                     float *out) {
+static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos, float *out) {
     const Config *c = L->cfg;
     const int g = kv_head_of(c, h), hd = c->head_dim, Hkv = c->n_kv_heads;
     float *keys = malloc((size_t)kv_window_length(cache->pool, pos) * hd * 2 * sizeof(float)), *p = NULL;
@@ -124,8 +124,8 @@ static void mla_expanded_query_reference(const Layer *L, const KVCache *cache, i
     float key[hd];
     for (int j = 0; j < n; j++) {
         const float *latent = latents + (size_t)j * lw, *k_rope = latent + dc;
-        matvec_reference(key, w->wuk, h * hd, hd, latent);                      /* k_C,j = W_UK,h c_j */
-        matvec_reference(values + (size_t)j * hd, w->wuv, h * hd, hd, latent);  /* v_j = W_UV,h c_j */
+        matvec_reference(key, w->wuk, h * hd, hd, latent);                     /* k_C,j = W_UK,h c_j */
+        matvec_reference(values + (size_t)j * hd, w->wuv, h * hd, hd, latent); /* v_j = W_UV,h c_j */
         p[j] = dot_cat(q, key, hd, q + hd, k_rope, rd) * score_scale(c);       /* [q_C ; q_R] . [k_C ; k_R] */
     }
     softmax(p, n);
@@ -146,11 +146,11 @@ static void mla_absorbed_query_reference(const Layer *L, const KVCache *cache, i
     float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
     const int n = gather_rows(L, cache, 0, pos, dc, latents);
     float *p = malloc((size_t)n * sizeof(float));
-    matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q);  /* q_lat = W_UK,h^T q_C */
-    memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));         /* q_R */
+    matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q); /* q_lat = W_UK,h^T q_C */
+    memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));        /* q_R */
     for (int j = 0; j < n; j++) p[j] = dot(q_abs, latents + (size_t)j * lw, lw) * score_scale(c);
     softmax(p, n);
-    mix_reference(ctx_lat, p, n, latents, (size_t)lw, dc);  /* sum_j p_j c_j */
+    mix_reference(ctx_lat, p, n, latents, (size_t)lw, dc); /* sum_j p_j c_j */
     matvec_reference(out, mat_block(w->wuv_heads, h, hd), 0, hd, ctx_lat);
     free(p);
     free(latents);
@@ -158,9 +158,12 @@ static void mla_absorbed_query_reference(const Layer *L, const KVCache *cache, i
 
 void attention_query_reference(const Layer *L, const KVCache *cache, int head, const float *q, int pos, MlaForm form,
                                float *out) {
-    if (L->cfg->variant != VARIANT_MLA) kv_heads_query_reference(L, cache, head, q, pos, out);
-    else if (form == MLA_ABSORBED) mla_absorbed_query_reference(L, cache, head, q, pos, out);
-    else mla_expanded_query_reference(L, cache, head, q, pos, out);
+    if (L->cfg->variant != VARIANT_MLA)
+        kv_heads_query_reference(L, cache, head, q, pos, out);
+    else if (form == MLA_ABSORBED)
+        mla_absorbed_query_reference(L, cache, head, q, pos, out);
+    else
+        mla_expanded_query_reference(L, cache, head, q, pos, out);
 }
 
 /* ---- the fast path ---- */
@@ -176,11 +179,21 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
     const size_t T = (size_t)max_tokens, H = (size_t)c->n_heads, hd = (size_t)c->head_dim;
     const size_t kv = (size_t)c->n_kv_heads * hd, dc = (size_t)c->kv_latent, rd = (size_t)c->rope_dim;
     const size_t expanded = dc ? (size_t)max_keys * (size_t)mla_exp_stride(c) : 0;
-    struct { float **p; size_t n; } bufs[] = {
-        {&a->q, T * H * (size_t)config_query_width(c)}, {&a->k, T * kv}, {&a->v, T * kv},
-        {&a->latent, T * dc}, {&a->k_rope, T * rd}, {&a->rows, T * (dc + rd)},
-        {&a->q_abs, T * H * (dc + rd)}, {&a->ctx_lat, T * H * dc},
-        {&a->latents, dc ? (size_t)max_keys * (dc + rd) : 0}, {&a->k_exp, expanded}, {&a->v_exp, expanded},
+    struct {
+        float **p;
+        size_t n;
+    } bufs[] = {
+        {&a->q, T * H * (size_t)config_query_width(c)},
+        {&a->k, T * kv},
+        {&a->v, T * kv},
+        {&a->latent, T * dc},
+        {&a->k_rope, T * rd},
+        {&a->rows, T * (dc + rd)},
+        {&a->q_abs, T * H * (dc + rd)},
+        {&a->ctx_lat, T * H * dc},
+        {&a->latents, dc ? (size_t)max_keys * (dc + rd) : 0},
+        {&a->k_exp, expanded},
+        {&a->v_exp, expanded},
         {&a->window_rows, 2 * (size_t)max_keys * kv},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
@@ -212,8 +225,8 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
 }
 
 void attn_scratch_free(AttnScratch *a) {
-    float *bufs[] = {a->q, a->k, a->v, a->latent, a->k_rope, a->rows, a->q_abs, a->ctx_lat, a->latents, a->k_exp,
-                     a->v_exp, a->window_rows};
+    float *bufs[] = {a->q,     a->k,       a->v,       a->latent, a->k_rope, a->rows,
+                     a->q_abs, a->ctx_lat, a->latents, a->k_exp,  a->v_exp,  a->window_rows};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
     free(a->scores);
@@ -230,7 +243,7 @@ typedef struct {
     const TokenSlots *slots;
     float *heads;
     float scale;
-    int windowed;  /* the keys and values were gathered into a->window_rows / a->latents */
+    int windowed; /* the keys and values were gathered into a->window_rows / a->latents */
     MlaForm form;
     Worker *wk;
 } AttnPass;
@@ -261,7 +274,8 @@ static RowBlocks item_rows(const AttnPass *p, int thread, int t, int row, const 
         blocks[b] = first.data;
         scales[b] = first.scales;
     }
-    return (RowBlocks){blocks, scales, KV_BLOCK_TOKENS, (size_t)pool->row_width, pool->dtype, pool->n_scales, pool->split};
+    return (RowBlocks){blocks,      scales,         KV_BLOCK_TOKENS, (size_t)pool->row_width,
+                       pool->dtype, pool->n_scales, pool->split};
 }
 
 /* -- the arithmetic of one item, token t's heads h0 .. h0+nh-1, which read the same rows:
@@ -276,7 +290,7 @@ static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int row) {
 static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
     const Config *c = p->L->cfg;
     const int hd = c->head_dim, place = query_place(p->slots->cache[t]->pool, p->slots->pos[t]);
-    float *q = p->a->q + ((size_t)t * c->n_heads + h0) * hd;  /* (nh, hd) */
+    float *q = p->a->q + ((size_t)t * c->n_heads + h0) * hd; /* (nh, hd) */
     for (int i = 0; i < nh; i++) rope(p->L->rope, c, q + (size_t)i * hd, place);
     dot_row_blocks(att, p->a->scores_stride, q, (size_t)hd, nh, kv_head_rows(p, thread, t, kv_head_of(c, h0)),
                    keys_of(p, t), hd, p->scale);
@@ -285,7 +299,7 @@ static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int thread
 static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
     const Config *c = p->L->cfg;
     const int hd = c->head_dim;
-    float *out = p->heads + ((size_t)t * c->n_heads + h0) * hd;  /* (nh, hd) */
+    float *out = p->heads + ((size_t)t * c->n_heads + h0) * hd; /* (nh, hd) */
     weighted_sum_row_blocks(out, (size_t)hd, att, p->a->scores_stride, nh,
                             kv_head_rows(p, thread, t, c->n_kv_heads + kv_head_of(c, h0)), keys_of(p, t), hd);
 }
@@ -293,19 +307,19 @@ static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int thread, c
 /* The expanded form reads one sequence's latents, gathered into a->latents, and its keys
  * and values expanded from them into a->k_exp and a->v_exp: each head its own rows. */
 static void mla_expanded_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
-    (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
+    (void)thread; /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = p->L->cfg;
     const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
     const int n = keys_of(p, t);
     for (int h = h0; h < h0 + nh; h++) {
-        const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd);  /* [q_C ; q_R] */
+        const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd); /* [q_C ; q_R] */
         dot_rows_cat(att + (size_t)(h - h0) * p->a->scores_stride, n, p->scale, q, p->a->k_exp + (size_t)h * hd,
                      (size_t)mla_exp_stride(c), hd, q + hd, p->a->latents + dc, (size_t)(dc + rd), rd);
     }
 }
 
 static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
-    (void)thread;  /* reads no cache blocks: the sequence's keys were expanded beforehand */
+    (void)thread; /* reads no cache blocks: the sequence's keys were expanded beforehand */
     const Config *c = p->L->cfg;
     const int hd = c->head_dim, n = keys_of(p, t);
     for (int h = h0; h < h0 + nh; h++)
@@ -323,15 +337,17 @@ static RowBlocks latent_rows(const AttnPass *p, int thread, int t) {
 static void mla_absorbed_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
     const Config *c = p->L->cfg;
     const int lw = c->kv_latent + c->rope_dim;
-    const float *q_abs = p->a->q_abs + ((size_t)t * c->n_heads + h0) * lw;  /* (nh, lw): [q_lat ; q_R] */
-    dot_row_blocks(att, p->a->scores_stride, q_abs, (size_t)lw, nh, latent_rows(p, thread, t), keys_of(p, t), lw, p->scale);
+    const float *q_abs = p->a->q_abs + ((size_t)t * c->n_heads + h0) * lw; /* (nh, lw): [q_lat ; q_R] */
+    dot_row_blocks(att, p->a->scores_stride, q_abs, (size_t)lw, nh, latent_rows(p, thread, t), keys_of(p, t), lw,
+                   p->scale);
 }
 
 static void mla_absorbed_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
     const Config *c = p->L->cfg;
     const int dc = c->kv_latent;
-    float *ctx_lat = p->a->ctx_lat + ((size_t)t * c->n_heads + h0) * dc;  /* (nh, dc): sum_j p_j c_j */
-    weighted_sum_row_blocks(ctx_lat, (size_t)dc, att, p->a->scores_stride, nh, latent_rows(p, thread, t), keys_of(p, t), dc);
+    float *ctx_lat = p->a->ctx_lat + ((size_t)t * c->n_heads + h0) * dc; /* (nh, dc): sum_j p_j c_j */
+    weighted_sum_row_blocks(ctx_lat, (size_t)dc, att, p->a->scores_stride, nh, latent_rows(p, thread, t), keys_of(p, t),
+                            dc);
 }
 
 /* -- the scheduling of the items among the threads -- */
@@ -384,27 +400,33 @@ static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     long keys = 0;
     for (int t = t0; t < t1; t++) keys += keys_of(p, t);
     const int thread = p->wk->thread;
-    float *att[2];  /* two items' scores, then probabilities: this thread's own */
+    float *att[2]; /* two items' scores, then probabilities: this thread's own */
     att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
     att[1] = att[0] + p->a->scores_per_item;
     const Variant variant = p->L->cfg->variant;
     Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim, t1 - t0));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long i = lo; i <= hi; i++) {
-            if (i < hi) {  /* item i's scores, one item ahead of the mix */
+            if (i < hi) { /* item i's scores, one item ahead of the mix */
                 const int h0 = items[2 * i], t = items[2 * i + 1];
                 float *scores = att[(i - lo) % 2];
-                if (variant != VARIANT_MLA) kv_heads_scores(p, h0, nh, t, thread, scores);
-                else if (p->form == MLA_ABSORBED) mla_absorbed_scores(p, h0, nh, t, thread, scores);
-                else mla_expanded_scores(p, h0, nh, t, thread, scores);
+                if (variant != VARIANT_MLA)
+                    kv_heads_scores(p, h0, nh, t, thread, scores);
+                else if (p->form == MLA_ABSORBED)
+                    mla_absorbed_scores(p, h0, nh, t, thread, scores);
+                else
+                    mla_expanded_scores(p, h0, nh, t, thread, scores);
             }
-            if (i > lo) {  /* item i-1's softmax and weighted sum */
+            if (i > lo) { /* item i-1's softmax and weighted sum */
                 const int h0 = items[2 * i - 2], t = items[2 * i - 1];
                 float *probs = att[(i - 1 - lo) % 2];
                 for (int h = 0; h < nh; h++) softmax(probs + (size_t)h * p->a->scores_stride, keys_of(p, t));
-                if (variant != VARIANT_MLA) kv_heads_mix(p, h0, nh, t, thread, probs);
-                else if (p->form == MLA_ABSORBED) mla_absorbed_mix(p, h0, nh, t, thread, probs);
-                else mla_expanded_mix(p, h0, nh, t, thread, probs);
+                if (variant != VARIANT_MLA)
+                    kv_heads_mix(p, h0, nh, t, thread, probs);
+                else if (p->form == MLA_ABSORBED)
+                    mla_absorbed_mix(p, h0, nh, t, thread, probs);
+                else
+                    mla_expanded_mix(p, h0, nh, t, thread, probs);
             }
         }
     share_end(&sh);
@@ -449,9 +471,9 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
     AttnScratch *a = p->a;
     const int H = c->n_heads, Hkv = c->n_kv_heads, hd = c->head_dim, T = p->slots->T;
     const MatmulJob qkv[] = {
-        {a->q, H * hd, xb, c->dim, w->wq, T},    /* q: (T, H*hd) */
-        {a->k, Hkv * hd, xb, c->dim, w->wk, T},  /* k: (T, Hkv*hd) */
-        {a->v, Hkv * hd, xb, c->dim, w->wv, T},  /* v: (T, Hkv*hd) */
+        {a->q, H * hd, xb, c->dim, w->wq, T},   /* q: (T, H*hd) */
+        {a->k, Hkv * hd, xb, c->dim, w->wk, T}, /* k: (T, Hkv*hd) */
+        {a->v, Hkv * hd, xb, c->dim, w->wv, T}, /* v: (T, Hkv*hd) */
     };
     matmul_jobs(p->wk, qkv, 3);
     Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * Hkv * hd, T));
@@ -490,9 +512,9 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
     AttnScratch *a = p->a;
     const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim, T = p->slots->T;
     const MatmulJob projections[] = {
-        {a->q, H * qw, xb, c->dim, w->wq, T},         /* q: (T, H*(hd+rd)) */
-        {a->latent, dc, xb, c->dim, w->wdkv, T},      /* c: (T, dc) */
-        {a->k_rope, rd, xb, c->dim, w->wkr, T},       /* k_R: (T, rd) */
+        {a->q, H * qw, xb, c->dim, w->wq, T},    /* q: (T, H*(hd+rd)) */
+        {a->latent, dc, xb, c->dim, w->wdkv, T}, /* c: (T, dc) */
+        {a->k_rope, rd, xb, c->dim, w->wkr, T},  /* k_R: (T, rd) */
     };
     matmul_jobs(p->wk, projections, 3);
     Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd), T));
@@ -519,8 +541,8 @@ static void mla_expanded_sequence(const AttnPass *p, int t0, int t1) {
     mla_gather(p, t1 - 1);
     /* rows of latents are [c ; k_R]: the products read the first dc floats of each */
     const MatmulJob expand[] = {
-        {a->k_exp, es, a->latents, lw, w->wuk, n_keys},  /* k_C: (n_keys, H*hd), stride es */
-        {a->v_exp, es, a->latents, lw, w->wuv, n_keys},  /* v:   (n_keys, H*hd), stride es */
+        {a->k_exp, es, a->latents, lw, w->wuk, n_keys}, /* k_C: (n_keys, H*hd), stride es */
+        {a->v_exp, es, a->latents, lw, w->wuv, n_keys}, /* v:   (n_keys, H*hd), stride es */
     };
     matmul_jobs(p->wk, expand, 2);
     run_queries(p, t0, t1, 1);
@@ -534,12 +556,13 @@ static void mla_absorb_queries(const AttnPass *p) {
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, qw = hd + rd, lw = dc + rd;
     const int T = p->slots->T;
     MatmulJob heads[H];
-    for (int h = 0; h < H; h++)  /* head h's q_C of every token, at a stride of H queries */
-        heads[h] = (MatmulJob){a->q_abs + (size_t)h * lw, H * lw, a->q + (size_t)h * qw, H * qw,
+    for (int h = 0; h < H; h++) /* head h's q_C of every token, at a stride of H queries */
+        heads[h] = (MatmulJob){a->q_abs + (size_t)h * lw,        H * lw, a->q + (size_t)h * qw, H * qw,
                                mat_block(p->L->w->wuk_t, h, dc), T};
     matmul_jobs(p->wk, heads, H);
     if (team_alone(p->wk))
-        for (size_t i = 0; i < (size_t)T * H; i++) memcpy(a->q_abs + i * lw + dc, a->q + i * qw + hd, (size_t)rd * sizeof(float));
+        for (size_t i = 0; i < (size_t)T * H; i++)
+            memcpy(a->q_abs + i * lw + dc, a->q + i * qw + hd, (size_t)rd * sizeof(float));
 }
 
 /* heads = W_UV,h ctx_lat for every token and head: (T, H*hd) */
@@ -549,8 +572,12 @@ static void mla_expand_contexts(const AttnPass *p) {
     const int H = c->n_heads, hd = c->head_dim, dc = c->kv_latent;
     MatmulJob heads[H];
     for (int h = 0; h < H; h++)
-        heads[h] = (MatmulJob){p->heads + (size_t)h * hd, H * hd, a->ctx_lat + (size_t)h * dc, H * dc,
-                               mat_block(p->L->w->wuv_heads, h, hd), p->slots->T};
+        heads[h] = (MatmulJob){p->heads + (size_t)h * hd,
+                               H * hd,
+                               a->ctx_lat + (size_t)h * dc,
+                               H * dc,
+                               mat_block(p->L->w->wuv_heads, h, hd),
+                               p->slots->T};
     matmul_jobs(p->wk, heads, H);
 }
 
@@ -566,7 +593,8 @@ static void attention_mla(const AttnPass *p, const float *xb) {
         return;
     }
     mla_absorb_queries(p);
-    if (!p->windowed) run_queries(p, 0, T, H);
+    if (!p->windowed)
+        run_queries(p, 0, T, H);
     else
         for (int t0 = 0, t1; t0 < T; t0 = t1) {
             t1 = sequence_end(p->slots, t0, T);
@@ -580,6 +608,8 @@ void attention(const Layer *L, AttnScratch *a, const TokenSlots *slots, const fl
                Worker *wk) {
     const int windowed = slots->T > 0 && slots->cache[0]->pool->window > 0;
     const AttnPass p = {L, a, slots, heads, score_scale(L->cfg), windowed, form, wk};
-    if (L->cfg->variant != VARIANT_MLA) attention_kv_heads(&p, xb);
-    else attention_mla(&p, xb);
+    if (L->cfg->variant != VARIANT_MLA)
+        attention_kv_heads(&p, xb);
+    else
+        attention_mla(&p, xb);
 }

@@ -21,8 +21,8 @@
  * its cache holds (or has reserved) every position up to its last token's. */
 typedef struct {
     int T;
-    KVCache *const *cache;  /* (T) */
-    const int *pos;         /* (T) */
+    KVCache *const *cache; /* (T) */
+    const int *pos;        /* (T) */
 } TokenSlots;
 
 /* The most heads one item of attention takes together (they read the same rows while
@@ -47,11 +47,11 @@ typedef struct {
     int max_keys;
     /* each thread's own (TEAM_MAX_THREADS of each, touched only by the threads that run):
      * on the heap rather than the threads' stacks, whose size the user sets */
-    float *scores;        /* (threads, 2, heads an item, scores_stride) two items' scores, then probabilities */
-    size_t scores_stride; /* a head's: max_keys, rounded up to a 64-byte line */
-    size_t scores_per_item; /* min(n_heads, ATTN_MAX_HEADS_PER_ITEM) * scores_stride */
-    const void **row_blocks;   /* (threads, blocks_per_row) the blocks a cache row spans */
-    const float **row_scales;  /* (threads, blocks_per_row) their int8 scales */
+    float *scores;            /* (threads, 2, heads an item, scores_stride) two items' scores, then probabilities */
+    size_t scores_stride;     /* a head's: max_keys, rounded up to a 64-byte line */
+    size_t scores_per_item;   /* min(n_heads, ATTN_MAX_HEADS_PER_ITEM) * scores_stride */
+    const void **row_blocks;  /* (threads, blocks_per_row) the blocks a cache row spans */
+    const float **row_scales; /* (threads, blocks_per_row) their int8 scales */
     int blocks_per_row;
 } AttnScratch;
 

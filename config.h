@@ -23,15 +23,15 @@ typedef enum { MLA_ABSORBED, MLA_EXPANDED } MlaForm;
 
 typedef struct {
     Variant variant;
-    DType dtype;        /* of every tensor in the file */
-    int dim;            /* d_model */
+    DType dtype; /* of every tensor in the file */
+    int dim;     /* d_model */
     int n_layers;
-    int n_heads;        /* query heads */
+    int n_heads; /* query heads */
     int head_dim;
-    int n_kv_heads;     /* MHA: n_heads; GQA: a divisor; MQA: 1; MLA: 0 */
-    int kv_latent;      /* MLA: d_c; otherwise 0 */
-    int rope_dim;       /* MLA: width of the decoupled RoPE part; otherwise 0 */
-    int hidden_dim;     /* FFN */
+    int n_kv_heads; /* MHA: n_heads; GQA: a divisor; MQA: 1; MLA: 0 */
+    int kv_latent;  /* MLA: d_c; otherwise 0 */
+    int rope_dim;   /* MLA: width of the decoupled RoPE part; otherwise 0 */
+    int hidden_dim; /* FFN */
     int vocab_size;
     int max_seq_len;
     float rope_theta;
@@ -42,34 +42,36 @@ typedef struct {
 /* Width of the vectors RoPE rotates: MLA's decoupled part, or a whole head. */
 static inline int config_rope_width(const Config *c) { return c->variant == VARIANT_MLA ? c->rope_dim : c->head_dim; }
 /* Width of a query head: MLA's [q_C ; q_R], or a head. */
-static inline int config_query_width(const Config *c) { return c->head_dim + (c->variant == VARIANT_MLA ? c->rope_dim : 0); }
+static inline int config_query_width(const Config *c) {
+    return c->head_dim + (c->variant == VARIANT_MLA ? c->rope_dim : 0);
+}
 
 typedef struct {
-    Mat attn_norm;      /* [dim] */
-    Mat wq;             /* [n_heads*head_dim][dim]; MLA: [n_heads*(head_dim+rope_dim)][dim] */
-    Mat wk, wv;         /* [n_kv_heads*head_dim][dim]                 (MHA, GQA, MQA) */
-    Mat wdkv;           /* [kv_latent][dim]                           (MLA) */
-    Mat kv_norm;        /* [kv_latent]                                (MLA) */
-    Mat wkr;            /* [rope_dim][dim]                            (MLA) */
-    Mat wuk, wuv;       /* [n_heads*head_dim][kv_latent]              (MLA) */
+    Mat attn_norm; /* [dim] */
+    Mat wq;        /* [n_heads*head_dim][dim]; MLA: [n_heads*(head_dim+rope_dim)][dim] */
+    Mat wk, wv;    /* [n_kv_heads*head_dim][dim]                 (MHA, GQA, MQA) */
+    Mat wdkv;      /* [kv_latent][dim]                           (MLA) */
+    Mat kv_norm;   /* [kv_latent]                                (MLA) */
+    Mat wkr;       /* [rope_dim][dim]                            (MLA) */
+    Mat wuk, wuv;  /* [n_heads*head_dim][kv_latent]              (MLA) */
     /* absorbed MLA, derived at load, each head packed on its own (mat_block(wuk_t, h, kv_latent)): */
-    Mat wuk_t;          /* [n_heads][kv_latent][head_dim]: W_UK,h transposed */
-    Mat wuv_heads;      /* [n_heads][head_dim][kv_latent]: W_UV,h */
-    Mat wo;             /* [dim][n_heads*head_dim] */
-    Mat ffn_norm;       /* [dim] */
-    Mat w1, w3;         /* [hidden_dim][dim] */
-    Mat w2;             /* [dim][hidden_dim] */
+    Mat wuk_t;     /* [n_heads][kv_latent][head_dim]: W_UK,h transposed */
+    Mat wuv_heads; /* [n_heads][head_dim][kv_latent]: W_UV,h */
+    Mat wo;        /* [dim][n_heads*head_dim] */
+    Mat ffn_norm;  /* [dim] */
+    Mat w1, w3;    /* [hidden_dim][dim] */
+    Mat w2;        /* [dim][hidden_dim] */
 } LayerWeights;
 
 typedef struct {
     Mat tok_embeddings; /* [vocab_size][dim], also the output head */
     LayerWeights *layers;
-    Mat final_norm;     /* [dim] */
+    Mat final_norm; /* [dim] */
 } Weights;
 
 /* cos and sin of every position's rotation angles (attention.h's rope_tables_init) */
 typedef struct {
-    float *cos, *sin;   /* [max_seq_len][config_rope_width / 2] */
+    float *cos, *sin; /* [max_seq_len][config_rope_width / 2] */
 } RopeTables;
 
 /* What one layer's attention reads of a model: the shape, the layer's weights, RoPE's

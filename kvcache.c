@@ -19,7 +19,7 @@ static size_t layer_bytes(const Config *c, DType dtype, size_t *scales_offset) {
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
     const size_t data = (size_t)rows * width * dtype_size(dtype);
     *scales_offset = (data + 3) / 4 * 4;
-    return (*scales_offset + (size_t)rows * n_scales * sizeof(float) + 63) / 64 * 64;  /* layers on cache lines */
+    return (*scales_offset + (size_t)rows * n_scales * sizeof(float) + 63) / 64 * 64; /* layers on cache lines */
 }
 
 size_t kv_block_bytes_for(const Config *c, DType dtype) {
@@ -46,7 +46,7 @@ int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks) {
         kv_pool_free(pool);
         return -1;
     }
-    for (int i = 0; i < n_blocks; i++) pool->free_blocks[i] = n_blocks - 1 - i;  /* block 0 first */
+    for (int i = 0; i < n_blocks; i++) pool->free_blocks[i] = n_blocks - 1 - i; /* block 0 first */
     pool->n_free = n_blocks;
     return 0;
 }

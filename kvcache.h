@@ -37,27 +37,27 @@
 enum { KV_BLOCK_TOKENS = 16 };
 
 typedef struct {
-    int n_layers, n_kv_heads, head_dim;  /* 0 heads for MLA */
-    int row_width;                       /* elements a row: head_dim, or MLA's kv_latent + rope_dim */
-    int split;                           /* int8: a row's second scale starts here (MLA's k_R); else row_width */
-    int n_scales;                        /* int8: scales a row (1 or 2); else 0 */
+    int n_layers, n_kv_heads, head_dim; /* 0 heads for MLA */
+    int row_width;                      /* elements a row: head_dim, or MLA's kv_latent + rope_dim */
+    int split;                          /* int8: a row's second scale starts here (MLA's k_R); else row_width */
+    int n_scales;                       /* int8: scales a row (1 or 2); else 0 */
     DType dtype;
-    size_t row_bytes, layer_bytes, scales_offset;  /* within one layer of a block */
-    int window, sinks;                   /* 0: no window */
+    size_t row_bytes, layer_bytes, scales_offset; /* within one layer of a block */
+    int window, sinks;                            /* 0: no window */
     int n_blocks;
-    unsigned char *data;                 /* (n_blocks, n_layers, layer_bytes) */
-    int *refs;                           /* (n_blocks) sequences holding each block; 0 = free */
-    int *free_blocks, n_free;            /* a stack of the free block ids */
-    int peak_in_use;                     /* the most blocks in use at once */
+    unsigned char *data;      /* (n_blocks, n_layers, layer_bytes) */
+    int *refs;                /* (n_blocks) sequences holding each block; 0 = free */
+    int *free_blocks, n_free; /* a stack of the free block ids */
+    int peak_in_use;          /* the most blocks in use at once */
 } KVPool;
 
 /* A sequence's cache: it has seen positions [0, len); blocks[0 .. n_blocks) hold them, or
  * with a window the ones it keeps. */
 typedef struct {
     KVPool *pool;
-    int *blocks;          /* (max_blocks) block table */
+    int *blocks; /* (max_blocks) block table */
     int n_blocks, max_blocks;
-    int len;              /* positions seen */
+    int len; /* positions seen */
 } KVCache;
 
 /* Bytes of one block for model c with elements in dtype. */
@@ -98,7 +98,9 @@ static inline int kv_slot(const KVPool *p, int pos) {
 /* How many positions a query at pos sees (its place in the window is one less), and the
  * i-th of them, oldest first: all of 0 .. pos, or with a full window the sinks and then
  * the most recent window - sinks. */
-static inline int kv_window_length(const KVPool *p, int pos) { return !p->window || pos < p->window ? pos + 1 : p->window; }
+static inline int kv_window_length(const KVPool *p, int pos) {
+    return !p->window || pos < p->window ? pos + 1 : p->window;
+}
 static inline int kv_window_position(const KVPool *p, int pos, int i) {
     return !p->window || pos < p->window || i < p->sinks ? i : pos + 1 - (p->window - p->sinks) + (i - p->sinks);
 }
@@ -122,7 +124,8 @@ static inline KVRow kv_row(const KVCache *c, int layer, int row, int pos) {
     const int slot = kv_slot(p, pos);
     unsigned char *l = p->data + ((size_t)c->blocks[slot / KV_BLOCK_TOKENS] * p->n_layers + layer) * p->layer_bytes;
     const int r = row * KV_BLOCK_TOKENS + slot % KV_BLOCK_TOKENS;
-    const KVRow out = {l + (size_t)r * p->row_bytes, p->n_scales ? (float *)(l + p->scales_offset) + (size_t)r * p->n_scales : NULL};
+    const KVRow out = {l + (size_t)r * p->row_bytes,
+                       p->n_scales ? (float *)(l + p->scales_offset) + (size_t)r * p->n_scales : NULL};
     return out;
 }
 static inline KVRow kv_key(const KVCache *c, int layer, int head, int pos) { return kv_row(c, layer, head, pos); }

@@ -1,5 +1,5 @@
 /* loader.c: reading a checkpoint (docs/FORMAT.md; loader.h). */
-#define _DEFAULT_SOURCE  /* madvise, MADV_HUGEPAGE */
+#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
 #include "loader.h"
 
 #include <errno.h>
@@ -16,7 +16,7 @@
 #include "tokenizer/spm_c.h"
 
 #define HEADER_SIZE 128
-#define RESERVED_OFFSET 104  /* the header's last 24 bytes, zero in version 1 */
+#define RESERVED_OFFSET 104 /* the header's last 24 bytes, zero in version 1 */
 #define FORMAT_VERSION 1
 #define MAX_DIM 65536
 /* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
@@ -37,7 +37,7 @@ const char *variant_name(const Config *c) {
     static const char *names[] = {"mha", "gqa", "mqa"};
     static _Thread_local char mla[32];
     if (c->variant != VARIANT_MLA) return names[c->variant];
-    snprintf(mla, sizeof mla, "mla%d", c->kv_latent);  /* mla64, mla128 */
+    snprintf(mla, sizeof mla, "mla%d", c->kv_latent); /* mla64, mla128 */
     return mla;
 }
 
@@ -72,9 +72,7 @@ void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *
 }
 #undef VISIT
 
-static void count_elements(void *ctx, const TensorRef *t) {
-    *(uint64_t *)ctx += (uint64_t)t->rows * (uint64_t)t->cols;
-}
+static void count_elements(void *ctx, const TensorRef *t) { *(uint64_t *)ctx += (uint64_t)t->rows * (uint64_t)t->cols; }
 
 size_t model_param_count(const Config *c) {
     uint64_t n = 0;
@@ -89,47 +87,67 @@ size_t model_param_count(const Config *c) {
 
 /* Checks the header's numbers; everything later relies on them. */
 static int check_config(const Config *c, char *err, size_t errlen) {
-    const struct { const char *name; int v; } dims[] = {
-        {"dim", c->dim}, {"n_layers", c->n_layers}, {"n_heads", c->n_heads}, {"head_dim", c->head_dim},
-        {"hidden_dim", c->hidden_dim}, {"vocab_size", c->vocab_size}, {"max_seq_len", c->max_seq_len},
+    const struct {
+        const char *name;
+        int v;
+    } dims[] = {
+        {"dim", c->dim},
+        {"n_layers", c->n_layers},
+        {"n_heads", c->n_heads},
+        {"head_dim", c->head_dim},
+        {"hidden_dim", c->hidden_dim},
+        {"vocab_size", c->vocab_size},
+        {"max_seq_len", c->max_seq_len},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i].v <= 0 || dims[i].v > MAX_DIM)
-            return errmsg(err, errlen, -1, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v, MAX_DIM);
+            return errmsg(err, errlen, -1, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v,
+                          MAX_DIM);
     if (c->n_layers > 256) return errmsg(err, errlen, -1, "checkpoint: n_layers = %d is absurd", c->n_layers);
-    if (c->max_seq_len > MAX_SEQ_LEN) return errmsg(err, errlen, -1, "checkpoint: max_seq_len = %d is over %d", c->max_seq_len, MAX_SEQ_LEN);
+    if (c->max_seq_len > MAX_SEQ_LEN)
+        return errmsg(err, errlen, -1, "checkpoint: max_seq_len = %d is over %d", c->max_seq_len, MAX_SEQ_LEN);
     if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
-        return errmsg(err, errlen, -1, "checkpoint: n_heads * head_dim = %ld is absurd", (long)c->n_heads * c->head_dim);
+        return errmsg(err, errlen, -1, "checkpoint: n_heads * head_dim = %ld is absurd",
+                      (long)c->n_heads * c->head_dim);
     if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
         c->n_kv_heads > MAX_DIM)
         return errmsg(err, errlen, -1, "checkpoint: n_kv_heads, kv_latent or rope_dim is out of range");
     switch (c->variant) {
     case VARIANT_MHA:
-        if (c->n_kv_heads != c->n_heads) return errmsg(err, errlen, -1, "checkpoint: an MHA model needs n_kv_heads == n_heads (%d != %d)", c->n_kv_heads, c->n_heads);
+        if (c->n_kv_heads != c->n_heads)
+            return errmsg(err, errlen, -1, "checkpoint: an MHA model needs n_kv_heads == n_heads (%d != %d)",
+                          c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_GQA:
         if (c->n_kv_heads <= 1 || c->n_kv_heads >= c->n_heads || c->n_heads % c->n_kv_heads != 0)
-            return errmsg(err, errlen, -1, "checkpoint: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)", c->n_kv_heads, c->n_heads);
+            return errmsg(err, errlen, -1,
+                          "checkpoint: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)",
+                          c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_MQA:
-        if (c->n_kv_heads != 1) return errmsg(err, errlen, -1, "checkpoint: an MQA model needs n_kv_heads == 1 (got %d)", c->n_kv_heads);
+        if (c->n_kv_heads != 1)
+            return errmsg(err, errlen, -1, "checkpoint: an MQA model needs n_kv_heads == 1 (got %d)", c->n_kv_heads);
         break;
     case VARIANT_MLA:
         if (c->n_kv_heads != 0 || c->kv_latent <= 0 || c->rope_dim <= 0 || c->rope_dim % 2 != 0)
-            return errmsg(err, errlen, -1, "checkpoint: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0");
+            return errmsg(err, errlen, -1,
+                          "checkpoint: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0");
         break;
-    default:
-        return errmsg(err, errlen, -1, "checkpoint: unknown variant %d", (int)c->variant);
+    default: return errmsg(err, errlen, -1, "checkpoint: unknown variant %d", (int)c->variant);
     }
     if (c->variant != VARIANT_MLA && (c->kv_latent != 0 || c->rope_dim != 0))
         return errmsg(err, errlen, -1, "checkpoint: kv_latent and rope_dim must be 0 for %s", variant_name(c));
-    if (c->head_dim % 2 != 0) return errmsg(err, errlen, -1, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
-    if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f)) return errmsg(err, errlen, -1, "checkpoint: rope_theta is not a sane number");
-    if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f)) return errmsg(err, errlen, -1, "checkpoint: norm_eps is not in (0, 1)");
+    if (c->head_dim % 2 != 0)
+        return errmsg(err, errlen, -1, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
+    if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f))
+        return errmsg(err, errlen, -1, "checkpoint: rope_theta is not a sane number");
+    if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f))
+        return errmsg(err, errlen, -1, "checkpoint: norm_eps is not in (0, 1)");
     long rope_entries = (long)c->max_seq_len * (config_rope_width(c) / 2);
     if (rope_entries > MAX_ROPE_ENTRIES)
-        return errmsg(err, errlen, -1, "checkpoint: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)",
-                    rope_entries, MAX_ROPE_ENTRIES);
+        return errmsg(err, errlen, -1,
+                      "checkpoint: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)", rope_entries,
+                      MAX_ROPE_ENTRIES);
     if (c->bos_id < 0 || c->bos_id >= c->vocab_size || c->eos_id < 0 || c->eos_id >= c->vocab_size)
         return errmsg(err, errlen, -1, "checkpoint: bos_id or eos_id is outside the vocabulary");
     return 0;
@@ -138,25 +156,40 @@ static int check_config(const Config *c, char *err, size_t errlen) {
 static int parse_header(Config *c, const unsigned char *h, char *err, size_t errlen) {
     if (memcmp(h, "AKVC", 4) != 0) return errmsg(err, errlen, -1, "checkpoint: bad magic (not an AKVC checkpoint)");
     uint32_t version = rd_u32(h + 4);
-    if (version != FORMAT_VERSION) return errmsg(err, errlen, -1, "checkpoint: unsupported version %u (this program reads %d)", version, FORMAT_VERSION);
+    if (version != FORMAT_VERSION)
+        return errmsg(err, errlen, -1, "checkpoint: unsupported version %u (this program reads %d)", version,
+                      FORMAT_VERSION);
     uint32_t variant = rd_u32(h + 8), dtype = rd_u32(h + 12);
     if (variant > VARIANT_MLA) return errmsg(err, errlen, -1, "checkpoint: unknown variant %u", variant);
     if (dtype > DTYPE_BF16) return errmsg(err, errlen, -1, "checkpoint: unknown dtype %u", dtype);
     for (int i = RESERVED_OFFSET; i < HEADER_SIZE; i++)
         if (h[i] != 0)
-            return errmsg(err, errlen, -1, "checkpoint: reserved header byte %d is %u, not 0 (a newer format?)", i, h[i]);
+            return errmsg(err, errlen, -1, "checkpoint: reserved header byte %d is %u, not 0 (a newer format?)", i,
+                          h[i]);
     c->variant = (Variant)variant;
     c->dtype = (DType)dtype;
     /* the u32 fields from offset 16 on, in order, and the least value each may take */
-    const struct { int *field; const char *name; int min; } dims[] = {
-        {&c->dim, "dim", 1}, {&c->n_layers, "n_layers", 1}, {&c->n_heads, "n_heads", 1}, {&c->head_dim, "head_dim", 1},
-        {&c->n_kv_heads, "n_kv_heads", 0}, {&c->kv_latent, "kv_latent", 0}, {&c->rope_dim, "rope_dim", 0},
-        {&c->hidden_dim, "hidden_dim", 1}, {&c->vocab_size, "vocab_size", 1}, {&c->max_seq_len, "max_seq_len", 1},
+    const struct {
+        int *field;
+        const char *name;
+        int min;
+    } dims[] = {
+        {&c->dim, "dim", 1},
+        {&c->n_layers, "n_layers", 1},
+        {&c->n_heads, "n_heads", 1},
+        {&c->head_dim, "head_dim", 1},
+        {&c->n_kv_heads, "n_kv_heads", 0},
+        {&c->kv_latent, "kv_latent", 0},
+        {&c->rope_dim, "rope_dim", 0},
+        {&c->hidden_dim, "hidden_dim", 1},
+        {&c->vocab_size, "vocab_size", 1},
+        {&c->max_seq_len, "max_seq_len", 1},
     };
     for (int i = 0; i < 10; i++) {
         uint32_t v = rd_u32(h + 16 + 4 * i);
-        if (v > (uint32_t)MAX_DIM)  /* here, while the file's own number is at hand for the message */
-            return errmsg(err, errlen, -1, "checkpoint: %s = %u is out of range (%d..%d)", dims[i].name, v, dims[i].min, MAX_DIM);
+        if (v > (uint32_t)MAX_DIM) /* here, while the file's own number is at hand for the message */
+            return errmsg(err, errlen, -1, "checkpoint: %s = %u is out of range (%d..%d)", dims[i].name, v, dims[i].min,
+                          MAX_DIM);
         *dims[i].field = (int)v;
     }
     c->rope_theta = rd_f32(h + 56);
@@ -219,7 +252,8 @@ static void *alloc_weights(size_t w_size) {
     void *p = NULL;
     if (posix_memalign(&p, w_size >= HUGE_PAGE ? HUGE_PAGE : 64, w_size) != 0) return NULL;
 #ifdef MADV_HUGEPAGE
-    if (w_size >= HUGE_PAGE) madvise(p, w_size / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE);  /* a hint; 4 KB pages still work */
+    if (w_size >= HUGE_PAGE)
+        madvise(p, w_size / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE); /* a hint; 4 KB pages still work */
 #endif
     return p;
 }
@@ -229,10 +263,10 @@ static void *alloc_weights(size_t w_size) {
 typedef struct {
     int fd;
     const char *path;
-    size_t offset;       /* in the file, of the next tensor */
-    char *dst;           /* in the heap copy */
+    size_t offset; /* in the file, of the next tensor */
+    char *dst;     /* in the heap copy */
     DType dt;
-    char *rowmajor;      /* (rowmajor_bytes) one tensor as the file holds it */
+    char *rowmajor; /* (rowmajor_bytes) one tensor as the file holds it */
     size_t rowmajor_bytes;
     char *err;
     size_t errlen;
@@ -253,21 +287,25 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
         }
     }
     if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
-        cur->failed = errno ? errmsg(cur->err, cur->errlen, 1, "cannot read checkpoint %s: %s", msg_path(cur->path).s, strerror(errno))
-                            : errmsg(cur->err, cur->errlen, 1, "checkpoint %s shrank while it was being read (truncated?)",
-                                     msg_path(cur->path).s);
+        cur->failed = errno
+                          ? errmsg(cur->err, cur->errlen, 1, "cannot read checkpoint %s: %s", msg_path(cur->path).s,
+                                   strerror(errno))
+                          : errmsg(cur->err, cur->errlen, 1,
+                                   "checkpoint %s shrank while it was being read (truncated?)", msg_path(cur->path).s);
         return;
     }
     const long bad = first_nonfinite(cur->rowmajor, n, cur->dt);
     if (bad >= 0) {
         const int row = (int)(bad / t->cols), col = (int)(bad % t->cols);
         const char *what = cur->dt == DTYPE_BF16 ? ((const uint16_t *)cur->rowmajor)[bad] & 0x7Fu ? "NaN" : "infinite"
-                                                 : ((const uint32_t *)cur->rowmajor)[bad] & 0x7FFFFFu ? "NaN" : "infinite";
+                           : ((const uint32_t *)cur->rowmajor)[bad] & 0x7FFFFFu ? "NaN"
+                                                                                : "infinite";
         if (t->layer >= 0)
-            cur->failed = errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s in layer %d is %s", row, col,
-                                 t->name, t->layer, what);
+            cur->failed = errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s in layer %d is %s", row,
+                                 col, t->name, t->layer, what);
         else
-            cur->failed = errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s is %s", row, col, t->name, what);
+            cur->failed =
+                errmsg(cur->err, cur->errlen, 1, "checkpoint: weight [%d][%d] of %s is %s", row, col, t->name, what);
         return;
     }
     mat_pack(cur->dst, cur->rowmajor, t->rows, t->cols, cur->dt);
@@ -287,8 +325,8 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
     char *tokenizer = NULL;
     PackCursor cur = {.fd = fd, .path = path, .err = err, .errlen = errlen};
     if (size < HEADER_SIZE) {
-        errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header", msg_path(path).s,
-               size, HEADER_SIZE);
+        errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header",
+               msg_path(path).s, size, HEADER_SIZE);
         goto bad;
     }
     if (read_at(fd, h, HEADER_SIZE, 0) != 0) goto unreadable;
@@ -298,18 +336,20 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
     uint64_t tok_off = rd_u64(h + 72), tok_size = rd_u64(h + 80), w_off = rd_u64(h + 88), w_size = rd_u64(h + 96);
     if (tok_off < HEADER_SIZE || tok_off > size || tok_size == 0 || tok_size > size - tok_off) {
         errmsg(err, errlen, -1, "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
-             (unsigned long long)tok_off, (unsigned long long)tok_size, size);
+               (unsigned long long)tok_off, (unsigned long long)tok_size, size);
         goto bad;
     }
     if (w_off % 64 != 0 || w_off < tok_off + tok_size || w_off > size || w_size != size - w_off) {
-        errmsg(err, errlen, -1, "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should (truncated?)",
-             (unsigned long long)w_off, (unsigned long long)w_size, size);
+        errmsg(err, errlen, -1,
+               "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should "
+               "(truncated?)",
+               (unsigned long long)w_off, (unsigned long long)w_size, size);
         goto bad;
     }
     uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
     if (w_size != expect) {
-        errmsg(err, errlen, -1, "checkpoint: weights hold %llu bytes but the dimensions imply %llu", (unsigned long long)w_size,
-             (unsigned long long)expect);
+        errmsg(err, errlen, -1, "checkpoint: weights hold %llu bytes but the dimensions imply %llu",
+               (unsigned long long)w_size, (unsigned long long)expect);
         goto bad;
     }
 
@@ -325,8 +365,11 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
     }
     if (spm_vocab_size(m->tokenizer) != c->vocab_size || spm_bos_id(m->tokenizer) != c->bos_id ||
         spm_eos_id(m->tokenizer) != c->eos_id) {
-        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer (%d pieces, bos %d, eos %d) does not match the model (%d, bos %d, eos %d)",
-             spm_vocab_size(m->tokenizer), spm_bos_id(m->tokenizer), spm_eos_id(m->tokenizer), c->vocab_size, c->bos_id, c->eos_id);
+        errmsg(err, errlen, -1,
+               "checkpoint: the embedded tokenizer (%d pieces, bos %d, eos %d) does not match the model (%d, bos %d, "
+               "eos %d)",
+               spm_vocab_size(m->tokenizer), spm_bos_id(m->tokenizer), spm_eos_id(m->tokenizer), c->vocab_size,
+               c->bos_id, c->eos_id);
         goto bad;
     }
 
@@ -344,8 +387,10 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
     close(fd);
     return 0;
 unreadable:
-    if (errno) errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
-    else errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
+    if (errno)
+        errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
+    else
+        errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
     goto bad;
 out_of_memory:
     errmsg(err, errlen, -1, "out of memory loading %s", msg_path(path).s);
@@ -365,4 +410,3 @@ void model_free(Model *m) {
     free(m->weights);
     memset(m, 0, sizeof *m);
 }
-

@@ -4,13 +4,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 int runstate_init(RunState *s, const Config *c, int max_tokens) {
     memset(s, 0, sizeof *s);
     s->max_tokens = max_tokens;
     const size_t T = (size_t)max_tokens;
-    struct { float **p; size_t n; } bufs[] = {
-        {&s->x, T * c->dim}, {&s->xb, T * c->dim}, {&s->heads, T * c->n_heads * c->head_dim},
+    struct {
+        float **p;
+        size_t n;
+    } bufs[] = {
+        {&s->x, T * c->dim},         {&s->xb, T * c->dim},         {&s->heads, T * c->n_heads * c->head_dim},
         {&s->hb, T * c->hidden_dim}, {&s->hb2, T * c->hidden_dim},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
@@ -59,21 +61,21 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
     const TokenSlots slots = {T, b->cache, s->pos};
 
     if (team_alone(wk))
-        for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, b->ids[t]);  /* x: (T, D) */
-    residual_rmsnorm(wk, s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c);  /* xb = RMSNorm(x): (T, D) */
+        for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, b->ids[t]); /* x: (T, D) */
+    residual_rmsnorm(wk, s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c); /* xb = RMSNorm(x): (T, D) */
 
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
         const Layer layer = {c, w, &m->rope, l};
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
-        attention(&layer, &s->attn, &slots, s->xb, s->heads, form, wk);  /* heads: (T, HD) */
-        matmul(wk, s->xb, D, s->heads, HD, w->wo, T);                    /* (T, D) */
+        attention(&layer, &s->attn, &slots, s->xb, s->heads, form, wk); /* heads: (T, HD) */
+        matmul(wk, s->xb, D, s->heads, HD, w->wo, T);                   /* (T, D) */
         residual_rmsnorm(wk, s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
         /* x += W2 (silu(W1 xb) * W3 xb), then xb = RMSNorm(x), with the next layer's norm
          * or the final one */
-        matmul_swiglu(wk, s->hb, s->hb2, s->xb, D, w->w1, w->w3, T);    /* hb = silu(W1 xb) * W3 xb: (T, F) */
-        matmul(wk, s->xb, D, s->hb, F, w->w2, T);                        /* (T, D) */
+        matmul_swiglu(wk, s->hb, s->hb2, s->xb, D, w->w1, w->w3, T); /* hb = silu(W1 xb) * W3 xb: (T, F) */
+        matmul(wk, s->xb, D, s->hb, F, w->w2, T);                    /* (T, D) */
         Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
         residual_rmsnorm(wk, s->x, s->xb, s->xb, next_norm, T, c);
     }
@@ -86,20 +88,21 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
                 memcpy(s->x + (size_t)i * D, s->xb + (size_t)b->logit_tokens[i] * D, (size_t)D * sizeof(float));
         rows = s->x;
     }
-    matmul(wk, logits, c->vocab_size, rows, D, m->w.tok_embeddings, b->n_logits);  /* (n_logits, vocab) */
+    matmul(wk, logits, c->vocab_size, rows, D, m->w.tok_embeddings, b->n_logits); /* (n_logits, vocab) */
 }
 
 int model_prepare(const Model *m, RunState *s, const Batch *b) {
     const int T = b->n_tokens;
     if (T < 1 || T > s->max_tokens || b->n_logits < 1 || b->n_logits > T) return MODEL_ERR_BATCH;
     for (int i = 0; i < b->n_logits; i++)
-        if (b->logit_tokens[i] < 0 || b->logit_tokens[i] >= T || (i > 0 && b->logit_tokens[i] <= b->logit_tokens[i - 1]))
+        if (b->logit_tokens[i] < 0 || b->logit_tokens[i] >= T ||
+            (i > 0 && b->logit_tokens[i] <= b->logit_tokens[i - 1]))
             return MODEL_ERR_BATCH;
     for (int t = 0; t < T; t++) {
         if (b->ids[t] < 0 || b->ids[t] >= m->cfg.vocab_size) return MODEL_ERR_BATCH;
         const int same = t > 0 && b->cache[t] == b->cache[t - 1];
         if (!same)
-            for (int u = 0; u < t; u++)  /* a sequence's tokens are consecutive */
+            for (int u = 0; u < t; u++) /* a sequence's tokens are consecutive */
                 if (b->cache[u] == b->cache[t]) return MODEL_ERR_BATCH;
         s->pos[t] = same ? s->pos[t - 1] + 1 : b->cache[t]->len;
         /* past the context only through a window, which rotates by place: RoPE's tables end there */
@@ -113,7 +116,8 @@ int model_prepare(const Model *m, RunState *s, const Batch *b) {
 
 int model_finish(const Model *m, RunState *s, const Batch *b, const float *logits) {
     for (int t = 0; t < b->n_tokens; t++) b->cache[t]->len = s->pos[t] + 1;
-    if (first_nonfinite(logits, (size_t)b->n_logits * (size_t)m->cfg.vocab_size, DTYPE_F32) >= 0) return MODEL_ERR_NONFINITE;
+    if (first_nonfinite(logits, (size_t)b->n_logits * (size_t)m->cfg.vocab_size, DTYPE_F32) >= 0)
+        return MODEL_ERR_NONFINITE;
     return 0;
 }
 

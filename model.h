@@ -22,22 +22,22 @@ typedef struct SpmTokenizer SpmTokenizer;
 typedef struct {
     Config cfg;
     Weights w;
-    SpmTokenizer *tokenizer;  /* embedded in the checkpoint */
+    SpmTokenizer *tokenizer; /* embedded in the checkpoint */
     RopeTables rope;
-    void *weights;            /* the file's weights, packed (kernels.h), on huge pages where possible */
-    void *derived;            /* storage of wuk_t and wuv_heads */
+    void *weights; /* the file's weights, packed (kernels.h), on huge pages where possible */
+    void *derived; /* storage of wuk_t and wuv_heads */
 } Model;
 
 /* Scratch for forward passes of up to max_tokens tokens (T in the comments). */
 typedef struct {
     int max_tokens;
-    float *x;           /* (T, dim) residual stream */
-    float *xb;          /* (T, dim) normalized input / sublayer output */
-    float *heads;       /* (T, n_heads*head_dim) attention output, heads concatenated */
-    float *hb, *hb2;    /* (T, hidden_dim) */
-    int *pos;           /* (T) each token's position in its sequence */
-    KVCache **caches;   /* (T) model_forward's one cache, once per token */
-    int *logit_tokens;  /* (T) model_forward's rows of logits */
+    float *x;          /* (T, dim) residual stream */
+    float *xb;         /* (T, dim) normalized input / sublayer output */
+    float *heads;      /* (T, n_heads*head_dim) attention output, heads concatenated */
+    float *hb, *hb2;   /* (T, hidden_dim) */
+    int *pos;          /* (T) each token's position in its sequence */
+    KVCache **caches;  /* (T) model_forward's one cache, once per token */
+    int *logit_tokens; /* (T) model_forward's rows of logits */
     AttnScratch attn;
 } RunState;
 
@@ -51,8 +51,8 @@ void runstate_free(RunState *s);
  * as (n_logits, vocab_size). */
 typedef struct {
     int n_tokens;
-    const int *ids;          /* (T) */
-    KVCache *const *cache;   /* (T) */
+    const int *ids;        /* (T) */
+    KVCache *const *cache; /* (T) */
     int n_logits;
     const int *logit_tokens; /* (n_logits) */
 } Batch;

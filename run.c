@@ -55,9 +55,11 @@ enum { MIN_STACK_BYTES = 32 << 10 };
 /* The limits that depend on the checkpoint: -k, -n, --window. */
 static void check_limits(const Model *m, const Options *o) {
     const int ctx = m->cfg.max_seq_len;
-    if (o->top_k > m->cfg.vocab_size) die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o->top_k, m->cfg.vocab_size);
+    if (o->top_k > m->cfg.vocab_size)
+        die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o->top_k, m->cfg.vocab_size);
     if (o->steps > ctx && (!o->window || o->check_kv))
-        die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o->steps, ctx, o->check_kv ? "" : "; more with --window");
+        die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o->steps, ctx,
+            o->check_kv ? "" : "; more with --window");
     if (o->window > ctx) die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o->window, ctx);
     if (o->window && o->window <= o->window_sinks)
         die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o->window, o->window_sinks);
@@ -73,12 +75,15 @@ static void open_pool(KVPool *pool, const Model *m, const Options *o) {
     const double blocks = o->kv_mem_mb > 0.0f ? floor((double)o->kv_mem_mb * 1048576.0 / (double)block_bytes)
                                               : (double)(o->kv ? o->batch : 1) * one_sequence;
     if (blocks < one_sequence)
-        die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d",
+        die(EXIT_USAGE,
+            "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d",
             (double)o->kv_mem_mb, blocks, block_bytes, o->window ? "window" : "context",
             o->window ? o->window : m->cfg.max_seq_len, one_sequence);
-    if (blocks > INT_MAX) die(EXIT_USAGE, "--kv-mem %g MB is more blocks than this program counts", (double)o->kv_mem_mb);
+    if (blocks > INT_MAX)
+        die(EXIT_USAGE, "--kv-mem %g MB is more blocks than this program counts", (double)o->kv_mem_mb);
     if (kv_pool_init(pool, &m->cfg, o->kv_dtype, (int)blocks) != 0)
-        die(1, "out of memory: the KV cache pool of %.0f blocks takes %.0f bytes", blocks, blocks * (double)block_bytes);
+        die(1, "out of memory: the KV cache pool of %.0f blocks takes %.0f bytes", blocks,
+            blocks * (double)block_bytes);
     if (o->window) kv_pool_set_window(pool, o->window, o->window_sinks);
 }
 
@@ -93,14 +98,16 @@ int main(int argc, char **argv) {
         _exit(EXIT_USAGE);
     }
     Options o;
-    size_t errlen = 256;  /* room for the longest message with every argument in it */
+    size_t errlen = 256; /* room for the longest message with every argument in it */
     for (int i = 0; i < argc; i++) errlen += strlen(argv[i]);
     char *usage_err = malloc(errlen);
     if (!usage_err) die(1, "out of memory");
     const int rc = cli_parse(&o, argc, argv, usage_err, errlen);
     if (rc == CLI_HELP || rc == CLI_VERSION) {
-        if (rc == CLI_HELP) cli_usage(stdout);
-        else printf("run %s (commit %s)\n", RUN_VERSION, build_commit());
+        if (rc == CLI_HELP)
+            cli_usage(stdout);
+        else
+            printf("run %s (commit %s)\n", RUN_VERSION, build_commit());
         exit(0);
     }
     if (rc != CLI_RUN) {
@@ -113,8 +120,10 @@ int main(int argc, char **argv) {
                 (double)o.temperature);
     char *prompt_text = o.prompt_path ? read_prompt(o.prompt_path) : NULL;
     if (prompt_text) o.prompt = prompt_text;
-    if (o.threads > 0) threads_set(o.threads);
-    else if (threads_check_env(usage_err, errlen) != 0) die(EXIT_USAGE, "%s", usage_err);
+    if (o.threads > 0)
+        threads_set(o.threads);
+    else if (threads_check_env(usage_err, errlen) != 0)
+        die(EXIT_USAGE, "%s", usage_err);
     free(usage_err);
 
     Model m;
@@ -125,15 +134,20 @@ int main(int argc, char **argv) {
     open_pool(&pool, &m, &o);
 
     int status;
-    if (o.info) status = mode_info(&m, &pool, &o);
-    else if (o.check_kv) status = mode_check_kv(&m, &pool, &o);
-    else if (o.ppl_path) status = mode_ppl(&m, &pool, &o);
-    else if (o.check_batch) status = mode_check_batch(&m, &pool, &o);
-    else status = mode_generate(&m, &pool, &o);
+    if (o.info)
+        status = mode_info(&m, &pool, &o);
+    else if (o.check_kv)
+        status = mode_check_kv(&m, &pool, &o);
+    else if (o.ppl_path)
+        status = mode_ppl(&m, &pool, &o);
+    else if (o.check_batch)
+        status = mode_check_batch(&m, &pool, &o);
+    else
+        status = mode_generate(&m, &pool, &o);
 
     kv_pool_free(&pool);
     model_free(&m);
     free(prompt_text);
-    close_written(stdout, "standard output");  /* --info, --ppl and --check-kv print only at the end */
+    close_written(stdout, "standard output"); /* --info, --ppl and --check-kv print only at the end */
     return status;
 }

@@ -58,7 +58,8 @@ int main(int argc, char **argv) {
                 return 2;
             }
             threads_set(threads);
-        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+            reps = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: matmul_bench [--threads N] [--reps R]\n");
             return 2;
@@ -68,8 +69,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "matmul_bench: --reps must be 1 to 100000\n");
         return 2;
     }
-    static const struct { const char *name; int rows, cols; } shapes[] = {
-        {"wq 512x512", 512, 512}, {"w1 1344x512", 1344, 512}, {"w2 512x1344", 512, 1344}, {"head 4096x512", 4096, 512},
+    static const struct {
+        const char *name;
+        int rows, cols;
+    } shapes[] = {
+        {"wq 512x512", 512, 512},
+        {"w1 1344x512", 1344, 512},
+        {"w2 512x1344", 512, 1344},
+        {"head 4096x512", 4096, 512},
     };
     static const int token_counts[] = {1, 3, 64, 128, 256};
     double *times = malloc((size_t)reps * sizeof *times);
@@ -88,7 +95,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "matmul_bench: out of memory\n");
             return 1;
         }
-        for (size_t i = 0; i < (size_t)rows * cols; i++) raw[i] = (bf16)(0x3C00 + i % 97);  /* 0.0078 to 0.0137 */
+        for (size_t i = 0; i < (size_t)rows * cols; i++) raw[i] = (bf16)(0x3C00 + i % 97); /* 0.0078 to 0.0137 */
         mat_pack(packed, raw, rows, cols, DTYPE_BF16);
         Mat w = {packed, rows, cols, DTYPE_BF16};
         for (size_t k = 0; k < sizeof token_counts / sizeof token_counts[0]; k++) {
@@ -100,7 +107,7 @@ int main(int argc, char **argv) {
             }
             for (size_t i = 0; i < (size_t)T * cols; i++) x[i] = 1e-3f * (float)(i % 113);
             job.out = out, job.x = x, job.w = w, job.T = T;
-            timed_product(team);  /* untimed */
+            timed_product(team); /* untimed */
             for (int r = 0; r < reps; r++) {
                 double t0 = now_s();
                 timed_product(team);

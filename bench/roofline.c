@@ -158,7 +158,7 @@ int main(int argc, char **argv) {
     omp_set_dynamic(0);
 
     /* ---- bandwidth ---- */
-    size_t chunk = (size_t)UNROLL * LANES;          /* floats per loop iteration */
+    size_t chunk = (size_t)UNROLL * LANES; /* floats per loop iteration */
     size_t n = (size_t)mib * 1024 * 1024 / sizeof(float);
     size_t per_thread = n / threads / chunk * chunk; /* floats, a multiple of chunk */
     if (per_thread == 0) {
@@ -174,11 +174,11 @@ int main(int argc, char **argv) {
 #pragma omp parallel
     {
         float *p = buf + (size_t)omp_get_thread_num() * per_thread;
-        for (size_t i = 0; i < per_thread; i++) p[i] = (float)(i & 1023) * 1e-3f;  /* first touch */
+        for (size_t i = 0; i < per_thread; i++) p[i] = (float)(i & 1023) * 1e-3f; /* first touch */
     }
     double *gbps = malloc((size_t)reps * sizeof(double)), *gflops = malloc((size_t)reps * sizeof(double));
     if (!gbps || !gflops) return 1;
-    double sink = stream_pass(buf, per_thread / LANES);  /* untimed */
+    double sink = stream_pass(buf, per_thread / LANES); /* untimed */
     for (int r = 0; r < reps; r++) {
         double t0 = omp_get_wtime();
         sink += stream_pass(buf, per_thread / LANES);
@@ -221,7 +221,7 @@ int main(int argc, char **argv) {
         printf("peak_median_GFLOPs %.3f\n", median(gflops, reps));
         printf("machine_balance_flop_per_byte %.3f\n", fl_best / bw_best);
     }
-    fprintf(stderr, "roofline: checksum %g\n", sink);  /* keeps every pass alive */
+    fprintf(stderr, "roofline: checksum %g\n", sink); /* keeps every pass alive */
     free(gbps);
     free(gflops);
     return 0;

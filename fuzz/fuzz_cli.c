@@ -26,7 +26,9 @@ static void check(int rc, const Options *o, const char *err, size_t errlen) {
         if (!(o->top_p >= 0.0f && o->top_p <= 1.0f) || (o->quiet && o->verbose)) abort();
         if (o->steps < 0 || o->steps > (1 << 20) || o->top_k < 1 || o->top_k > (1 << 20)) abort();
         if (!(o->temperature >= 0.0f && o->temperature <= 100.0f)) abort();
-        if (o->threads < 0 || o->threads > TEAM_MAX_THREADS || (o->mla_form != MLA_ABSORBED && o->mla_form != MLA_EXPANDED)) abort();
+        if (o->threads < 0 || o->threads > TEAM_MAX_THREADS ||
+            (o->mla_form != MLA_ABSORBED && o->mla_form != MLA_EXPANDED))
+            abort();
         if ((int64_t)o->seed < 0) abort();
     }
 }
@@ -56,7 +58,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int rc2 = cli_parse(&o, argc, argv, small, sizeof small);
     if (rc2 != rc) abort();
     check(rc2, &o, small, sizeof small);
-    if (rc == CLI_USAGE_ERROR && strncmp(small, err, strlen(small)) != 0) abort();  /* the cut is a prefix */
+    if (rc == CLI_USAGE_ERROR && strncmp(small, err, strlen(small)) != 0) abort(); /* the cut is a prefix */
     free(buf);
     return 0;
 }

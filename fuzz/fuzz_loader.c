@@ -27,7 +27,7 @@
 
 static int g_fd = -1;
 static char g_path[64];
-static size_t g_scratch_floats = (size_t)256 << 18;  /* 256 MB of floats */
+static size_t g_scratch_floats = (size_t)256 << 18; /* 256 MB of floats */
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -45,7 +45,10 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     } else {
         snprintf(g_path, sizeof g_path, "/tmp/fuzz_loader.XXXXXX");
         g_fd = mkstemp(g_path);
-        if (g_fd < 0) { perror("fuzz_loader: temp file"); abort(); }
+        if (g_fd < 0) {
+            perror("fuzz_loader: temp file");
+            abort();
+        }
     }
     return 0;
 }
@@ -55,7 +58,8 @@ static size_t scratch_floats(const Config *c) {
     size_t T = (size_t)c->max_seq_len, H = (size_t)c->n_heads, hd = (size_t)c->head_dim;
     size_t dc = (size_t)c->kv_latent, rd = (size_t)c->rope_dim, kv = (size_t)c->n_kv_heads * hd;
     size_t per_token = 2 * (size_t)c->dim + H * hd + H * (hd + rd) + 2 * kv + dc + rd + (dc ? 2 * H * hd : 0) +
-                       H * (dc + rd) + H * dc + (dc ? dc + rd : 0) + 2 * (size_t)c->hidden_dim + 2 * (size_t)c->vocab_size;
+                       H * (dc + rd) + H * dc + (dc ? dc + rd : 0) + 2 * (size_t)c->hidden_dim +
+                       2 * (size_t)c->vocab_size;
     size_t cache = (size_t)c->n_layers * T * (dc ? dc + rd : 2 * kv);
     return T * per_token + cache + T * (hd + rd);
 }
@@ -87,7 +91,7 @@ static void forward_once(const Model *m, MlaForm form, int t1) {
             (void)best;
         }
         if (c->max_seq_len > T && model_forward(m, &s, &cache, tokens + T, 1, form, logits, 0) == MODEL_ERR_BATCH)
-            abort();  /* a decode step */
+            abort(); /* a decode step */
         free(logits);
     }
     kv_free(&cache);
@@ -103,8 +107,13 @@ static void encode_and_decode(const SpmTokenizer *t, const uint8_t *data, size_t
     char printable[16];
     for (size_t i = 0; i < sizeof printable; i++) printable[i] = (char)(0x20 + data[i * 7 % size] % 95);
     const size_t tail = size < 64 ? size : 64;
-    const struct { const char *text; size_t len; } texts[] = {
-        {prompt, sizeof prompt - 1}, {(const char *)data + size - tail, tail}, {printable, sizeof printable},
+    const struct {
+        const char *text;
+        size_t len;
+    } texts[] = {
+        {prompt, sizeof prompt - 1},
+        {(const char *)data + size - tail, tail},
+        {printable, sizeof printable},
     };
     for (size_t k = 0; k < sizeof texts / sizeof texts[0]; k++) {
         const int n = check_encode(t, texts[k].text, texts[k].len, 1, (int)(data[size - 1 - k] % 4), 1, ids);

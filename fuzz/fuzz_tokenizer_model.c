@@ -39,7 +39,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     n = (int)(text_len / 2);
     if (n > CHECK_MAX_IDS) n = CHECK_MAX_IDS;
     const unsigned span = (unsigned)spm_vocab_size(t) + 2; /* mostly pieces, some out of range */
-    for (int i = 0; i < n; i++) ids[i] = (int)(((uint8_t)text[2 * i] | (unsigned)(uint8_t)text[2 * i + 1] << 8) % span) - 1;
+    for (int i = 0; i < n; i++)
+        ids[i] = (int)(((uint8_t)text[2 * i] | (unsigned)(uint8_t)text[2 * i + 1] << 8) % span) - 1;
     check_decode(t, ids, n, short_size);
     spm_free(t);
     return 0;

@@ -42,31 +42,33 @@ static size_t extra_bytes(enum Extra e, unsigned char *out) {
     unsigned char a[sizeof(TestCharsmap) + 16], b[sizeof a + 16];
     size_t n = 0, k;
     switch (e) {
-        case EXTRA_RULE: {
-            TestCharsmap c;
-            test_charsmap_init(&c, 'q', "Once");
-            k = pb_put_bytes(b, 2, a, test_charsmap_encode(&c, a)); /* NormalizerSpec.precompiled_charsmap */
-            n = pb_put_bytes(out, 3, b, k);                         /* ModelProto.normalizer_spec */
-            break;
+    case EXTRA_RULE: {
+        TestCharsmap c;
+        test_charsmap_init(&c, 'q', "Once");
+        k = pb_put_bytes(b, 2, a, test_charsmap_encode(&c, a)); /* NormalizerSpec.precompiled_charsmap */
+        n = pb_put_bytes(out, 3, b, k);                         /* ModelProto.normalizer_spec */
+        break;
+    }
+    case EXTRA_FLAGS:
+        k = pb_put_varint(a, 3, 0);      /* add_dummy_prefix */
+        k += pb_put_varint(a + k, 4, 0); /* remove_extra_whitespaces */
+        n = pb_put_bytes(out, 3, a, k);
+        k = pb_put_varint(a, 24, 1); /* TrainerSpec.treat_whitespace_as_suffix */
+        n += pb_put_bytes(out + n, 2, a, k);
+        break;
+    case EXTRA_PIECES: {
+        static const struct {
+            const char *piece;
+            int type;
+        } p[] = {{"<tag>", 4}, {"zzz", 5}, {"<ctl>", 3}};
+        for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) {
+            k = pb_put_bytes(a, 1, p[i].piece, strlen(p[i].piece)); /* SentencePiece.piece */
+            k += pb_put_varint(a + k, 3, (uint64_t)p[i].type);      /* SentencePiece.type */
+            n += pb_put_bytes(out + n, 1, a, k);                    /* ModelProto.pieces */
         }
-        case EXTRA_FLAGS:
-            k = pb_put_varint(a, 3, 0);      /* add_dummy_prefix */
-            k += pb_put_varint(a + k, 4, 0); /* remove_extra_whitespaces */
-            n = pb_put_bytes(out, 3, a, k);
-            k = pb_put_varint(a, 24, 1);     /* TrainerSpec.treat_whitespace_as_suffix */
-            n += pb_put_bytes(out + n, 2, a, k);
-            break;
-        case EXTRA_PIECES: {
-            static const struct { const char *piece; int type; } p[] = {{"<tag>", 4}, {"zzz", 5}, {"<ctl>", 3}};
-            for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) {
-                k = pb_put_bytes(a, 1, p[i].piece, strlen(p[i].piece)); /* SentencePiece.piece */
-                k += pb_put_varint(a + k, 3, (uint64_t)p[i].type);     /* SentencePiece.type */
-                n += pb_put_bytes(out + n, 1, a, k);                    /* ModelProto.pieces */
-            }
-            break;
-        }
-        default:
-            break;
+        break;
+    }
+    default: break;
     }
     return n;
 }
@@ -132,9 +134,15 @@ int main(int argc, char **argv) {
     }
 
     /* loader */
-    const struct { const char *name; Variant v; int latent; DType dt; int layers; } ck[] = {
-        {"mha-bf16.bin", VARIANT_MHA, 0, DTYPE_BF16, 1}, {"gqa-bf16.bin", VARIANT_GQA, 0, DTYPE_BF16, 1},
-        {"mqa-bf16.bin", VARIANT_MQA, 0, DTYPE_BF16, 1}, {"mla8-bf16.bin", VARIANT_MLA, 8, DTYPE_BF16, 1},
+    const struct {
+        const char *name;
+        Variant v;
+        int latent;
+        DType dt;
+        int layers;
+    } ck[] = {
+        {"mha-bf16.bin", VARIANT_MHA, 0, DTYPE_BF16, 1},    {"gqa-bf16.bin", VARIANT_GQA, 0, DTYPE_BF16, 1},
+        {"mqa-bf16.bin", VARIANT_MQA, 0, DTYPE_BF16, 1},    {"mla8-bf16.bin", VARIANT_MLA, 8, DTYPE_BF16, 1},
         {"mla16-bf16.bin", VARIANT_MLA, 16, DTYPE_BF16, 1}, {"gqa-f32-2layers.bin", VARIANT_GQA, 0, DTYPE_F32, 2},
         {"mla8-f32.bin", VARIANT_MLA, 8, DTYPE_F32, 1},
     };
@@ -157,12 +165,18 @@ int main(int argc, char **argv) {
     snprintf(rule_path, sizeof rule_path, "%s/tiny-rule.model", g_out);
     snprintf(ck_path, sizeof ck_path, "%s/seeds-loader/gqa-bf16-charsmap.bin", g_out);
     Config rc = tiny_config(VARIANT_GQA, 0, spm_vocab_size(tok[0]), DTYPE_BF16, 1);
-    if (write_whole_file(rule_path, rule_model, rule_size) != 0 || write_test_checkpoint(ck_path, &rc, rule_path, 99) != 0)
+    if (write_whole_file(rule_path, rule_model, rule_size) != 0 ||
+        write_test_checkpoint(ck_path, &rc, rule_path, 99) != 0)
         die(ck_path);
     free(rule_model);
 
     /* tokenizer_model: [flags][short buffer][text length, 2 bytes][text][model] */
-    static const struct { const char *name; int model_arg; enum Extra extra; const char *text; } with_model[] = {
+    static const struct {
+        const char *name;
+        int model_arg;
+        enum Extra extra;
+        const char *text;
+    } with_model[] = {
         {"tiny-plain", 2, EXTRA_NONE, "Once upon a time"},
         {"tiny-accents", 2, EXTRA_NONE, "The caf\xC3\xA9 \xF0\x9F\x90\x89 said \"hi\"!"},
         {"tiny-rule", 2, EXTRA_RULE, "q upon a q"},
@@ -202,7 +216,7 @@ int main(int argc, char **argv) {
             size_t total = 3 + len + 2 * (size_t)n;
             buf[0] = (unsigned char)(k | 2 | (i % 4) << 2);
             buf[1] = (unsigned char)(total > 3 ? len * 255 / (total - 3) : 0);
-            while (buf[1] < 255 && (total - 3) * buf[1] / 255 < len) buf[1]++;  /* the split lands on len */
+            while (buf[1] < 255 && (total - 3) * buf[1] / 255 < len) buf[1]++; /* the split lands on len */
             buf[2] = (unsigned char)(5 + 7 * i);
             memcpy(buf + 3, p, len);
             for (int j = 0; j < n; j++) {

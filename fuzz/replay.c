@@ -15,11 +15,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static int replay_file(const char *path) {
     FILE *f = fopen(path, "rb");
-    if (!f) { perror(path); return -1; }
+    if (!f) {
+        perror(path);
+        return -1;
+    }
     size_t cap = 1 << 16, n = 0;
     uint8_t *buf = malloc(cap);
     for (;;) {
-        if (!buf) { fclose(f); return -1; }
+        if (!buf) {
+            fclose(f);
+            return -1;
+        }
         n += fread(buf + n, 1, cap - n, f);
         if (n < cap) break;
         uint8_t *nb = realloc(buf, cap *= 2);
@@ -29,7 +35,10 @@ static int replay_file(const char *path) {
     fclose(f);
     /* a copy of exactly n bytes, so that ASan sees reads past the end */
     uint8_t *data = malloc(n ? n : 1);
-    if (!data) { free(buf); return -1; }
+    if (!data) {
+        free(buf);
+        return -1;
+    }
     memcpy(data, buf, n);
     free(buf);
     LLVMFuzzerTestOneInput(data, n);
@@ -42,10 +51,22 @@ int main(int argc, char **argv) {
     int count = 0, bad = 0;
     for (int i = 1; i < argc; i++) {
         struct stat st;
-        if (stat(argv[i], &st) != 0) { perror(argv[i]); bad++; continue; }
-        if (!S_ISDIR(st.st_mode)) { bad += replay_file(argv[i]) != 0; count++; continue; }
+        if (stat(argv[i], &st) != 0) {
+            perror(argv[i]);
+            bad++;
+            continue;
+        }
+        if (!S_ISDIR(st.st_mode)) {
+            bad += replay_file(argv[i]) != 0;
+            count++;
+            continue;
+        }
         DIR *d = opendir(argv[i]);
-        if (!d) { perror(argv[i]); bad++; continue; }
+        if (!d) {
+            perror(argv[i]);
+            bad++;
+            continue;
+        }
         struct dirent *e;
         while ((e = readdir(d))) {
             if (e->d_name[0] == '.') continue;

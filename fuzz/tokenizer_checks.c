@@ -27,7 +27,8 @@ int check_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bo
     const int valid = len == 0 || utf8_valid(text, len);
     const int too_long = valid && len > SPM_MAX_TEXT_BYTES;
     if ((full == SPM_ERR_TEXT) == valid || (full == SPM_ERR_TOO_LONG) != too_long ||
-        (full < 0 && full != SPM_ERR_TEXT && full != SPM_ERR_TOO_LONG && !(library_may_fail && full == SPM_ERR_OTHER))) {
+        (full < 0 && full != SPM_ERR_TEXT && full != SPM_ERR_TOO_LONG &&
+         !(library_may_fail && full == SPM_ERR_OTHER))) {
         fprintf(stderr, "spm_encode says %d, utf8_valid says %d\n", full, valid);
         abort();
     }

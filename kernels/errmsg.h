@@ -37,7 +37,7 @@ static inline MsgPath msg_path(const char *path) {
         return m;
     }
     const char *tail = path + n - (MSG_PATH_BYTES - 3);
-    while (((unsigned char)*tail & 0xC0) == 0x80) tail++;  /* start at a character, not inside one */
+    while (((unsigned char)*tail & 0xC0) == 0x80) tail++; /* start at a character, not inside one */
     memcpy(m.s, "...", 3);
     memcpy(m.s + 3, tail, strlen(tail) + 1);
     return m;

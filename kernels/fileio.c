@@ -10,8 +10,12 @@
 #include "kernels/errmsg.h"
 
 const char *file_kind(mode_t mode) {
-    return S_ISDIR(mode) ? "directory" : S_ISFIFO(mode) ? "FIFO" : S_ISSOCK(mode) ? "socket"
-         : S_ISCHR(mode) ? "character device" : S_ISBLK(mode) ? "block device" : "special file";
+    return S_ISDIR(mode)    ? "directory"
+           : S_ISFIFO(mode) ? "FIFO"
+           : S_ISSOCK(mode) ? "socket"
+           : S_ISCHR(mode)  ? "character device"
+           : S_ISBLK(mode)  ? "block device"
+                            : "special file";
 }
 
 int open_regular(const char *path, const char *what, size_t *size, char *err, size_t errlen) {
@@ -25,7 +29,8 @@ int open_regular(const char *path, const char *what, size_t *size, char *err, si
     }
     if (!S_ISREG(st.st_mode)) {
         close(fd);
-        return errmsg(err, errlen, -1, "%s%s is a %s, not a regular file", what, msg_path(path).s, file_kind(st.st_mode));
+        return errmsg(err, errlen, -1, "%s%s is a %s, not a regular file", what, msg_path(path).s,
+                      file_kind(st.st_mode));
     }
     if (clear_nonblock(fd) != 0) {
         const int e = errno;

@@ -19,8 +19,8 @@ static inline int chunks_paired(DType dt, int rows) { return dt == DTYPE_BF16 &&
 
 /* Where column c0 + i of a row goes in that row's run of a chunk cw wide. */
 static inline int chunk_position(DType dt, int rows, int cw, int i) {
-    if (!chunks_paired(dt, rows) || cw < 32) return i;  /* plain */
-    return i < 16 ? 2 * i : 2 * (i - 16) + 1;           /* pairs (c0 + l, c0 + 16 + l) */
+    if (!chunks_paired(dt, rows) || cw < 32) return i; /* plain */
+    return i < 16 ? 2 * i : 2 * (i - 16) + 1;          /* pairs (c0 + l, c0 + 16 + l) */
 }
 
 /* Offset of element (r, c0) of a packed matrix, c0 the first column of a chunk: the start
@@ -46,7 +46,8 @@ void mat_pack(void *dst, const void *src, int rows, int cols, DType dt) {
             int cw = chunk_width(cols, c0, cc);
             char *run = (char *)dst + run_offset(rows, cols, r, c0, cw) * es;
             const char *row = (const char *)src + ((size_t)r * (size_t)cols + (size_t)c0) * es;
-            for (int i = 0; i < cw; i++) memcpy(run + (size_t)chunk_position(dt, rows, cw, i) * es, row + (size_t)i * es, es);
+            for (int i = 0; i < cw; i++)
+                memcpy(run + (size_t)chunk_position(dt, rows, cw, i) * es, row + (size_t)i * es, es);
         }
 }
 
@@ -69,7 +70,8 @@ static inline float mat_elem(Mat w, size_t i) {
 }
 
 float mat_get(Mat w, int r, int c) {
-    return mat_elem(w, w.rows == 1 ? (size_t)c : mat_packed_offset(w.rows, w.cols, w.dtype, r, c));  /* a vector is plain */
+    return mat_elem(w,
+                    w.rows == 1 ? (size_t)c : mat_packed_offset(w.rows, w.cols, w.dtype, r, c)); /* a vector is plain */
 }
 
 /* ---- dot products ---- */
@@ -88,8 +90,8 @@ float dot_cat(const float *a1, const float *b1, int n1, const float *a2, const f
 }
 
 /* acc[i] += q[k] * (row i of block)[k] for k < width, 16 rows, ascending k in every row */
-static inline __attribute__((always_inline)) void
-rows_accumulate(v16 acc[16], const float *q, const float *block, size_t stride, int width) {
+static inline __attribute__((always_inline)) void rows_accumulate(v16 acc[16], const float *q, const float *block,
+                                                                  size_t stride, int width) {
     for (int k = 0; k < width; k += 16) {
         const int len = width - k < 16 ? width - k : 16;
         const v16 qk = v16_load_f32(q + k, len);
@@ -102,10 +104,11 @@ rows_accumulate(v16 acc[16], const float *q, const float *block, size_t stride, 
  * and q2 stay in registers, and each part's rows are walked by one pointer that steps by
  * its stride (the asm hides the pointer's value, or GCC keeps 16 row addresses and spills
  * them). Same order in every row: part 1, then part 2 from lane 0 again. */
-static inline __attribute__((always_inline)) void
-dot_rows_fixed(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, const int width1,
-               const float *q2, const float *rows2, size_t stride2, const int width2) {
-    enum { MAX_CHUNKS = 9 };  /* widths up to 144 */
+static inline __attribute__((always_inline)) void dot_rows_fixed(float *out, int n, float scale, const float *q1,
+                                                                 const float *rows1, size_t stride1, const int width1,
+                                                                 const float *q2, const float *rows2, size_t stride2,
+                                                                 const int width2) {
+    enum { MAX_CHUNKS = 9 }; /* widths up to 144 */
     const int c1 = (width1 + 15) / 16, c2 = (width2 + 15) / 16;
     v16 q1c[MAX_CHUNKS], q2c[MAX_CHUNKS];
     for (int c = 0; c < c1; c++) q1c[c] = v16_load_f32(q1 + 16 * c, width1 - 16 * c);
@@ -131,15 +134,15 @@ dot_rows_fixed(float *out, int n, float scale, const float *q1, const float *row
 }
 
 /* The general case: any widths. */
-static void dot_rows_any(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1, int width1,
-                         const float *q2, const float *rows2, size_t stride2, int width2) {
+static void dot_rows_any(float *out, int n, float scale, const float *q1, const float *rows1, size_t stride1,
+                         int width1, const float *q2, const float *rows2, size_t stride2, int width2) {
     int j = 0;
     for (; j + 16 <= n; j += 16) {
-        v16 acc[16];  /* one per row, in registers: the row loops are unrolled */
+        v16 acc[16]; /* one per row, in registers: the row loops are unrolled */
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) acc[i] = v16_zero();
         rows_accumulate(acc, q1, rows1 + (size_t)j * stride1, stride1, width1);
-        rows_accumulate(acc, q2, rows2 + (size_t)j * stride2, stride2, width2);  /* from lane 0 again, as dot_cat */
+        rows_accumulate(acc, q2, rows2 + (size_t)j * stride2, stride2, width2); /* from lane 0 again, as dot_cat */
         v16_store(out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
     }
     for (; j < n; j++)
@@ -171,15 +174,15 @@ static inline int slice_len(int width, int c) { return width - c < 0 ? 0 : width
 /* Elements [col, col + n) of a stored row (n <= 16), as the floats they stand for: lane l
  * is element col + l. For int8 each lane takes its part's scale (the parts may meet inside
  * the n); the second scale is read only when they do, as a row of one part has none. */
-static inline __attribute__((always_inline)) v16
-row_load(const void *row, const float *scales, int col, int n, DType dt, int split) {
+static inline __attribute__((always_inline)) v16 row_load(const void *row, const float *scales, int col, int n,
+                                                          DType dt, int split) {
     if (dt == DTYPE_F32) return v16_load_f32((const float *)row + col, n);
     if (dt == DTYPE_BF16) return v16_load_bf16((const bf16 *)row + col, n);
     const v16 x = v16_load_i8((const int8_t *)row + col, n);
     /* col + n, not col + 16: an empty tail past a one-part row (n = 0) must not read a second scale */
     if (split >= col + n || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
     if (split <= col) return v16_mul(x, v16_set1(scales[1]));
-    const v16 s0 = v16_set1(scales[0]), s1 = v16_set1(scales[1]);  /* lanes below split - col take s0 */
+    const v16 s0 = v16_set1(scales[0]), s1 = v16_set1(scales[1]); /* lanes below split - col take s0 */
     return v16_mul(x, v16_add(v16_first(s0, split - col), v16_sub(s1, v16_first(s1, split - col))));
 }
 
@@ -189,8 +192,8 @@ static inline const float *row_scales(const RowBlocks *r, int b, int i) {
 
 /* out[j] = dot(q, row j as floats, width) * scale for the rows of block b, j < m: 16 rows at
  * a time reduced side by side, the rest one by one, as dot_rows does. */
-static inline __attribute__((always_inline)) void
-dot_block_rows(float *out, const float *q, const RowBlocks *r, int b, int m, int width, float scale, DType dt) {
+static inline __attribute__((always_inline)) void dot_block_rows(float *out, const float *q, const RowBlocks *r, int b,
+                                                                 int m, int width, float scale, DType dt) {
     const size_t row_bytes = r->stride * dtype_size(dt);
     const char *base = r->block[b];
     int j = 0;
@@ -202,8 +205,9 @@ dot_block_rows(float *out, const float *q, const RowBlocks *r, int b, int m, int
             const int len = width - k < 16 ? width - k : 16;
             const v16 qk = v16_load_f32(q + k, len);
             for (int i = 0; i < 16; i++)
-                acc[i] = v16_fma(qk, row_load(base + (size_t)(j + i) * row_bytes, row_scales(r, b, j + i), k, len, dt,
-                                              r->split), acc[i]);
+                acc[i] = v16_fma(
+                    qk, row_load(base + (size_t)(j + i) * row_bytes, row_scales(r, b, j + i), k, len, dt, r->split),
+                    acc[i]);
         }
         v16_store(out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
     }
@@ -211,8 +215,8 @@ dot_block_rows(float *out, const float *q, const RowBlocks *r, int b, int m, int
         v16 acc = v16_zero();
         for (int k = 0; k < width; k += 16) {
             const int len = width - k < 16 ? width - k : 16;
-            acc = v16_fma(v16_load_f32(q + k, len), row_load(base + (size_t)j * row_bytes, row_scales(r, b, j), k, len, dt,
-                                                             r->split), acc);
+            acc = v16_fma(v16_load_f32(q + k, len),
+                          row_load(base + (size_t)j * row_bytes, row_scales(r, b, j), k, len, dt, r->split), acc);
         }
         out[j] = v16_reduce(acc) * scale;
     }
@@ -226,15 +230,15 @@ static inline void prefetch_block(const RowBlocks *r, int b, int m) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 3);
 }
 
-void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n, int width,
-                    float scale) {
+void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
+                    int width, float scale) {
     for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
-        for (int h = 0; h < n_heads; h++) {  /* every head reads the block while it is in L1 */
+        for (int h = 0; h < n_heads; h++) { /* every head reads the block while it is in L1 */
             float *o = out + (size_t)h * ld_out + j0;
             const float *qh = q + (size_t)h * ld_q;
-            switch (rows.dtype) {  /* fp32 rows take dot_rows' loops with constant widths */
+            switch (rows.dtype) { /* fp32 rows take dot_rows' loops with constant widths */
             case DTYPE_F32: dot_rows(o, qh, rows.block[b], rows.stride, m, width, scale); break;
             case DTYPE_BF16: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_BF16); break;
             case DTYPE_I8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I8); break;
@@ -245,21 +249,23 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
 
 /* Heads h0 .. h0+nh-1 over columns [c, c + 32) (two slices, each with two chains): each
  * row's columns are loaded once for the nh heads (nh a constant, 1 or 2). */
-static inline __attribute__((always_inline)) void
-weighted_sum_pass(float *out, size_t ld_out, const float *p, size_t ld_p, const int nh, const RowBlocks *rows, int n,
-                  int c, int width, DType dt, int prefetch) {
+static inline __attribute__((always_inline)) void weighted_sum_pass(float *out, size_t ld_out, const float *p,
+                                                                    size_t ld_p, const int nh, const RowBlocks *rows,
+                                                                    int n, int c, int width, DType dt, int prefetch) {
     const size_t row_bytes = rows->stride * dtype_size(dt);
-    const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16);  /* len1 may be 0 */
+    const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16); /* len1 may be 0 */
     v16 even0[2], odd0[2], even1[2], odd1[2];
     for (int h = 0; h < nh; h++) even0[h] = odd0[h] = even1[h] = odd1[h] = v16_zero();
-    for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) {  /* blocks start at even j */
+    for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) { /* blocks start at even j */
         const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
-        if (prefetch && j0 + m < n) prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
+        if (prefetch && j0 + m < n)
+            prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
         const char *row = rows->block[b];
         int j = 0;
         for (; j + 2 <= m; j += 2, row += 2 * row_bytes) {
             const float *se = row_scales(rows, b, j), *so = row_scales(rows, b, j + 1);
-            const v16 e0 = row_load(row, se, c, len0, dt, rows->split), o0 = row_load(row + row_bytes, so, c, len0, dt, rows->split);
+            const v16 e0 = row_load(row, se, c, len0, dt, rows->split),
+                      o0 = row_load(row + row_bytes, so, c, len0, dt, rows->split);
             const v16 e1 = row_load(row, se, c + 16, len1, dt, rows->split);
             const v16 o1 = row_load(row + row_bytes, so, c + 16, len1, dt, rows->split);
             for (int h = 0; h < nh; h++) {
@@ -271,9 +277,10 @@ weighted_sum_pass(float *out, size_t ld_out, const float *p, size_t ld_p, const 
                 odd1[h] = v16_fma(p_odd, o1, odd1[h]);
             }
         }
-        if (j < m) {  /* an odd last row: only in the last block */
+        if (j < m) { /* an odd last row: only in the last block */
             const float *se = row_scales(rows, b, j);
-            const v16 e0 = row_load(row, se, c, len0, dt, rows->split), e1 = row_load(row, se, c + 16, len1, dt, rows->split);
+            const v16 e0 = row_load(row, se, c, len0, dt, rows->split),
+                      e1 = row_load(row, se, c + 16, len1, dt, rows->split);
             for (int h = 0; h < nh; h++) {
                 const v16 p_last = v16_set1(p[(size_t)h * ld_p + j0 + j]);
                 even0[h] = v16_fma(p_last, e0, even0[h]);
@@ -291,17 +298,19 @@ weighted_sum_pass(float *out, size_t ld_out, const float *p, size_t ld_p, const 
 /* Heads two at a time where 32 registers hold their 8 chains and the rows' 4 vectors
  * (AVX-512), so each row is loaded once for both; every head reads a column pass's rows
  * while they are in L1. */
-static inline __attribute__((always_inline)) void
-weighted_sum_typed(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, const RowBlocks *rows, int n,
-                   int width, DType dt) {
+static inline __attribute__((always_inline)) void weighted_sum_typed(float *out, size_t ld_out, const float *p,
+                                                                     size_t ld_p, int n_heads, const RowBlocks *rows,
+                                                                     int n, int width, DType dt) {
     for (int c = 0; c < width; c += 32) {
         int h = 0;
 #if ISA_AVX512
         for (; h + 2 <= n_heads; h += 2)
-            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 2, rows, n, c, width, dt, c == 0 && h == 0);
+            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 2, rows, n, c, width, dt,
+                              c == 0 && h == 0);
 #endif
         for (; h < n_heads; h++)
-            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 1, rows, n, c, width, dt, c == 0 && h == 0);
+            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 1, rows, n, c, width, dt,
+                              c == 0 && h == 0);
     }
 }
 
@@ -327,8 +336,10 @@ static void quantize_part(int8_t *dst, float *scale, const float *src, int n) {
     int finite = 1;
     for (int i = 0; i < n; i++) {
         const float a = fabsf(src[i]);
-        if (!isfinite(src[i])) finite = 0;
-        else if (a > max) max = a;
+        if (!isfinite(src[i]))
+            finite = 0;
+        else if (a > max)
+            max = a;
     }
     *scale = !finite ? NAN : max / 127.0f;
     for (int i = 0; i < n; i++)
@@ -354,8 +365,8 @@ void row_dequantize(float *dst, const void *row, const float *scales, int n, int
 }
 
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
-    const void *one[2] = {rows, NULL};  /* [1] is never read, but GCC cannot tell (prefetch_block) */
-    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0};  /* one block holding every row */
+    const void *one[2] = {rows, NULL}; /* [1] is never read, but GCC cannot tell (prefetch_block) */
+    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0}; /* one block holding every row */
     weighted_sum_typed(out, 0, p, 0, 1, &all, n, width, DTYPE_F32);
 }
 
@@ -402,33 +413,35 @@ enum { PREFETCH_BYTES = 8192 };
 
 /* acc[t][slot] += w * x[t0 + t][col .. col + n) for the tile's tokens: one weight register
  * of one row, used nt times (n < VP_LANES: the rest of x loads as 0) */
-static inline __attribute__((always_inline)) void
-row_fma(vp acc[TB][SIMD_PARTS], vp w, const float *x, int ldx, int t0, int col, int n, const int nt, const int slot) {
-    for (int t = 0; t < nt; t++) acc[t][slot] = vp_fma(w, vp_load_f32(x + (size_t)(t0 + t) * ldx + col, n), acc[t][slot]);
+static inline __attribute__((always_inline)) void row_fma(vp acc[TB][SIMD_PARTS], vp w, const float *x, int ldx, int t0,
+                                                          int col, int n, const int nt, const int slot) {
+    for (int t = 0; t < nt; t++)
+        acc[t][slot] = vp_fma(w, vp_load_f32(x + (size_t)(t0 + t) * ldx + col, n), acc[t][slot]);
 }
 
 /* One pass over the group for parts p0 .. p0+np-1 of the tile's accumulators (acc[r][t][p - p0]).
  * One weight register is live at a time, so a 4x3 tile fits AVX2's 16 registers. */
-static inline __attribute__((always_inline)) void
-tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0, const float *x, int ldx, int t0, const int nr,
-          const int nt, const int p0, const int np) {
+static inline __attribute__((always_inline)) void tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0,
+                                                            const float *x, int ldx, int t0, const int nr, const int nt,
+                                                            const int p0, const int np) {
     const int n = w->cols;
     const DType dt = w->dtype;
     const size_t es = dtype_size(dt);
-    const char *group = (const char *)w->data + (size_t)r0 * (size_t)n * es;  /* this group: nr rows, packed */
+    const char *group = (const char *)w->data + (size_t)r0 * (size_t)n * es; /* this group: nr rows, packed */
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++)
             for (int p = 0; p < np; p++) acc[r][t][p] = vp_zero();
     int k = 0;
     if (chunks_paired(dt, w->rows))
-        for (; k + 32 <= n; k += 32) {  /* a full bf16 chunk: nr rows x 16 pairs (c, c + 16) */
+        for (; k + 32 <= n; k += 32) { /* a full bf16 chunk: nr rows x 16 pairs (c, c + 16) */
             const bf16 *chunk = (const bf16 *)group + (size_t)k * (size_t)nr;
-            if (p0 == 0)  /* once per tile: AVX2 passes over the group once per part */
+            if (p0 == 0) /* once per tile: AVX2 passes over the group once per part */
                 for (int r = 0; r < nr; r++) __builtin_prefetch((const char *)(chunk + 32 * r) + PREFETCH_BYTES, 0, 3);
-            for (int half = 0; half < 2; half++)  /* columns c = k + 16*half + p*VP_LANES + l */
+            for (int half = 0; half < 2; half++) /* columns c = k + 16*half + p*VP_LANES + l */
                 for (int p = p0; p < p0 + np; p++) {
-                    vp xv[TB];  /* these columns of the tile's tokens, for all nr rows */
-                    for (int t = 0; t < nt; t++) xv[t] = vp_load_f32(x + (size_t)(t0 + t) * ldx + k + 16 * half + p * VP_LANES, VP_LANES);
+                    vp xv[TB]; /* these columns of the tile's tokens, for all nr rows */
+                    for (int t = 0; t < nt; t++)
+                        xv[t] = vp_load_f32(x + (size_t)(t0 + t) * ldx + k + 16 * half + p * VP_LANES, VP_LANES);
                     for (int r = 0; r < nr; r++) {
                         const vpairs pairs = vp_load_pairs(chunk + 32 * r + 2 * VP_LANES * p);
                         const vp wv = half ? vp_pairs_second(pairs) : vp_pairs_first(pairs);
@@ -436,7 +449,7 @@ tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0, const float *x, int 
                     }
                 }
         }
-    for (const int cc = mat_chunk_cols(dt); k < n; k += cc) {  /* plain chunks: nr rows x cw */
+    for (const int cc = mat_chunk_cols(dt); k < n; k += cc) { /* plain chunks: nr rows x cw */
         const int cw = chunk_width(n, k, cc);
         const char *chunk = group + (size_t)k * (size_t)nr * es;
         for (int i = 0; i < cw; i += 16)
@@ -445,14 +458,15 @@ tile_pass(vp acc[RB][TB][SIMD_PARTS], const Mat *w, int r0, const float *x, int 
                     /* columns c = k + i + p*VP_LANES + l, l < left; missing ones load as 0 and add 0*0 */
                     const int col = i + p * VP_LANES, left = (cw - i < 16 ? cw - i : 16) - p * VP_LANES;
                     const char *run = chunk + ((size_t)r * (size_t)cw + (size_t)col) * es;
-                    vp wv = dt == DTYPE_BF16 ? vp_load_bf16((const bf16 *)run, left) : vp_load_f32((const float *)run, left);
+                    vp wv = dt == DTYPE_BF16 ? vp_load_bf16((const bf16 *)run, left)
+                                             : vp_load_f32((const float *)run, left);
                     row_fma(acc[r], wv, x, ldx, t0, k + col, left, nt, p - p0);
                 }
     }
 }
 
-static inline __attribute__((always_inline)) void
-tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, const int nr, const int nt) {
+static inline __attribute__((always_inline)) void tile(float *out, int ldo, const float *x, int ldx, const Mat *w,
+                                                       int r0, int t0, const int nr, const int nt) {
     vp acc[RB][TB][SIMD_PARTS], parts[RB][TB][SIMD_PARTS];
     if (nt == 1 || SIMD_PARTS == 1) {
         tile_pass(parts, w, r0, x, ldx, t0, nr, nt, 0, SIMD_PARTS);
@@ -463,7 +477,7 @@ tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0,
                 for (int t = 0; t < nt; t++) parts[r][t][p] = acc[r][t][0];
         }
     }
-    if (nr == 8) {  /* a full AVX-512 group: a token's 8 outputs are adjacent, reduced side by side */
+    if (nr == 8) { /* a full AVX-512 group: a token's 8 outputs are adjacent, reduced side by side */
         for (int t = 0; t < nt; t++) {
             v16 a[8];
             for (int r = 0; r < 8; r++) a[r] = v16_from_parts(parts[r][t]);
@@ -481,22 +495,23 @@ tile(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0,
  * ports' slots go to widening; each token's 16 columns are loaded once for RW rows, and
  * the TW tokens' x stays in L1 for the second pass. Each output's order is tile_pass's. */
 enum { TW = 6, RW = 4 };
-_Static_assert(RB == 2 * RW && TW == 6 && TB == 3, "two passes of a 4x6 tile cover a group; tile_wide_any: 4 to 6 tokens");
+_Static_assert(RB == 2 * RW && TW == 6 && TB == 3,
+               "two passes of a 4x6 tile cover a group; tile_wide_any: 4 to 6 tokens");
 
-static inline __attribute__((always_inline)) void
-tile_wide(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, int t0, const int nt) {
+static inline __attribute__((always_inline)) void tile_wide(float *out, int ldo, const float *x, int ldx, const Mat *w,
+                                                            int r0, int t0, const int nt) {
     const int n = w->cols;
-    const bf16 *group = (const bf16 *)w->data + (size_t)r0 * (size_t)n;  /* 8 rows, packed */
+    const bf16 *group = (const bf16 *)w->data + (size_t)r0 * (size_t)n; /* 8 rows, packed */
     const float *xt = x + (size_t)t0 * ldx;
     for (int rr = 0; rr < RB; rr += RW) {
         vp acc[RW][TW];
         for (int r = 0; r < RW; r++)
             for (int t = 0; t < nt; t++) acc[r][t] = vp_zero();
-        for (int k = 0; k < n; k += 32) {  /* a full bf16 chunk: RW rows x 16 pairs (c, c + 16) */
+        for (int k = 0; k < n; k += 32) { /* a full bf16 chunk: RW rows x 16 pairs (c, c + 16) */
             const bf16 *chunk = group + (size_t)k * RB + 32 * rr;
-            if (t0 == 0)  /* the group's first tokens: as in tile_pass, ahead of the stream */
+            if (t0 == 0) /* the group's first tokens: as in tile_pass, ahead of the stream */
                 for (int r = 0; r < RW; r++) __builtin_prefetch((const char *)(chunk + 32 * r) + PREFETCH_BYTES, 0, 3);
-            for (int half = 0; half < 2; half++) {  /* each half loads the pairs again: registers are short */
+            for (int half = 0; half < 2; half++) { /* each half loads the pairs again: registers are short */
                 vp wv[RW];
                 for (int r = 0; r < RW; r++) {
                     const vpairs pairs = vp_load_pairs(chunk + 32 * r);
@@ -508,7 +523,7 @@ tile_wide(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, in
                 }
             }
         }
-        for (int t = 0; t < nt; t += 2) {  /* two tokens' RW outputs reduced side by side */
+        for (int t = 0; t < nt; t += 2) { /* two tokens' RW outputs reduced side by side */
             v16 a[8];
             for (int i = 0; i < 8; i++) a[i] = t + i / RW < nt ? acc[i % RW][t + i / RW] : v16_zero();
             float sums[8];
@@ -523,7 +538,9 @@ tile_wide(float *out, int ldo, const float *x, int ldx, const Mat *w, int r0, in
  * nt, since GCC allocates a 6-token tile's 24 accumulators without a spill only alone. */
 #define TILE_WIDE_NT(nt) \
     static __attribute__((noinline)) void tile_wide_##nt(float *out, int ldo, const float *x, int ldx, const Mat *w, \
-                                                          int r0, int t0) { tile_wide(out, ldo, x, ldx, w, r0, t0, nt); }
+                                                         int r0, int t0) { \
+        tile_wide(out, ldo, x, ldx, w, r0, t0, nt); \
+    }
 TILE_WIDE_NT(6)
 TILE_WIDE_NT(5)
 TILE_WIDE_NT(4)
@@ -541,13 +558,13 @@ static int wide_tiles(const Mat *w, int tl) {
 static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w, int tl, int t0, int T) {
     const int r0 = tl * RB, nr = w->rows - r0 < RB ? w->rows - r0 : RB, nt = T - t0 < TB ? T - t0 : TB;
     if (nr == RB) {
-        switch (nt) {  /* nt <= TB = 3 */
+        switch (nt) { /* nt <= TB = 3 */
         case 3: tile(out, ldo, x, ldx, w, r0, t0, RB, 3); return;
         case 2: tile(out, ldo, x, ldx, w, r0, t0, RB, 2); return;
         default: tile(out, ldo, x, ldx, w, r0, t0, RB, 1); return;
         }
     }
-    tile(out, ldo, x, ldx, w, r0, t0, nr, nt);  /* the last, shorter group of a matrix */
+    tile(out, ldo, x, ldx, w, r0, t0, nr, nt); /* the last, shorter group of a matrix */
 }
 
 /* Tiles [tile_lo, tile_hi) of RB rows. For more than two token blocks (a no-KV step):
@@ -560,7 +577,8 @@ static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat 
             int t0 = 0;
 #if ISA_AVX512
             if (wide_tiles(w, tl))
-                for (int nt; (nt = T - t0 < TW ? T - t0 : TW) > TB; t0 += nt) tile_wide_any(out, ldo, x, ldx, w, tl * RB, t0, nt);
+                for (int nt; (nt = T - t0 < TW ? T - t0 : TW) > TB; t0 += nt)
+                    tile_wide_any(out, ldo, x, ldx, w, tl * RB, t0, nt);
 #endif
             for (; t0 < T; t0 += TB) tile_any(out, ldo, x, ldx, w, tl, t0, T);
         }
@@ -610,7 +628,7 @@ void matmul_jobs(Worker *wk, const MatmulJob *jobs, int n_jobs) {
             jobs_tiles(jobs, n_jobs, lo, hi, 0, max_T);
             continue;
         }
-        long b_lo, b_hi;  /* the part's token blocks (of the longest job) */
+        long b_lo, b_hi; /* the part's token blocks (of the longest job) */
         parallel_share((max_T + TB - 1) / TB, sh.part, sh.parts, &b_lo, &b_hi);
         jobs_tiles(jobs, n_jobs, lo, hi, (int)b_lo * TB, (int)b_hi * TB);
     }
@@ -636,7 +654,8 @@ void matmul_swiglu(Worker *wk, float *h1, float *h3, const float *x, int ldx, Ma
         matmul_rows(h1, F, x, ldx, &w1, T, (int)a, (int)b);
         matmul_rows(h3, F, x, ldx, &w3, T, (int)a, (int)b);
         const int r_lo = (int)a * RB, r_hi = (int)b * RB < F ? (int)b * RB : F;
-        for (int t = 0; r_lo < r_hi && t < T; t++) swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
+        for (int t = 0; r_lo < r_hi && t < T; t++)
+            swiglu(h1 + (size_t)t * F + r_lo, h3 + (size_t)t * F + r_lo, r_hi - r_lo);
     }
     share_end(&sh);
 }
@@ -652,7 +671,7 @@ void rmsnorm(float *out, const float *x, Mat w, int n, float eps) {
 void softmax(float *x, int n) {
     int full = n / 16 * 16, tail = n - full;
     float max = x[0];
-    if (n >= 16) {  /* max is exact in any order: the last 16 elements overlap the blocks */
+    if (n >= 16) { /* max is exact in any order: the last 16 elements overlap the blocks */
         v16 m = v16_load_f32(x + n - 16, 16);
         for (int i = 0; i < full; i += 16) m = v16_max(m, v16_load_f32(x + i, 16));
         float lanes[16];
@@ -662,16 +681,16 @@ void softmax(float *x, int n) {
         for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
     }
     const v16 shift = v16_set1(-max), zero = v16_zero();
-    v16 sum = v16_zero();  /* element i in lane i % 16, as in every canonical sum */
+    v16 sum = v16_zero(); /* element i in lane i % 16, as in every canonical sum */
     for (int i = 0; i < full; i += 16) {
         v16 e = v16_exp_nonpositive(v16_add(v16_load_f32(x + i, 16), shift));
         v16_store(x + i, e, 16);
         sum = v16_add(sum, e);
     }
-    v16 e_tail = zero;  /* the tail stays in a register until its final store: a masked load
+    v16 e_tail = zero; /* the tail stays in a register until its final store: a masked load
                          * cannot take its data from a masked store and waits until the store
                          * reaches L1 */
-    if (tail) {  /* lanes past the end: e^min(0, -max) (min keeps a NaN), zeroed before the sum */
+    if (tail) {        /* lanes past the end: e^min(0, -max) (min keeps a NaN), zeroed before the sum */
         e_tail = v16_first(v16_exp_nonpositive(v16_min(zero, v16_add(v16_load_f32(x + full, tail), shift))), tail);
         sum = v16_add(sum, e_tail);
     }
@@ -696,7 +715,7 @@ void swiglu(float *h1, const float *h3, int n) {
 
 void mat_row_f32(float *out, Mat w, int r) {
     int cc = mat_chunk_cols(w.dtype);
-    for (int c0 = 0; c0 < w.cols; c0 += cc) {  /* the row's run of each chunk is contiguous */
+    for (int c0 = 0; c0 < w.cols; c0 += cc) { /* the row's run of each chunk is contiguous */
         int cw = chunk_width(w.cols, c0, cc);
         size_t run = run_offset(w.rows, w.cols, r, c0, cw);
         for (int i = 0; i < cw; i++) out[c0 + i] = mat_elem(w, run + (size_t)chunk_position(w.dtype, w.rows, cw, i));
@@ -706,7 +725,7 @@ void mat_row_f32(float *out, Mat w, int r) {
 float *alloc_floats_touched(size_t n) {
     void *p = NULL;
     if (posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) != 0) return NULL;
-    memset(p, 0, (n ? n : 1) * sizeof(float));  /* writes every page */
+    memset(p, 0, (n ? n : 1) * sizeof(float)); /* writes every page */
     return p;
 }
 

@@ -66,7 +66,7 @@ size_t mat_packed_offset(int rows, int cols, DType dt, int r, int c);
 void mat_pack(void *dst, const void *src, int rows, int cols, DType dt);
 
 size_t dtype_size(DType dt);
-const char *kernels_simd_name(void);   /* "avx512", "avx2" or "portable" */
+const char *kernels_simd_name(void); /* "avx512", "avx2" or "portable" */
 
 /* Index of the first NaN or infinity among n values of type dt (fp32 or bf16), or -1. */
 long first_nonfinite(const void *data, size_t n, DType dt);
@@ -126,19 +126,19 @@ void weighted_sum_rows(float *out, const float *p, const float *rows, size_t str
  * scales are scales[b][r * n_scales + part]. block_rows is even. */
 typedef struct {
     const void *const *block;
-    const float *const *scales;  /* DTYPE_I8 only */
+    const float *const *scales; /* DTYPE_I8 only */
     int block_rows;
     size_t stride;
     DType dtype;
-    int n_scales, split;         /* DTYPE_I8 only */
+    int n_scales, split; /* DTYPE_I8 only */
 } RowBlocks;
 /* dot_rows and weighted_sum_rows over such rows for n_heads heads that read the same rows
  * (a GQA group, MQA's or MLA's heads): head h's query (or probabilities) at q + h*ld_q
  * (p + h*ld_p), its output at out + h*ld_out. Bit for bit what dot_rows and
  * weighted_sum_rows give each head on the same rows stored contiguously as the floats
  * they stand for; the heads take each part of the rows in turn while it is in L1. */
-void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n, int width,
-                    float scale);
+void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
+                    int width, float scale);
 void weighted_sum_row_blocks(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, RowBlocks rows, int n,
                              int width);
 

@@ -82,8 +82,10 @@ static inline v16 v16_pow2i(v16 n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 static inline void v16_store(float *p, v16 v, int n) {
-    if (n >= 16) _mm512_storeu_ps(p, v);
-    else _mm512_mask_storeu_ps(p, v16_mask(n), v);
+    if (n >= 16)
+        _mm512_storeu_ps(p, v);
+    else
+        _mm512_mask_storeu_ps(p, v16_mask(n), v);
 }
 /* lanes l < n of v; the others +0 */
 static inline v16 v16_first(v16 v, int n) { return n >= 16 ? v : _mm512_maskz_mov_ps(v16_mask(n), v); }
@@ -100,10 +102,12 @@ static inline float v16_reduce(v16 v) {
  *   the k-th of their 4 halves (a's two, then b's two);
  * fold2(a, b), two fold4 results: block k = [a's block k l+(l+2) ; b's block k l+(l+2)]. */
 static inline __m512 avx512_fold8(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 static inline __m512 avx512_fold4(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 static inline __m512 avx512_fold2(__m512 a, __m512 b) {
     __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
@@ -116,38 +120,49 @@ static inline __m512 avx512_fold2(__m512 a, __m512 b) {
 static inline v16 v16_reduce16(const v16 a[16]) {
     __m512 s8[8], s4[4], s2[2];
     for (int i = 0; i < 8; i++) s8[i] = avx512_fold8(a[2 * i], a[2 * i + 1]);
-    for (int i = 0; i < 4; i++) s4[i] = avx512_fold4(s8[2 * i], s8[2 * i + 1]);      /* block b: a(4i+b) */
-    for (int i = 0; i < 2; i++) s2[i] = avx512_fold2(s4[2 * i], s4[2 * i + 1]);      /* block b: a(8i+b), a(8i+b+4) */
+    for (int i = 0; i < 4; i++) s4[i] = avx512_fold4(s8[2 * i], s8[2 * i + 1]); /* block b: a(4i+b) */
+    for (int i = 0; i < 2; i++) s2[i] = avx512_fold2(s4[2 * i], s4[2 * i + 1]); /* block b: a(8i+b), a(8i+b+4) */
     /* block b, element i: a(b + 4i) lane 0 + lane 1 */
     __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, r);  /* lane j: a(j) */
+    return _mm512_permutexvar_ps(order, r); /* lane j: a(j) */
 }
 
 /* out[j] = v16_reduce(a[j]) for j < 8: v16_reduce16's tree on 8 vectors side by side */
 static inline void v16_reduce8_store(float *out, const v16 a[8]) {
     __m512 s4[2];
-    for (int i = 0; i < 2; i++) s4[i] = avx512_fold4(avx512_fold8(a[4 * i], a[4 * i + 1]), avx512_fold8(a[4 * i + 2], a[4 * i + 3]));
-    __m512 s2 = avx512_fold2(s4[0], s4[1]);  /* block b: [a(b) l+(l+2) ; a(b+4) l+(l+2)], l < 2 */
+    for (int i = 0; i < 2; i++)
+        s4[i] = avx512_fold4(avx512_fold8(a[4 * i], a[4 * i + 1]), avx512_fold8(a[4 * i + 2], a[4 * i + 3]));
+    __m512 s2 = avx512_fold2(s4[0], s4[1]); /* block b: [a(b) l+(l+2) ; a(b+4) l+(l+2)], l < 2 */
     /* block b: [a(b), a(b+4), a(b), a(b+4)], each lane 0 + lane 1 */
-    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(s2, s2, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r)));  /* lane j: a(j) */
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r))); /* lane j: a(j) */
 }
 
 #elif ISA_AVX2
 #include <immintrin.h>
 #define SIMD_NAME "avx2"
-typedef struct { __m256 lo, hi; } v16;
-static inline v16 v16_zero(void) { v16 v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+typedef struct {
+    __m256 lo, hi;
+} v16;
+static inline v16 v16_zero(void) {
+    v16 v = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    return v;
+}
 static inline __m256i avx2_mask8(int n) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx);
 }
 static inline v16 v16_load_f32(const float *p, int n) {
     v16 v;
-    if (n >= 16) { v.lo = _mm256_loadu_ps(p); v.hi = _mm256_loadu_ps(p + 8); return v; }
+    if (n >= 16) {
+        v.lo = _mm256_loadu_ps(p);
+        v.hi = _mm256_loadu_ps(p + 8);
+        return v;
+    }
     v.lo = _mm256_maskload_ps(p, avx2_mask8(n));
     v.hi = n > 8 ? _mm256_maskload_ps(p + 8, avx2_mask8(n - 8)) : _mm256_setzero_ps();
     return v;
@@ -166,12 +181,16 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
     memcpy(tmp, p, (size_t)n * sizeof(bf16));
     return v16_load_bf16(tmp, 16);
 }
-static inline v16 v16_set1(float x) { v16 v = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return v; }
+static inline v16 v16_set1(float x) {
+    v16 v = {_mm256_set1_ps(x), _mm256_set1_ps(x)};
+    return v;
+}
 static inline v16 v16_load_i8(const int8_t *p, int n) {
     int8_t tmp[16] = {0};
     if (n < 16) memcpy(tmp, p, (size_t)(n > 0 ? n : 0)), p = tmp;
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
     return v;
 }
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
@@ -179,20 +198,48 @@ static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
     acc.hi = _mm256_fmadd_ps(a.hi, b.hi, acc.hi);
     return acc;
 }
-static inline v16 v16_add(v16 a, v16 b) { v16 v = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return v; }
-static inline v16 v16_sub(v16 a, v16 b) { v16 v = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; return v; }
-static inline v16 v16_mul(v16 a, v16 b) { v16 v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return v; }
-static inline v16 v16_max(v16 a, v16 b) { v16 v = {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; return v; }
-static inline v16 v16_min(v16 a, v16 b) { v16 v = {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; return v; }
-static inline v16 v16_div(v16 a, v16 b) { v16 v = {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; return v; }
+static inline v16 v16_add(v16 a, v16 b) {
+    v16 v = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+    return v;
+}
+static inline v16 v16_sub(v16 a, v16 b) {
+    v16 v = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+    return v;
+}
+static inline v16 v16_mul(v16 a, v16 b) {
+    v16 v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+    return v;
+}
+static inline v16 v16_max(v16 a, v16 b) {
+    v16 v = {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+    return v;
+}
+static inline v16 v16_min(v16 a, v16 b) {
+    v16 v = {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)};
+    return v;
+}
+static inline v16 v16_div(v16 a, v16 b) {
+    v16 v = {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+    return v;
+}
 static inline __m256 avx2_round(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline v16 v16_round(v16 a) { v16 v = {avx2_round(a.lo), avx2_round(a.hi)}; return v; }
+static inline v16 v16_round(v16 a) {
+    v16 v = {avx2_round(a.lo), avx2_round(a.hi)};
+    return v;
+}
 static inline __m256 avx2_pow2i(__m256 n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
-static inline v16 v16_pow2i(v16 n) { v16 v = {avx2_pow2i(n.lo), avx2_pow2i(n.hi)}; return v; }
+static inline v16 v16_pow2i(v16 n) {
+    v16 v = {avx2_pow2i(n.lo), avx2_pow2i(n.hi)};
+    return v;
+}
 static inline void v16_store(float *p, v16 v, int n) {
-    if (n >= 16) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); return; }
+    if (n >= 16) {
+        _mm256_storeu_ps(p, v.lo);
+        _mm256_storeu_ps(p + 8, v.hi);
+        return;
+    }
     _mm256_maskstore_ps(p, avx2_mask8(n), v.lo);
     if (n > 8) _mm256_maskstore_ps(p + 8, avx2_mask8(n - 8), v.hi);
 }
@@ -224,7 +271,10 @@ static inline vp vp_pairs_first(vpairs v) { return _mm256_castsi256_ps(_mm256_sl
 static inline vp vp_pairs_second(vpairs v) {
     return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
-static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { v16 v = {parts[0], parts[1]}; return v; }
+static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) {
+    v16 v = {parts[0], parts[1]};
+    return v;
+}
 
 static inline float v16_reduce(v16 v) {
     __m256 s8 = _mm256_add_ps(v.lo, v.hi);
@@ -237,18 +287,18 @@ static inline float v16_reduce(v16 v) {
  * + l+1) for each, so each lane equals v16_reduce bit for bit. */
 static inline __m256 avx2_reduce8(const v16 a[8]) {
     __m256 s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(a[i].lo, a[i].hi);  /* a(i): l + (l+8), l < 8 */
-    for (int i = 0; i < 4; i++)  /* [a(2i) l+(l+4) ; a(2i+1) l+(l+4)], l < 4 */
+    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(a[i].lo, a[i].hi); /* a(i): l + (l+8), l < 8 */
+    for (int i = 0; i < 4; i++)                                          /* [a(2i) l+(l+4) ; a(2i+1) l+(l+4)], l < 4 */
         s4[i] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x20),
                               _mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x31));
-    for (int i = 0; i < 2; i++) {  /* 128-bit half b: [a(4i+b) l+(l+2) ; a(4i+b+2) l+(l+2)], l < 2 */
+    for (int i = 0; i < 2; i++) { /* 128-bit half b: [a(4i+b) l+(l+2) ; a(4i+b+2) l+(l+2)], l < 2 */
         __m256d x = _mm256_castps_pd(s4[2 * i]), y = _mm256_castps_pd(s4[2 * i + 1]);
         s2[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
     }
     /* half b, element e: a(b + 2e) lane 0 + lane 1 */
     __m256 r = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm256_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  /* lane j: a(j) */
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* lane j: a(j) */
 }
 
 /* r[j] = v16_reduce(a[j]) for 16 vectors at once */
@@ -261,8 +311,13 @@ static inline void v16_reduce8_store(float *out, const v16 a[8]) { _mm256_storeu
 
 #else
 #define SIMD_NAME "portable"
-typedef struct { float x[16]; } v16;
-static inline v16 v16_zero(void) { v16 v = {{0}}; return v; }
+typedef struct {
+    float x[16];
+} v16;
+static inline v16 v16_zero(void) {
+    v16 v = {{0}};
+    return v;
+}
 static inline v16 v16_load_f32(const float *p, int n) {
     v16 v = {{0}};
     for (int l = 0; l < 16 && l < n; l++) v.x[l] = p[l];
@@ -284,8 +339,14 @@ typedef v16 vp;
 static inline vp vp_zero(void) { return v16_zero(); }
 static inline vp vp_load_f32(const float *p, int n) { return v16_load_f32(p, n); }
 static inline vp vp_load_bf16(const bf16 *p, int n) { return v16_load_bf16(p, n); }
-typedef struct { bf16 x[32]; } vpairs;
-static inline vpairs vp_load_pairs(const bf16 *p) { vpairs v; memcpy(v.x, p, sizeof v.x); return v; }
+typedef struct {
+    bf16 x[32];
+} vpairs;
+static inline vpairs vp_load_pairs(const bf16 *p) {
+    vpairs v;
+    memcpy(v.x, p, sizeof v.x);
+    return v;
+}
 static inline vp vp_pairs_first(vpairs v) {
     vp r;
     for (int l = 0; l < 16; l++) r.x[l] = bf16_to_f32(v.x[2 * l]);
@@ -297,7 +358,11 @@ static inline vp vp_pairs_second(vpairs v) {
     return r;
 }
 static inline v16 v16_from_parts(const vp parts[SIMD_PARTS]) { return parts[0]; }
-static inline v16 v16_set1(float x) { v16 v; for (int l = 0; l < 16; l++) v.x[l] = x; return v; }
+static inline v16 v16_set1(float x) {
+    v16 v;
+    for (int l = 0; l < 16; l++) v.x[l] = x;
+    return v;
+}
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
     for (int l = 0; l < 16; l++) acc.x[l] = fmaf(a.x[l], b.x[l], acc.x[l]);
     return acc;
@@ -309,14 +374,38 @@ static inline float pow2i_f32(float n) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
-static inline v16 v16_add(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] + b.x[l]; return a; }
-static inline v16 v16_sub(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] - b.x[l]; return a; }
-static inline v16 v16_mul(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] * b.x[l]; return a; }
-static inline v16 v16_max(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return a; }
-static inline v16 v16_min(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] < b.x[l] ? a.x[l] : b.x[l]; return a; }
-static inline v16 v16_div(v16 a, v16 b) { for (int l = 0; l < 16; l++) a.x[l] = a.x[l] / b.x[l]; return a; }
-static inline v16 v16_round(v16 a) { for (int l = 0; l < 16; l++) a.x[l] = nearbyintf(a.x[l]); return a; }
-static inline v16 v16_pow2i(v16 n) { for (int l = 0; l < 16; l++) n.x[l] = pow2i_f32(n.x[l]); return n; }
+static inline v16 v16_add(v16 a, v16 b) {
+    for (int l = 0; l < 16; l++) a.x[l] = a.x[l] + b.x[l];
+    return a;
+}
+static inline v16 v16_sub(v16 a, v16 b) {
+    for (int l = 0; l < 16; l++) a.x[l] = a.x[l] - b.x[l];
+    return a;
+}
+static inline v16 v16_mul(v16 a, v16 b) {
+    for (int l = 0; l < 16; l++) a.x[l] = a.x[l] * b.x[l];
+    return a;
+}
+static inline v16 v16_max(v16 a, v16 b) {
+    for (int l = 0; l < 16; l++) a.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l];
+    return a;
+}
+static inline v16 v16_min(v16 a, v16 b) {
+    for (int l = 0; l < 16; l++) a.x[l] = a.x[l] < b.x[l] ? a.x[l] : b.x[l];
+    return a;
+}
+static inline v16 v16_div(v16 a, v16 b) {
+    for (int l = 0; l < 16; l++) a.x[l] = a.x[l] / b.x[l];
+    return a;
+}
+static inline v16 v16_round(v16 a) {
+    for (int l = 0; l < 16; l++) a.x[l] = nearbyintf(a.x[l]);
+    return a;
+}
+static inline v16 v16_pow2i(v16 n) {
+    for (int l = 0; l < 16; l++) n.x[l] = pow2i_f32(n.x[l]);
+    return n;
+}
 static inline void v16_store(float *p, v16 v, int n) {
     for (int l = 0; l < 16 && l < n; l++) p[l] = v.x[l];
 }
@@ -347,8 +436,8 @@ static inline void v16_reduce8_store(float *out, const v16 a[8]) {
  * round to nearest), so every path gives the same bits. */
 static inline v16 v16_exp_nonpositive(v16 x) {
     x = v16_max(x, v16_set1(-87.3f));
-    v16 n = v16_round(v16_mul(x, v16_set1(1.44269504088896341f)));  /* x / ln2 */
-    v16 r = v16_fma(n, v16_set1(-0.693359375f), x);                   /* x - n ln2, ln2 in two parts */
+    v16 n = v16_round(v16_mul(x, v16_set1(1.44269504088896341f))); /* x / ln2 */
+    v16 r = v16_fma(n, v16_set1(-0.693359375f), x);                /* x - n ln2, ln2 in two parts */
     r = v16_fma(n, v16_set1(2.12194440e-4f), r);
     v16 p = v16_set1(1.9875691500e-4f);
     p = v16_fma(p, r, v16_set1(1.3981999507e-3f));
@@ -356,7 +445,7 @@ static inline v16 v16_exp_nonpositive(v16 x) {
     p = v16_fma(p, r, v16_set1(4.1665795894e-2f));
     p = v16_fma(p, r, v16_set1(1.6666665459e-1f));
     p = v16_fma(p, r, v16_set1(5.0000001201e-1f));
-    v16 er = v16_add(v16_fma(p, v16_mul(r, r), r), v16_set1(1.0f));  /* 1 + r + r^2 p(r) */
+    v16 er = v16_add(v16_fma(p, v16_mul(r, r), r), v16_set1(1.0f)); /* 1 + r + r^2 p(r) */
     return v16_mul(er, v16_pow2i(n));
 }
 

@@ -23,14 +23,14 @@ typedef struct {
 
 struct Team {
     int threads;
-    int spin_ns;                           /* how long a wait spins before it sleeps */
-    int closing;                           /* read by the members after a post */
+    int spin_ns; /* how long a wait spins before it sleeps */
+    int closing; /* read by the members after a post */
     void (*member)(void *arg, Worker *w);
     void *arg;
-    _Alignas(64) atomic_uint posted;       /* steps posted so far */
-    _Alignas(64) atomic_uint arrived;      /* threads at the barrier now */
-    _Alignas(64) atomic_uint passed;       /* barriers passed so far */
-    Claim claims[TEAM_MAX_THREADS];        /* one per part (share_next) */
+    _Alignas(64) atomic_uint posted;  /* steps posted so far */
+    _Alignas(64) atomic_uint arrived; /* threads at the barrier now */
+    _Alignas(64) atomic_uint passed;  /* barriers passed so far */
+    Claim claims[TEAM_MAX_THREADS];   /* one per part (share_next) */
     pthread_t ids[TEAM_MAX_THREADS];
     Worker workers[TEAM_MAX_THREADS];
 };
@@ -86,7 +86,7 @@ Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
     for (int i = 0; i < n; i++) t->workers[i] = (Worker){.team = t, .thread = i, .threads = n};
     for (int i = 1; i < n; i++)
         if (pthread_create(&t->ids[i], NULL, member_main, &t->workers[i]) != 0) {
-            t->threads = i;  /* close the ones started */
+            t->threads = i; /* close the ones started */
             team_close(t);
             return NULL;
         }
@@ -110,7 +110,7 @@ void team_post(Team *t) {
 
 int team_wait(Worker *w) {
     Team *t = w->team;
-    static _Thread_local unsigned seen;  /* the posts this thread has taken */
+    static _Thread_local unsigned seen; /* the posts this thread has taken */
     wait_for_change(t, &t->posted, seen);
     seen++;
     w->pending = 0;
@@ -142,7 +142,10 @@ Share share_begin(Worker *w, long n, ShareKind kind, ParallelMode mode) {
     const int shared = mode != PARALLEL_ALONE && w->threads > 1;
     if (shared && w->pending) team_barrier(w);
     if (!shared) w->pending = 1;
-    return (Share){.w = w, .n = n, .kind = kind, .take_over = shared && mode == PARALLEL_TAKE_OVER,
+    return (Share){.w = w,
+                   .n = n,
+                   .kind = kind,
+                   .take_over = shared && mode == PARALLEL_TAKE_OVER,
                    .parts = shared ? w->threads : 1};
 }
 
@@ -162,13 +165,13 @@ static void share_part(Share *s, int p) {
 
 int share_next(Share *s, long *lo, long *hi) {
     const Worker *w = s->w;
-    const int visits = s->take_over ? s->parts : 1;  /* parts this thread looks at */
+    const int visits = s->take_over ? s->parts : 1; /* parts this thread looks at */
     for (;;) {
         if (!s->in_part) {
             if (s->visited == visits || (s->parts == 1 && w->thread != 0)) return 0;
-            share_part(s, (w->thread + s->visited) % s->parts);  /* its own part first */
+            share_part(s, (w->thread + s->visited) % s->parts); /* its own part first */
             s->visited++;
-            if (!s->take_over) {  /* the whole part at once */
+            if (!s->take_over) { /* the whole part at once */
                 if (s->count == 0) continue;
                 *lo = s->first;
                 *hi = s->first + s->count;
@@ -202,7 +205,7 @@ void share_end(Share *s) {
 
 /* ---- how many threads ---- */
 
-static int chosen_threads;  /* --threads; 0: not given */
+static int chosen_threads; /* --threads; 0: not given */
 
 void threads_set(int n) { chosen_threads = n < 1 ? 1 : n < TEAM_MAX_THREADS ? n : TEAM_MAX_THREADS; }
 
@@ -244,7 +247,7 @@ int threads_count(void) {
 int threads_check_env(char *err, size_t errlen) {
     const char *env = getenv("OMP_NUM_THREADS");
     if (!env) return 0;
-    char shown[64];  /* cut to fit; no control sequence reaches the terminal */
+    char shown[64]; /* cut to fit; no control sequence reaches the terminal */
     size_t i = 0;
     for (; env[i] && i + 1 < sizeof shown; i++)
         shown[i] = (unsigned char)env[i] < 0x20 || env[i] == 0x7F ? '?' : env[i];
@@ -254,8 +257,8 @@ int threads_check_env(char *err, size_t errlen) {
     case ENV_THREADS_OUT_OF_RANGE:
         return errmsg(err, errlen, -1, "OMP_NUM_THREADS=%s is out of range (1..%d)", shown, TEAM_MAX_THREADS);
     case ENV_THREADS_NOT_A_COUNT:
-        return errmsg(err, errlen, -1, "OMP_NUM_THREADS needs a thread count (1..%d), got '%s'", TEAM_MAX_THREADS, shown);
-    default:
-        return 0;
+        return errmsg(err, errlen, -1, "OMP_NUM_THREADS needs a thread count (1..%d), got '%s'", TEAM_MAX_THREADS,
+                      shown);
+    default: return 0;
     }
 }

@@ -34,7 +34,7 @@ typedef struct {
     Team *team;
     int thread, threads;
     int pending;
-    unsigned barriers;  /* passed so far: the same count on every thread */
+    unsigned barriers; /* passed so far: the same count on every thread */
 } Worker;
 
 static inline Worker worker_alone(void) { return (Worker){.team = NULL, .thread = 0, .threads = 1}; }
@@ -104,10 +104,10 @@ typedef struct {
     long n;
     ShareKind kind;
     int take_over;
-    int parts;        /* 1 or w->threads */
-    int part;         /* the part of the last run share_next gave */
-    int visited;      /* parts looked at so far */
-    int in_part;      /* claiming from part `part` */
+    int parts;   /* 1 or w->threads */
+    int part;    /* the part of the last run share_next gave */
+    int visited; /* parts looked at so far */
+    int in_part; /* claiming from part `part` */
     long first, count;
 } Share;
 

@@ -30,9 +30,9 @@ static void run_hashed(const Model *m, KVPool *pool, const Options *o, Request *
     int rc;
     while ((rc = scheduler_step(&sch, &st)) > 0)
         for (int k = 0; k < st.n_rows; k++) {
-            const Request *r = st.rows[k].request;  /* its step r->generated - 1 */
-            hashes[(size_t)r->index * stride + r->generated - 1] = hash_logits(st.logits + (size_t)k * m->cfg.vocab_size,
-                                                                                 m->cfg.vocab_size);
+            const Request *r = st.rows[k].request; /* its step r->generated - 1 */
+            hashes[(size_t)r->index * stride + r->generated - 1] =
+                hash_logits(st.logits + (size_t)k * m->cfg.vocab_size, m->cfg.vocab_size);
         }
     check_model(rc);
     scheduler_free(&sch);
@@ -48,7 +48,8 @@ int mode_check_batch(const Model *m, KVPool *pool, const Options *o) {
     if (pool->window && !o->steps) die(EXIT_USAGE, "--check-batch with --window needs -n: a window has no end");
     RequestList batch = requests_of(m, o);
     const int B = batch.n, stride = (o->steps > m->cfg.max_seq_len ? o->steps : m->cfg.max_seq_len) + 1;
-    uint64_t *in_batch = calloc((size_t)B * stride, sizeof(uint64_t)), *alone = calloc((size_t)B * stride, sizeof(uint64_t));
+    uint64_t *in_batch = calloc((size_t)B * stride, sizeof(uint64_t)),
+             *alone = calloc((size_t)B * stride, sizeof(uint64_t));
     BatchVerdict *verdicts = malloc((size_t)B * sizeof *verdicts);
     if (!in_batch || !alone || !verdicts) die(1, "out of memory");
     run_hashed(m, pool, o, batch.requests, B, o->batch, in_batch, stride);
@@ -79,17 +80,19 @@ int mode_check_batch(const Model *m, KVPool *pool, const Options *o) {
         printf(", \"batch\": %d, \"slots\": %d, \"identical\": %s, \"sequences_identical\": %d, \"sequences\": [", B,
                o->batch, differ ? "false" : "true", n_identical);
         for (int i = 0; i < B; i++)
-            printf("%s{\"index\": %d, \"seed\": %llu, \"steps\": %d, \"identical_tokens\": %d, \"bitwise_identical\": %s, "
-                   "\"first_difference\": %d}", i ? ", " : "", i, (unsigned long long)batch.requests[i].seed,
-                   verdicts[i].steps, verdicts[i].same_tokens, verdicts[i].identical ? "true" : "false",
-                   verdicts[i].first_difference);
+            printf(
+                "%s{\"index\": %d, \"seed\": %llu, \"steps\": %d, \"identical_tokens\": %d, \"bitwise_identical\": %s, "
+                "\"first_difference\": %d}",
+                i ? ", " : "", i, (unsigned long long)batch.requests[i].seed, verdicts[i].steps,
+                verdicts[i].same_tokens, verdicts[i].identical ? "true" : "false", verdicts[i].first_difference);
         putchar(']');
         json_end();
     } else {
-        printf("%s %s, %d sequences of %s\"%s\" in %d slots: %d of %d give the same tokens and bitwise the same logits as "
-               "run alone\n",
-               variant_name(&m->cfg), o->kv ? "kv" : "no-kv", B, o->prompts_path ? "the prompts of " : "", what, o->batch,
-               n_identical, B);
+        printf(
+            "%s %s, %d sequences of %s\"%s\" in %d slots: %d of %d give the same tokens and bitwise the same logits as "
+            "run alone\n",
+            variant_name(&m->cfg), o->kv ? "kv" : "no-kv", B, o->prompts_path ? "the prompts of " : "", what, o->batch,
+            n_identical, B);
         for (int i = 0; i < B; i++)
             printf("check-batch variant=%s mode=%s batch=%d index=%d seed=%llu steps=%d identical_tokens=%d "
                    "bitwise_identical=%d first_difference=%d\n",
@@ -107,7 +110,7 @@ int mode_check_batch(const Model *m, KVPool *pool, const Options *o) {
 
 /* A greedy run: its logits, step by step. */
 typedef struct {
-    float *logits;  /* (steps, vocab) */
+    float *logits; /* (steps, vocab) */
     int steps;
 } GreedyRun;
 
@@ -139,11 +142,11 @@ static GreedyRun greedy_run(const Model *m, KVPool *pool, const Options *o, cons
 /* Greedy with the cache against greedy without it, step by step while both runs have seen
  * the same tokens. */
 typedef struct {
-    char a[32], b[32];     /* the runs' names: kv[-form], no-kv[-form] */
-    int same_form;         /* the same arithmetic: the logits should be the same bits */
-    int steps;             /* compared */
-    int identical_tokens, divergent_step, token_a, token_b;  /* -1: none */
-    int first_bitwise_difference;                             /* -1: none */
+    char a[32], b[32]; /* the runs' names: kv[-form], no-kv[-form] */
+    int same_form;     /* the same arithmetic: the logits should be the same bits */
+    int steps;         /* compared */
+    int identical_tokens, divergent_step, token_a, token_b; /* -1: none */
+    int first_bitwise_difference;                           /* -1: none */
     double max_abs_logit_diff;
 } KvComparison;
 
@@ -158,14 +161,19 @@ static KvComparison compare_runs(const GreedyRun *a, const GreedyRun *b, int V) 
     c.steps = a->steps < b->steps ? a->steps : b->steps;
     for (int s = 0; s < c.steps; s++) {
         const float *la = a->logits + (size_t)s * V, *lb = b->logits + (size_t)s * V;
-        if (c.first_bitwise_difference < 0 && memcmp(la, lb, (size_t)V * sizeof(float)) != 0) c.first_bitwise_difference = s;
+        if (c.first_bitwise_difference < 0 && memcmp(la, lb, (size_t)V * sizeof(float)) != 0)
+            c.first_bitwise_difference = s;
         for (int i = 0; i < V; i++) {
             double d = fabs((double)la[i] - (double)lb[i]);
             if (d > c.max_abs_logit_diff) c.max_abs_logit_diff = d;
         }
-        if (sampler_argmax(la, V) != sampler_argmax(lb, V)) { c.divergent_step = s; break; }
+        if (sampler_argmax(la, V) != sampler_argmax(lb, V)) {
+            c.divergent_step = s;
+            break;
+        }
     }
-    if (c.divergent_step < 0 && a->steps != b->steps) c.divergent_step = c.steps;  /* one stopped at EOS, the other not */
+    if (c.divergent_step < 0 && a->steps != b->steps)
+        c.divergent_step = c.steps; /* one stopped at EOS, the other not */
     const int d = c.divergent_step;
     c.identical_tokens = d < 0 ? c.steps : d;
     if (d >= 0 && d < a->steps) c.token_a = sampler_argmax(a->logits + (size_t)d * V, V);
@@ -182,8 +190,8 @@ static void print_check_kv(const Model *m, const KVPool *pool, const Options *o,
         printf(", \"steps_requested\": %d, \"identical\": %s, \"comparisons\": [", steps, fails ? "false" : "true");
         for (int i = 0; i < n_pairs; i++) {
             printf("%s{\"a\": \"%s\", \"b\": \"%s\", \"same_form\": %s, \"steps\": %d, \"identical_tokens\": %d, "
-                   "\"first_divergent_step\": ", i ? ", " : "", c[i].a, c[i].b, c[i].same_form ? "true" : "false",
-                   c[i].steps, c[i].identical_tokens);
+                   "\"first_divergent_step\": ",
+                   i ? ", " : "", c[i].a, c[i].b, c[i].same_form ? "true" : "false", c[i].steps, c[i].identical_tokens);
             json_number(stdout, c[i].divergent_step < 0 ? NAN : c[i].divergent_step);
             fputs(", \"token_a\": ", stdout);
             json_number(stdout, c[i].token_a < 0 ? NAN : c[i].token_a);
@@ -206,14 +214,16 @@ static void print_check_kv(const Model *m, const KVPool *pool, const Options *o,
             printf(", then step %d diverges: %s gives token %d, %s gives token %d", c[i].divergent_step, c[i].a,
                    c[i].token_a, c[i].b, c[i].token_b);
         printf("; logits %s; max |logit difference| %.3g\n",
-               c[i].first_bitwise_difference < 0 ? "bitwise identical" : "not bitwise identical", c[i].max_abs_logit_diff);
+               c[i].first_bitwise_difference < 0 ? "bitwise identical" : "not bitwise identical",
+               c[i].max_abs_logit_diff);
     }
     for (int i = 0; i < n_pairs; i++)
-        printf("check-kv variant=%s a=%s b=%s window=%d steps=%d identical_tokens=%d first_divergent_step=%d token_a=%d "
-               "token_b=%d bitwise_identical=%d first_bitwise_difference=%d max_abs_logit_diff=%.6g\n",
-               variant_name(&m->cfg), c[i].a, c[i].b, pool->window, c[i].steps, c[i].identical_tokens,
-               c[i].divergent_step, c[i].token_a, c[i].token_b, c[i].first_bitwise_difference < 0,
-               c[i].first_bitwise_difference, c[i].max_abs_logit_diff);
+        printf(
+            "check-kv variant=%s a=%s b=%s window=%d steps=%d identical_tokens=%d first_divergent_step=%d token_a=%d "
+            "token_b=%d bitwise_identical=%d first_bitwise_difference=%d max_abs_logit_diff=%.6g\n",
+            variant_name(&m->cfg), c[i].a, c[i].b, pool->window, c[i].steps, c[i].identical_tokens, c[i].divergent_step,
+            c[i].token_a, c[i].token_b, c[i].first_bitwise_difference < 0, c[i].first_bitwise_difference,
+            c[i].max_abs_logit_diff);
 }
 
 /* One line for people, then the machine-readable key=value lines (or one JSON object).
@@ -229,7 +239,7 @@ int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     const int steps = o->steps ? o->steps : m->cfg.max_seq_len;
     Options run = *o;
     run.steps = steps;
-    KVPool whole;  /* without the window */
+    KVPool whole; /* without the window */
     if (kv_pool_init(&whole, &m->cfg, pool->dtype, kv_blocks_for(m->cfg.max_seq_len)) != 0) die(1, "out of memory");
     const MlaForm uncached_forms[2] = {MLA_EXPANDED, MLA_ABSORBED};
     const int n_pairs = is_mla ? 2 : 1;

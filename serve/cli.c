@@ -63,7 +63,7 @@ static int parse_long(const char *flag, const char *s, long lo, long hi, long *o
     errno = 0;
     long v = strtol(s, &end, 10);
     if (end == s || *end) return errmsg(err, errlen, 2, "%s needs an integer, got '%s'", flag, s);
-    if (errno == ERANGE)  /* an integer all the same, past what a long holds */
+    if (errno == ERANGE) /* an integer all the same, past what a long holds */
         return errmsg(err, errlen, 2, "%s %s is out of range (%ld..%ld)", flag, s, lo, hi);
     if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %ld is out of range (%ld..%ld)", flag, v, lo, hi);
     *out = v;
@@ -72,9 +72,9 @@ static int parse_long(const char *flag, const char *s, long lo, long hi, long *o
 
 static int parse_float(const char *flag, const char *s, float lo, float hi, float *out, char *err, size_t errlen) {
     char *end;
-    float v = strtof(s, &end);  /* ERANGE needs no check: an overflow is inf, an underflow rounds */
+    float v = strtof(s, &end); /* ERANGE needs no check: an overflow is inf, an underflow rounds */
     if (end == s || *end || isnan(v)) return errmsg(err, errlen, 2, "%s needs a number, got '%s'", flag, s);
-    if (isinf(v))  /* 1e39 overflows a float (ERANGE) as inf does: a number, out of range */
+    if (isinf(v)) /* 1e39 overflows a float (ERANGE) as inf does: a number, out of range */
         return errmsg(err, errlen, 2, "%s %s is out of range (%.10g..%.10g)", flag, s, lo, hi);
     if (v < lo || v > hi) return errmsg(err, errlen, 2, "%s %s is out of range (%.10g..%.10g)", flag, s, lo, hi);
     *out = v;
@@ -83,27 +83,57 @@ static int parse_float(const char *flag, const char *s, float lo, float hi, floa
 
 /* Codes of the flags that have no short form. */
 enum {
-    OPT_KV = 256, OPT_MLA, OPT_BATCH, OPT_KV_MEM, OPT_PROMPTS, OPT_KV_DTYPE, OPT_WINDOW, OPT_WINDOW_POLICY,
-    OPT_THREADS, OPT_LOG, OPT_DUMP_LOGITS, OPT_JSON, OPT_IGNORE_EOS, OPT_CHECK_KV, OPT_CHECK_BATCH, OPT_PPL,
-    OPT_INFO, OPT_VERSION, OPT_TOP_P
+    OPT_KV = 256,
+    OPT_MLA,
+    OPT_BATCH,
+    OPT_KV_MEM,
+    OPT_PROMPTS,
+    OPT_KV_DTYPE,
+    OPT_WINDOW,
+    OPT_WINDOW_POLICY,
+    OPT_THREADS,
+    OPT_LOG,
+    OPT_DUMP_LOGITS,
+    OPT_JSON,
+    OPT_IGNORE_EOS,
+    OPT_CHECK_KV,
+    OPT_CHECK_BATCH,
+    OPT_PPL,
+    OPT_INFO,
+    OPT_VERSION,
+    OPT_TOP_P
 };
 
 static const struct option LONG_OPTIONS[] = {
-    {"prompt", required_argument, NULL, 'p'},      {"file", required_argument, NULL, 'f'},
-    {"n-predict", required_argument, NULL, 'n'},   {"top-k", required_argument, NULL, 'k'},
-    {"top-p", required_argument, NULL, OPT_TOP_P}, {"temp", required_argument, NULL, 't'},
-    {"seed", required_argument, NULL, 's'},        {"kv", no_argument, NULL, OPT_KV},
-    {"mla", required_argument, NULL, OPT_MLA},     {"batch", required_argument, NULL, OPT_BATCH},
-    {"kv-mem", required_argument, NULL, OPT_KV_MEM}, {"prompts", required_argument, NULL, OPT_PROMPTS},
-    {"kv-dtype", required_argument, NULL, OPT_KV_DTYPE}, {"window", required_argument, NULL, OPT_WINDOW},
+    {"prompt", required_argument, NULL, 'p'},
+    {"file", required_argument, NULL, 'f'},
+    {"n-predict", required_argument, NULL, 'n'},
+    {"top-k", required_argument, NULL, 'k'},
+    {"top-p", required_argument, NULL, OPT_TOP_P},
+    {"temp", required_argument, NULL, 't'},
+    {"seed", required_argument, NULL, 's'},
+    {"kv", no_argument, NULL, OPT_KV},
+    {"mla", required_argument, NULL, OPT_MLA},
+    {"batch", required_argument, NULL, OPT_BATCH},
+    {"kv-mem", required_argument, NULL, OPT_KV_MEM},
+    {"prompts", required_argument, NULL, OPT_PROMPTS},
+    {"kv-dtype", required_argument, NULL, OPT_KV_DTYPE},
+    {"window", required_argument, NULL, OPT_WINDOW},
     {"window-policy", required_argument, NULL, OPT_WINDOW_POLICY},
-    {"threads", required_argument, NULL, OPT_THREADS}, {"log", required_argument, NULL, OPT_LOG},
-    {"dump-logits", required_argument, NULL, OPT_DUMP_LOGITS}, {"json", no_argument, NULL, OPT_JSON},
-    {"verbose", no_argument, NULL, 'v'},           {"quiet", no_argument, NULL, 'q'},
-    {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS}, {"check-kv", no_argument, NULL, OPT_CHECK_KV},
-    {"check-batch", no_argument, NULL, OPT_CHECK_BATCH}, {"ppl", required_argument, NULL, OPT_PPL},
-    {"info", no_argument, NULL, OPT_INFO},         {"help", no_argument, NULL, 'h'},
-    {"version", no_argument, NULL, OPT_VERSION},   {NULL, 0, NULL, 0},
+    {"threads", required_argument, NULL, OPT_THREADS},
+    {"log", required_argument, NULL, OPT_LOG},
+    {"dump-logits", required_argument, NULL, OPT_DUMP_LOGITS},
+    {"json", no_argument, NULL, OPT_JSON},
+    {"verbose", no_argument, NULL, 'v'},
+    {"quiet", no_argument, NULL, 'q'},
+    {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
+    {"check-kv", no_argument, NULL, OPT_CHECK_KV},
+    {"check-batch", no_argument, NULL, OPT_CHECK_BATCH},
+    {"ppl", required_argument, NULL, OPT_PPL},
+    {"info", no_argument, NULL, OPT_INFO},
+    {"help", no_argument, NULL, 'h'},
+    {"version", no_argument, NULL, OPT_VERSION},
+    {NULL, 0, NULL, 0},
 };
 
 /* "-": non-options come back in order (code 1), so argv is never reordered; ":": a
@@ -117,7 +147,7 @@ static int long_matches(const char *arg, const struct option **first) {
     int n = 0;
     for (const struct option *opt = LONG_OPTIONS; opt->name; opt++) {
         if (strncmp(opt->name, name, len) != 0) continue;
-        if (strlen(opt->name) == len) {  /* an exact match wins over longer names */
+        if (strlen(opt->name) == len) { /* an exact match wins over longer names */
             *first = opt;
             return 1;
         }
@@ -159,7 +189,8 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
         return errmsg(err, errlen, 2, "--prompts serves a generation: it takes no %s", given[0]);
     if (o->batch_given && o->check_kv)
         return errmsg(err, errlen, 2, "--check-kv compares one sequence; --check-batch compares a batch");
-    if (o->batch_given && o->ppl_path) return errmsg(err, errlen, 2, "--ppl scores one sequence at a time: it takes no --batch");
+    if (o->batch_given && o->ppl_path)
+        return errmsg(err, errlen, 2, "--ppl scores one sequence at a time: it takes no --batch");
     return 0;
 }
 
@@ -171,9 +202,9 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->top_p = 1.0f;
     o->temperature = 1.0f;
     o->seed = (uint64_t)time(NULL);
-    int mla_given = 0, policy_given = 0, prompt_flags = 0;  /* bit 0: -p, bit 1: -f */
+    int mla_given = 0, policy_given = 0, prompt_flags = 0; /* bit 0: -p, bit 1: -f */
     o->batch = 1;
-    optind = 0;  /* 0, not 1: glibc then forgets every earlier scan */
+    optind = 0; /* 0, not 1: glibc then forgets every earlier scan */
     opterr = 0;
     for (;;) {
         int index = -1;
@@ -181,8 +212,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         if (c == -1) break;
         /* the flag as written, for messages: "-n", or the long name */
         char flag[32];
-        if (index >= 0) snprintf(flag, sizeof flag, "--%s", LONG_OPTIONS[index].name);
-        else snprintf(flag, sizeof flag, "-%c", c);
+        if (index >= 0)
+            snprintf(flag, sizeof flag, "--%s", LONG_OPTIONS[index].name);
+        else
+            snprintf(flag, sizeof flag, "-%c", c);
         const char *v = optarg;
         long n = 0;
         int rc = 0;
@@ -192,34 +225,45 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case 'h': return CLI_HELP;
         case OPT_VERSION: return CLI_VERSION;
         case 1:
-            if (!o->checkpoint) o->checkpoint = v;
-            else rc = errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", v);
+            if (!o->checkpoint)
+                o->checkpoint = v;
+            else
+                rc = errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", v);
             break;
         case 'p':
             prompt_flags |= 1;
-            o->prompt_path = !strcmp(v, "-") ? v : NULL;  /* - is standard input */
+            o->prompt_path = !strcmp(v, "-") ? v : NULL; /* - is standard input */
             o->prompt = o->prompt_path ? "" : v;
             break;
         case 'f':
             prompt_flags |= 2;
             o->prompt_path = v;
             break;
-        case 'n': if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n; break;
-        case 'k': if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n; break;
+        case 'n':
+            if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n;
+            break;
+        case 'k':
+            if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n;
+            break;
         case OPT_TOP_P: rc = parse_float(flag, v, 0.0f, 1.0f, &o->top_p, err, errlen); break;
         case 't':
             rc = parse_float(flag, v, 0.0f, 100.0f, &o->temperature, err, errlen);
-            o->threads_note = !rc && !strcmp(flag, "-t") && o->temperature > 2.0f;  /* llama.cpp's -t is threads */
+            o->threads_note = !rc && !strcmp(flag, "-t") && o->temperature > 2.0f; /* llama.cpp's -t is threads */
             break;
-        case 's': if (!(rc = parse_long(flag, v, 0, INT64_MAX, &n, err, errlen))) o->seed = (uint64_t)n; break;
+        case 's':
+            if (!(rc = parse_long(flag, v, 0, INT64_MAX, &n, err, errlen))) o->seed = (uint64_t)n;
+            break;
         case 'v': o->verbose = 1; break;
         case 'q': o->quiet = 1; break;
         case OPT_KV: o->kv = 1; break;
         case OPT_MLA:
             mla_given = 1;
-            if (!strcmp(v, "absorb")) o->mla_form = MLA_ABSORBED;
-            else if (!strcmp(v, "expand")) o->mla_form = MLA_EXPANDED;
-            else rc = errmsg(err, errlen, 2, "--mla takes absorb or expand, got '%s'", v);
+            if (!strcmp(v, "absorb"))
+                o->mla_form = MLA_ABSORBED;
+            else if (!strcmp(v, "expand"))
+                o->mla_form = MLA_EXPANDED;
+            else
+                rc = errmsg(err, errlen, 2, "--mla takes absorb or expand, got '%s'", v);
             break;
         case OPT_BATCH:
             if (!(rc = parse_long(flag, v, 1, CLI_MAX_BATCH, &n, err, errlen))) o->batch = (int)n, o->batch_given = 1;
@@ -230,19 +274,30 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
             break;
         case OPT_PROMPTS: o->prompts_path = v; break;
         case OPT_KV_DTYPE:
-            if (!strcmp(v, "fp32")) o->kv_dtype = DTYPE_F32;
-            else if (!strcmp(v, "bf16")) o->kv_dtype = DTYPE_BF16;
-            else if (!strcmp(v, "int8")) o->kv_dtype = DTYPE_I8;
-            else rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16 or int8, got '%s'", v);
+            if (!strcmp(v, "fp32"))
+                o->kv_dtype = DTYPE_F32;
+            else if (!strcmp(v, "bf16"))
+                o->kv_dtype = DTYPE_BF16;
+            else if (!strcmp(v, "int8"))
+                o->kv_dtype = DTYPE_I8;
+            else
+                rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16 or int8, got '%s'", v);
             break;
-        case OPT_WINDOW: if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n; break;
+        case OPT_WINDOW:
+            if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n;
+            break;
         case OPT_WINDOW_POLICY:
             policy_given = 1;
-            if (!strcmp(v, "ring")) o->window_sinks = 0;
-            else if (!strcmp(v, "sinks")) o->window_sinks = CLI_WINDOW_SINKS;
-            else rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
+            if (!strcmp(v, "ring"))
+                o->window_sinks = 0;
+            else if (!strcmp(v, "sinks"))
+                o->window_sinks = CLI_WINDOW_SINKS;
+            else
+                rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
             break;
-        case OPT_THREADS: if (!(rc = parse_long(flag, v, 1, TEAM_MAX_THREADS, &n, err, errlen))) o->threads = (int)n; break;
+        case OPT_THREADS:
+            if (!(rc = parse_long(flag, v, 1, TEAM_MAX_THREADS, &n, err, errlen))) o->threads = (int)n;
+            break;
         case OPT_LOG: o->log_path = v; break;
         case OPT_DUMP_LOGITS: o->dump_path = v; break;
         case OPT_JSON: o->json = 1; break;
@@ -254,8 +309,9 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         }
         if (rc) return rc;
     }
-    for (int i = optind; i < argc; i++) {  /* after "--" */
-        if (o->checkpoint) return errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", argv[i]);
+    for (int i = optind; i < argc; i++) { /* after "--" */
+        if (o->checkpoint)
+            return errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", argv[i]);
         o->checkpoint = argv[i];
     }
     int rc = one_mode(o, err, errlen);
@@ -267,7 +323,8 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     if (o->prompts_path && o->prompt_given) return errmsg(err, errlen, 2, "-p and --prompts cannot be combined");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
     if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
-        return errmsg(err, errlen, 2, "--window needs --kv: without the cache every step recomputes the whole sequence");
+        return errmsg(err, errlen, 2,
+                      "--window needs --kv: without the cache every step recomputes the whole sequence");
     /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
      * expanded one recomputes without it */
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;

@@ -17,35 +17,35 @@
 typedef struct {
     const char *checkpoint;
     const char *prompt;
-    const char *prompt_path;   /* -f FILE, or "-" for -p - (standard input): run.c reads it into prompt */
-    int steps;            /* 0 = until EOS or the context is full */
+    const char *prompt_path; /* -f FILE, or "-" for -p - (standard input): run.c reads it into prompt */
+    int steps;               /* 0 = until EOS or the context is full */
     int top_k;
-    float top_p;          /* 1 = off */
+    float top_p; /* 1 = off */
     float temperature;
     uint64_t seed;
     int kv;
-    int threads;          /* 0 = threads.h's default */
+    int threads; /* 0 = threads.h's default */
     const char *log_path;
-    int quiet;            /* no step lines on stderr */
-    int verbose;          /* step lines on stderr even when it shares a terminal with stdout */
+    int quiet;   /* no step lines on stderr */
+    int verbose; /* step lines on stderr even when it shares a terminal with stdout */
     int ignore_eos;
-    MlaForm mla_form;     /* --mla; by default absorbed with --kv, expanded without it (and for --ppl) */
+    MlaForm mla_form; /* --mla; by default absorbed with --kv, expanded without it (and for --ppl) */
     int check_kv;
     const char *ppl_path;
     int info;
     const char *dump_path;
-    int batch;            /* sequences decoded together (1 = one) */
-    int batch_given;      /* --batch was on the command line */
-    float kv_mem_mb;      /* the KV pool's size in MiB; 0 = enough for `batch` full contexts */
-    int json;             /* one JSON object per line and sequence on stdout */
+    int batch;       /* sequences decoded together (1 = one) */
+    int batch_given; /* --batch was on the command line */
+    float kv_mem_mb; /* the KV pool's size in MiB; 0 = enough for `batch` full contexts */
+    int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
-    const char *prompts_path;  /* --prompts: one prompt a line, served through `batch` slots */
-    DType kv_dtype;       /* of the cached elements: fp32, bf16 or int8 */
-    int window;           /* positions each sequence's cache keeps; 0 = the whole context */
-    int window_sinks;     /* of them, the first positions kept for good (--window-policy sinks) */
-    int prompt_given;     /* -p or -f was on the command line */
-    int threads_note;     /* -t above 2: say that -t is the temperature here and threads are --threads */
-    int usage_on_error;   /* with return 2: print the usage text to stderr before the message */
+    const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
+    DType kv_dtype;           /* of the cached elements: fp32, bf16 or int8 */
+    int window;               /* positions each sequence's cache keeps; 0 = the whole context */
+    int window_sinks;         /* of them, the first positions kept for good (--window-policy sinks) */
+    int prompt_given;         /* -p or -f was on the command line */
+    int threads_note;         /* -t above 2: say that -t is the temperature here and threads are --threads */
+    int usage_on_error;       /* with return 2: print the usage text to stderr before the message */
 } Options;
 
 enum { CLI_RUN = 0, CLI_HELP = 1, CLI_USAGE_ERROR = 2, CLI_VERSION = 3 };

@@ -24,17 +24,17 @@ typedef struct {
     const Model *model;
     const Scheduler *sch;
     const RequestList *list;
-    int serving;             /* --prompts */
+    int serving; /* --prompts */
     FILE *log_csv, *dump;
-    SpmStream *stream;       /* one sequence's text, printed as it comes */
-    int interrupted;         /* a signal ended the run: what is left prints as it is */
-    int next_to_print;       /* many sequences print whole, in order */
-    double *step_ms;         /* (steps so far) */
+    SpmStream *stream; /* one sequence's text, printed as it comes */
+    int interrupted;   /* a signal ended the run: what is left prints as it is */
+    int next_to_print; /* many sequences print whole, in order */
+    double *step_ms;   /* (steps so far) */
     int n_steps, cap_steps;
     int first_step_tokens;
-    int step_lines;          /* the warm-up and each step on stderr */
-    int one_terminal;        /* stdout and stderr are the same terminal */
-    int mid_line;            /* the text on stdout does not end with a newline */
+    int step_lines;   /* the warm-up and each step on stderr */
+    int one_terminal; /* stdout and stderr are the same terminal */
+    int mid_line;     /* the text on stdout does not end with a newline */
 } Generation;
 
 /* 1 when stdout and stderr are one terminal, where step lines would cut the story up. */
@@ -91,7 +91,8 @@ static void print_sequence(const Generation *g, const Request *r) {
                r->generated, stop_name(r->stop), r->first_token_ms, r->prefill_ms,
                r->decode_steps ? r->decode_ms / r->decode_steps : 0.0, r->preemptions);
     } else {
-        printf("[sequence %d seed %llu stop %s]\n%s\n\n", r->index, (unsigned long long)r->seed, stop_name(r->stop), text);
+        printf("[sequence %d seed %llu stop %s]\n%s\n\n", r->index, (unsigned long long)r->seed, stop_name(r->stop),
+               text);
     }
     check_written(stdout, "standard output");
     free(text);
@@ -102,8 +103,7 @@ static int streams_text(const Generation *g) { return g->list->n == 1 && !g->o->
 /* The sequences that can print now: many print whole, in order, each once every sequence
  * before it has; after an interruption, all that are left, as they are. */
 static void print_finished(Generation *g) {
-    while (g->next_to_print < g->list->n &&
-           (g->list->requests[g->next_to_print].stop != STOP_NONE || g->interrupted))
+    while (g->next_to_print < g->list->n && (g->list->requests[g->next_to_print].stop != STOP_NONE || g->interrupted))
         print_sequence(g, &g->list->requests[g->next_to_print++]);
 }
 
@@ -132,21 +132,28 @@ static void report_step(Generation *g, const StepResult *st) {
     const StepRow *only = st->running == 1 && st->n_rows == 1 ? &st->rows[0] : NULL;
     if (g->step_lines) {
         start_stderr_line(g);
-        if (only && st->step == 0) fprintf(stderr, "[prefill] tokens %d next %d ms %.3f\n", st->n_tokens, only->token, st->ms);
-        else if (only) fprintf(stderr, "[step %d] pos %d token %d ms %.3f\n", st->step, only->pos, only->token, st->ms);
-        else fprintf(stderr, "[step %d] sequences %d tokens %d ms %.3f\n", st->step, st->sequences, st->n_tokens, st->ms);
+        if (only && st->step == 0)
+            fprintf(stderr, "[prefill] tokens %d next %d ms %.3f\n", st->n_tokens, only->token, st->ms);
+        else if (only)
+            fprintf(stderr, "[step %d] pos %d token %d ms %.3f\n", st->step, only->pos, only->token, st->ms);
+        else
+            fprintf(stderr, "[step %d] sequences %d tokens %d ms %.3f\n", st->step, st->sequences, st->n_tokens,
+                    st->ms);
     }
     if (g->log_csv) {
         fprintf(g->log_csv, "%d,%s,%d,%d,", st->step, step_phase(st), st->sequences, st->n_tokens);
-        if (only) fprintf(g->log_csv, "%d,%d,", only->pos, only->token);
-        else fputs("-1,-1,", g->log_csv);
+        if (only)
+            fprintf(g->log_csv, "%d,%d,", only->pos, only->token);
+        else
+            fputs("-1,-1,", g->log_csv);
         fprintf(g->log_csv, "%.4f\n", st->ms);
-        check_written(g->log_csv, g->o->log_path);  /* a line at a time: a stopped run leaves whole lines */
+        check_written(g->log_csv, g->o->log_path); /* a line at a time: a stopped run leaves whole lines */
     }
     if (st->n_finished == 0) return;
     if (streams_text(g)) {
         print_text(g, spm_stream_flush(g->stream));
-        if (g->mid_line || !g->one_terminal) print_text(g, "\n");  /* after a step line the terminal is at a line start */
+        if (g->mid_line || !g->one_terminal)
+            print_text(g, "\n"); /* after a step line the terminal is at a line start */
     } else {
         print_finished(g);
     }
@@ -171,7 +178,7 @@ static double percentile(double *v, int n, double q) {
  * not started. */
 typedef struct {
     int sequences, served, cut, not_started;
-    int prefill_tokens, decode_steps, decode_tokens, stops[4];  /* stops by StopReason; NONE: interrupted */
+    int prefill_tokens, decode_steps, decode_tokens, stops[4]; /* stops by StopReason; NONE: interrupted */
     double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token, tokens_per_s, per_sequence_ms_per_token;
     long served_tokens;                      /* every token sampled, the first included */
     double ttft50, ttft95, token50, token95; /* --prompts: time to first token, per-token latency */
@@ -187,7 +194,9 @@ static int disturbed(const Figures *f) { return f->decode_steps >= 20 && f->slow
 static Figures figures_of(const Generation *g) {
     const Scheduler *sch = g->sch;
     const int n = g->list->n;
-    Figures f = {.sequences = n, .prefill_tokens = g->first_step_tokens, .decode_steps = g->n_steps > 0 ? g->n_steps - 1 : 0,
+    Figures f = {.sequences = n,
+                 .prefill_tokens = g->first_step_tokens,
+                 .decode_steps = g->n_steps > 0 ? g->n_steps - 1 : 0,
                  .prefill_ms = g->n_steps ? g->step_ms[0] : 0.0,
                  .kv_bytes = sch->kv ? kv_block_bytes(sch->pool) * (size_t)sch->pool->n_blocks : 0};
     double *ttft = malloc((size_t)n * sizeof *ttft), *per_token = malloc((size_t)n * sizeof *per_token);
@@ -199,9 +208,12 @@ static Figures figures_of(const Generation *g) {
         f.decode_tokens += r->generated > 0 ? r->generated - 1 : 0;
         f.served_tokens += r->generated;
         f.stops[r->stop]++;
-        if (r->stop != STOP_NONE) f.served++;
-        else if (r->generated > 0) f.cut++;
-        else f.not_started++;
+        if (r->stop != STOP_NONE)
+            f.served++;
+        else if (r->generated > 0)
+            f.cut++;
+        else
+            f.not_started++;
         if (r->generated > 0) ttft[n_ttft++] = r->first_token_ms;
         if (r->decode_steps) {
             per_token[n_per_token++] = r->decode_ms / r->decode_steps;
@@ -209,7 +221,7 @@ static Figures figures_of(const Generation *g) {
             n_decoding++;
         }
     }
-    f.stops[STOP_NONE] = f.cut;  /* interrupted: begun and cut short */
+    f.stops[STOP_NONE] = f.cut; /* interrupted: begun and cut short */
     f.per_sequence_ms_per_token = n_decoding ? f.per_sequence_ms_per_token / n_decoding : 0.0;
     for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[i + 1];
     f.step_median_ms = percentile(steps, f.decode_steps, 0.5);
@@ -227,7 +239,8 @@ static Figures figures_of(const Generation *g) {
 }
 
 static void print_stops(FILE *out, const Figures *f) {
-    fprintf(out, "stops: eos %d, steps %d, context full %d", f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT]);
+    fprintf(out, "stops: eos %d, steps %d, context full %d", f->stops[STOP_EOS], f->stops[STOP_STEPS],
+            f->stops[STOP_CONTEXT]);
     if (f->cut || f->not_started) fprintf(out, ", interrupted %d, not started %d", f->cut, f->not_started);
 }
 
@@ -239,27 +252,36 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
     fprintf(out, "summary: %s %s", variant_name(&g->model->cfg), sch->kv ? "kv" : "no-kv");
     if (g->serving) {
         fprintf(out, " | %d requests served through %d slots in %d steps", f->served, sch->max_batch, sch->steps);
-        if (f->cut || f->not_started) fprintf(out, " (interrupted: %d cut short, %d not started)", f->cut, f->not_started);
-        fprintf(out, " | %ld tokens in %.1f ms, %.1f tokens/s | time to first token median %.3f ms, p95 %.3f ms | per "
+        if (f->cut || f->not_started)
+            fprintf(out, " (interrupted: %d cut short, %d not started)", f->cut, f->not_started);
+        fprintf(out,
+                " | %ld tokens in %.1f ms, %.1f tokens/s | time to first token median %.3f ms, p95 %.3f ms | per "
                 "token median %.3f ms, p95 %.3f ms",
                 f->served_tokens, sch->total_ms, f->tokens_per_s, f->ttft50, f->ttft95, f->token50, f->token95);
     } else {
         if (f->sequences > 1) fprintf(out, " | %d sequences", f->sequences);
-        fprintf(out, " | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s, median step %.3f ms, "
-                "mean step %.3f ms", f->prefill_tokens, f->prefill_ms, f->decode_steps, f->ms_per_token, f->tokens_per_s,
-                f->step_median_ms, f->step_mean_ms);
+        fprintf(out,
+                " | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s, median step %.3f ms, "
+                "mean step %.3f ms",
+                f->prefill_tokens, f->prefill_ms, f->decode_steps, f->ms_per_token, f->tokens_per_s, f->step_median_ms,
+                f->step_mean_ms);
         if (f->sequences > 1) fprintf(out, " | per sequence %.3f ms/token", f->per_sequence_ms_per_token);
     }
     fprintf(out, " | KV cache %zu bytes%s | ", f->kv_bytes, sch->kv || g->serving ? "" : " (recomputed every step)");
-    if (f->sequences == 1 && !g->serving) fprintf(out, "stop: %s\n", stop_name(g->list->requests[0].stop));
-    else print_stops(out, f), fputc('\n', out);
+    if (f->sequences == 1 && !g->serving)
+        fprintf(out, "stop: %s\n", stop_name(g->list->requests[0].stop));
+    else
+        print_stops(out, f), fputc('\n', out);
     if (disturbed(f))
-        fprintf(out, "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
-                "cores?): the mean and the totals are not the engine's own\n", f->slow_steps, f->decode_steps);
+        fprintf(out,
+                "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
+                "cores?): the mean and the totals are not the engine's own\n",
+                f->slow_steps, f->decode_steps);
     if (!sch->kv || (f->sequences == 1 && !g->o->verbose)) return;
     const KVPool *pool = sch->pool;
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
-    fprintf(out, "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
+    fprintf(out,
+            "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
             "full contexts for %d sequences: %zu bytes | preemptions %d\n",
             KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->peak_in_use, pool->n_blocks,
             kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, sch->preemptions);
@@ -274,11 +296,15 @@ static void print_summary(const Generation *g, const Figures *f) {
     if (!mem) die(1, "out of memory");
     write_summary(mem, g, f);
     if (fclose(mem) != 0) die(1, "out of memory");
-    if (!isatty(STDERR_FILENO)) fputs(text, stderr);
+    if (!isatty(STDERR_FILENO))
+        fputs(text, stderr);
     else
         for (const char *s = text; *s;) {
             const char *bar = strstr(s, " | ");
-            if (!bar) { fputs(s, stderr); break; }
+            if (!bar) {
+                fputs(s, stderr);
+                break;
+            }
             fprintf(stderr, "%.*s\n  ", (int)(bar - s), s);
             s = bar + 3;
         }
@@ -295,15 +321,32 @@ static void print_summary_json(const Generation *g, const Figures *f) {
         const char *key;
         double value;
     } figures[] = {
-        {"sequences", f->sequences}, {"requests_served", f->served}, {"requests_cut", f->cut},
-        {"requests_not_started", f->not_started}, {"slots", sch->max_batch}, {"top_k", o->top_k}, {"top_p", o->top_p},
-        {"temperature", o->temperature}, {"steps", sch->steps}, {"prefill_tokens", f->prefill_tokens},
-        {"prefill_ms", f->prefill_ms}, {"decode_steps", f->decode_steps}, {"decode_tokens", f->decode_tokens},
-        {"decode_ms", f->decode_ms}, {"ms_per_token_mean", f->ms_per_token}, {"step_ms_median", f->step_median_ms},
-        {"step_ms_mean", f->step_mean_ms}, {"tokens_per_s", f->tokens_per_s},
-        {"per_sequence_ms_per_token", f->per_sequence_ms_per_token}, {"tokens_generated", (double)f->served_tokens},
-        {"total_ms", sch->total_ms}, {"first_token_ms_median", f->ttft50}, {"first_token_ms_p95", f->ttft95},
-        {"token_ms_median", f->token50}, {"token_ms_p95", f->token95}, {"steps_over_3x_median", f->slow_steps},
+        {"sequences", f->sequences},
+        {"requests_served", f->served},
+        {"requests_cut", f->cut},
+        {"requests_not_started", f->not_started},
+        {"slots", sch->max_batch},
+        {"top_k", o->top_k},
+        {"top_p", o->top_p},
+        {"temperature", o->temperature},
+        {"steps", sch->steps},
+        {"prefill_tokens", f->prefill_tokens},
+        {"prefill_ms", f->prefill_ms},
+        {"decode_steps", f->decode_steps},
+        {"decode_tokens", f->decode_tokens},
+        {"decode_ms", f->decode_ms},
+        {"ms_per_token_mean", f->ms_per_token},
+        {"step_ms_median", f->step_median_ms},
+        {"step_ms_mean", f->step_mean_ms},
+        {"tokens_per_s", f->tokens_per_s},
+        {"per_sequence_ms_per_token", f->per_sequence_ms_per_token},
+        {"tokens_generated", (double)f->served_tokens},
+        {"total_ms", sch->total_ms},
+        {"first_token_ms_median", f->ttft50},
+        {"first_token_ms_p95", f->ttft95},
+        {"token_ms_median", f->token50},
+        {"token_ms_p95", f->token95},
+        {"steps_over_3x_median", f->slow_steps},
     };
     for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) json_field(figures[i].key, figures[i].value);
     const KVPool *pool = sch->pool;
@@ -313,8 +356,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            kv_block_bytes(pool) * (size_t)pool->peak_in_use);
     printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
-           sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT],
-           f->stops[STOP_NONE]);
+           sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
     json_end();
 }
 
@@ -360,8 +402,10 @@ static void catch_interrupts(void) {
 
 /* --log and --dump-logits, refused when they name one of the run's inputs or each other. */
 static FILE *open_output(const char *path, const Options *o, const char *log_path) {
-    const NamedPath inputs[] = {{"the checkpoint", o->checkpoint}, {"the prompt file", o->prompt_path},
-                                {"the --prompts file", o->prompts_path}, {"the --log file", log_path}};
+    const NamedPath inputs[] = {{"the checkpoint", o->checkpoint},
+                                {"the prompt file", o->prompt_path},
+                                {"the --prompts file", o->prompts_path},
+                                {"the --log file", log_path}};
     FILE *f;
     char err[512];
     const int rc = output_open(&f, path, inputs, (int)(sizeof inputs / sizeof inputs[0]), err, sizeof err);
@@ -386,7 +430,11 @@ static void print_settings(const Model *m, const Options *o, int n_requests, int
 int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     RequestList list = requests_of(m, o);
     Scheduler sch = {0};
-    Generation g = {.o = o, .model = m, .sch = &sch, .list = &list, .serving = o->prompts_path != NULL,
+    Generation g = {.o = o,
+                    .model = m,
+                    .sch = &sch,
+                    .list = &list,
+                    .serving = o->prompts_path != NULL,
                     .one_terminal = one_terminal()};
     if (o->log_path) {
         g.log_csv = open_output(o->log_path, o, NULL);
@@ -401,7 +449,8 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     if (!(g.stream = spm_stream_new(m->tokenizer))) die(1, "out of memory");
     catch_interrupts();
     if (streams_text(&g))
-        for (int i = 1; i < list.requests[0].n_prompt; i++) print_text(&g, spm_stream_put(g.stream, list.requests[0].tokens[i]));
+        for (int i = 1; i < list.requests[0].n_prompt; i++)
+            print_text(&g, spm_stream_put(g.stream, list.requests[0].tokens[i]));
     warm_up(m, pool, o, &list.requests[0], &g);
 
     scheduler_open(&sch, m, pool, o, o->batch);
@@ -410,13 +459,13 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     int rc = 0;
     while (!interrupted_by && (rc = scheduler_step(&sch, &st)) > 0) report_step(&g, &st);
     if (!interrupted_by) check_model(rc < 0 ? rc : 0);
-    if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) {  /* the text so far, as it is */
+    if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) { /* the text so far, as it is */
         print_text(&g, spm_stream_flush(g.stream));
         if (g.mid_line || !g.one_terminal) print_text(&g, "\n");
     } else if (g.interrupted) {
         print_finished(&g);
     }
-    if (g.one_terminal && streams_text(&g)) fputc('\n', stderr);  /* a blank line between the story and the summary */
+    if (g.one_terminal && streams_text(&g)) fputc('\n', stderr); /* a blank line between the story and the summary */
     const Figures f = figures_of(&g);
     print_summary(&g, &f);
     if (o->json) print_summary_json(&g, &f);
@@ -426,5 +475,5 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     free(g.step_ms);
     scheduler_free(&sch);
     requests_free(&list);
-    return interrupted_by ? 128 + interrupted_by : 0;  /* as a shell reports a run a signal ended */
+    return interrupted_by ? 128 + interrupted_by : 0; /* as a shell reports a run a signal ended */
 }

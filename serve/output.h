@@ -7,8 +7,8 @@
 #include <stdio.h>
 
 typedef struct {
-    const char *what;  /* for messages: "the checkpoint", "the --log file", ... */
-    const char *path;  /* NULL: none given */
+    const char *what; /* for messages: "the checkpoint", "the --log file", ... */
+    const char *path; /* NULL: none given */
 } NamedPath;
 
 /* Opens path for writing, truncated, into *out. Refused, with one sentence in err: a

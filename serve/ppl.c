@@ -22,10 +22,10 @@ static double token_nll(const float *l, int V, int target) {
 }
 
 typedef struct {
-    double nll, nll_past;  /* all targets; targets at positions past the context */
+    double nll, nll_past; /* all targets; targets at positions past the context */
     long count, count_past;
     int stories;
-    double story_s2, story_sn, story_n2;  /* sums of s_i^2, s_i n_i, n_i^2: story i's NLL s_i over n_i tokens */
+    double story_s2, story_sn, story_n2; /* sums of s_i^2, s_i n_i, n_i^2: story i's NLL s_i over n_i tokens */
 } NllSum;
 
 /* The mean NLL over all tokens is a ratio, and the stories are the units sampled (tokens of
@@ -45,7 +45,7 @@ static double nll_standard_error(const NllSum *t) {
 static void score_story(Scheduler *sch, const int *ids, int n, NllSum *sum) {
     const Model *m = sch->model;
     const int ctx = m->cfg.max_seq_len, V = m->cfg.vocab_size;
-    const int span = sch->pool->window ? n - 1 : ctx;  /* inputs a request */
+    const int span = sch->pool->window ? n - 1 : ctx; /* inputs a request */
     for (int start = 0; start < n - 1; start += span) {
         const int len = n - 1 - start < span ? n - 1 - start : span;
         Request r = {.tokens = (int *)ids + start, .n_prompt = len, .cap_tokens = len + 1, .score = 1};
@@ -92,9 +92,11 @@ static void print_ppl(const Model *m, const Options *o, const NllSum *sum, int n
     if (sum->count_past)
         printf(" | past the context (position %d on): %ld tokens, mean NLL %.4f", ctx, sum->count_past,
                sum->nll_past / sum->count_past);
-    if (isnan(se)) printf(" | PPL = %.3f (one story: no standard error)\n", ppl);
-    else printf(" | PPL = %.3f +/- %.3f, mean NLL %.4f +/- %.4f (standard errors over %d stories)\n", ppl, ppl * se, mean,
-                se, sum->stories);
+    if (isnan(se))
+        printf(" | PPL = %.3f (one story: no standard error)\n", ppl);
+    else
+        printf(" | PPL = %.3f +/- %.3f, mean NLL %.4f +/- %.4f (standard errors over %d stories)\n", ppl, ppl * se,
+               mean, se, sum->stories);
 }
 
 /* Every story scored, with running estimates on stderr when it is a terminal, then one
@@ -107,7 +109,7 @@ int mode_ppl(const Model *m, KVPool *pool, const Options *o) {
     int *ids = malloc((size_t)cap * sizeof(int));
     if (!ids) die(1, "out of memory");
     Options scoring = *o;
-    scoring.kv = 1;  /* a window's positions each in one pass through the cache */
+    scoring.kv = 1; /* a window's positions each in one pass through the cache */
     Scheduler sch;
     scheduler_open(&sch, m, pool, &scoring, 1);
     const int progress = !o->quiet && isatty(STDERR_FILENO);
@@ -117,7 +119,8 @@ int mode_ppl(const Model *m, KVPool *pool, const Options *o) {
         int n = spm_encode(m->tokenizer, text, strlen(text), 1, ids, cap - 1);
         if (n < 0 || n >= cap) {
             if (progress) fputs("\r\033[K", stderr);
-            die(1, "%s: story %d %s", input_name(o->ppl_path).s, s + 1, n < 0 ? encode_error(n) : "is longer than 65535 tokens");
+            die(1, "%s: story %d %s", input_name(o->ppl_path).s, s + 1,
+                n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }
         ids[n++] = m->cfg.eos_id;
         const double nll_before = sum.nll;

@@ -12,7 +12,7 @@ int sampler_init(Sampler *s, int vocab_size, int top_k, float top_p, float tempe
     s->top_k = top_k;
     s->top_p = top_p;
     s->temperature = temperature;
-    s->rng_state = seed ? seed : 0x9E3779B97F4A7C15ull;  /* xorshift needs a nonzero state */
+    s->rng_state = seed ? seed : 0x9E3779B97F4A7C15ull; /* xorshift needs a nonzero state */
     s->top = malloc((size_t)top_k * sizeof *s->top);
     return s->top ? 0 : -1;
 }
@@ -40,7 +40,9 @@ int sampler_argmax(const float *logits, int n) {
 }
 
 /* a ranks before b: larger value, then smaller index */
-static int ranks_before(ProbIndex a, ProbIndex b) { return a.value > b.value || (a.value == b.value && a.index < b.index); }
+static int ranks_before(ProbIndex a, ProbIndex b) {
+    return a.value > b.value || (a.value == b.value && a.index < b.index);
+}
 
 /* Puts x at the root of the min-heap top[0..size) (root = the worst) and sifts it down. */
 static void sift_down(ProbIndex *top, int size, ProbIndex x) {
@@ -61,15 +63,18 @@ static void select_top_k(ProbIndex *top, int k, const float *logits, int n) {
     int size = 0;
     for (int i = 0; i < n; i++) {
         ProbIndex x = {logits[i], i};
-        if (size < k) {  /* sift up */
+        if (size < k) { /* sift up */
             int j = size++;
-            while (j > 0 && ranks_before(top[(j - 1) / 2], x)) { top[j] = top[(j - 1) / 2]; j = (j - 1) / 2; }
+            while (j > 0 && ranks_before(top[(j - 1) / 2], x)) {
+                top[j] = top[(j - 1) / 2];
+                j = (j - 1) / 2;
+            }
             top[j] = x;
         } else if (ranks_before(x, top[0])) {
-            sift_down(top, k, x);  /* replaces the worst */
+            sift_down(top, k, x); /* replaces the worst */
         }
     }
-    for (int end = size - 1; end > 0; end--) {  /* heap sort: the worst goes to the end */
+    for (int end = size - 1; end > 0; end--) { /* heap sort: the worst goes to the end */
         ProbIndex worst = top[0];
         sift_down(top, end, top[end]);
         top[end] = worst;
@@ -87,7 +92,7 @@ static int top_p_count(const ProbIndex *top, int n, float p) {
         sum += exp((double)top[i].value - max);
         if (sum >= p * total) return i + 1;
     }
-    return n;  /* rounding */
+    return n; /* rounding */
 }
 
 int sampler_sample(Sampler *s, const float *logits) {
@@ -104,5 +109,5 @@ int sampler_sample(Sampler *s, const float *logits) {
         cdf += s->top[i].value;
         if (r < cdf) return s->top[i].index;
     }
-    return s->top[n - 1].index;  /* rounding */
+    return s->top[n - 1].index; /* rounding */
 }

@@ -8,29 +8,29 @@
 
 struct SchedulerRun {
     Scheduler *sch;
-    RunState state;       /* the model's scratch: max_tokens = context + slots */
+    RunState state; /* the model's scratch: max_tokens = context + slots */
     Team *team;
-    Request *queue, *queue_tail;  /* waiting, in order; a preempted one goes back to the front */
-    Request **running;    /* (max_batch) in the order of admission */
+    Request *queue, *queue_tail; /* waiting, in order; a preempted one goes back to the front */
+    Request **running;           /* (max_batch) in the order of admission */
     int n_running;
     int *computed_prompt; /* (max_batch) 1 when the step computes that sequence's prompt */
     /* the step's passes: pass p runs running[pass_first[p] .. pass_first[p + 1]) */
     int n_passes;
-    int *pass_first;      /* (max_batch + 1) */
-    int *ids;             /* (max_tokens) the pass's tokens */
-    KVCache **caches;     /* (max_tokens) */
-    int *logit_tokens;    /* (max_tokens) */
-    Batch batch;          /* the pass being run */
-    int row0;             /* its first row of logits */
+    int *pass_first;   /* (max_batch + 1) */
+    int *ids;          /* (max_tokens) the pass's tokens */
+    KVCache **caches;  /* (max_tokens) */
+    int *logit_tokens; /* (max_tokens) */
+    Batch batch;       /* the pass being run */
+    int row0;          /* its first row of logits */
     /* what the step reports */
-    StepRow *rows;        /* (max_tokens) */
+    StepRow *rows; /* (max_tokens) */
     int n_rows;
-    float *logits;        /* (max_tokens, vocab_size) */
-    int *sample_rows;     /* (max_batch) the rows the step samples from */
+    float *logits;    /* (max_tokens, vocab_size) */
+    int *sample_rows; /* (max_batch) the rows the step samples from */
     int n_sample;
-    Request **finished;   /* (max_batch) */
-    int rc;               /* of the step's passes: 0, or model.h's error */
-    double start;         /* the first step's start */
+    Request **finished; /* (max_batch) */
+    int rc;             /* of the step's passes: 0, or model.h's error */
+    double start;       /* the first step's start */
 };
 
 static int min_int(int a, int b) { return a < b ? a : b; }
@@ -39,8 +39,10 @@ static int min_int(int a, int b) { return a < b ? a : b; }
 
 static void queue_push_back(SchedulerRun *run, Request *r) {
     r->next = NULL;
-    if (run->queue_tail) run->queue_tail->next = r;
-    else run->queue = r;
+    if (run->queue_tail)
+        run->queue_tail->next = r;
+    else
+        run->queue = r;
     run->queue_tail = r;
 }
 
@@ -68,7 +70,8 @@ static int common_prefix(const Request *a, const Request *b) {
 /* Blocks the running sequences' next tokens take from the pool. */
 static int blocks_for_running(const SchedulerRun *run) {
     int need = 0;
-    for (int i = 0; i < run->n_running; i++) need += kv_blocks_needed(&run->running[i]->cache, run->running[i]->n_tokens);
+    for (int i = 0; i < run->n_running; i++)
+        need += kv_blocks_needed(&run->running[i]->cache, run->running[i]->n_tokens);
     return need;
 }
 
@@ -105,7 +108,7 @@ static void end_request(Request *r) {
 static int admit(SchedulerRun *run) {
     Scheduler *sch = run->sch;
     const int first_new = run->n_running;
-    int budget = sch->model->cfg.max_seq_len;  /* prompt tokens computed in one step */
+    int budget = sch->model->cfg.max_seq_len; /* prompt tokens computed in one step */
     while (run->n_running < sch->max_batch && run->queue) {
         Request *r = run->queue;
         Request *source = NULL;
@@ -114,7 +117,7 @@ static int admit(SchedulerRun *run) {
         for (int i = 0; i < run->n_running && sch->kv && !sch->pool->window && !r->score; i++) {
             Request *q = run->running[i];
             const int common = min_int(common_prefix(r, q), r->n_tokens - 1);
-            if (i >= first_new) {  /* computed this step */
+            if (i >= first_new) { /* computed this step */
                 if (outlives_step(sch, q) && common > pending) pending = common;
             } else if (min_int(common, q->cache.len) > shared) {
                 shared = min_int(common, q->cache.len), source = q;
@@ -153,7 +156,7 @@ static int reserve_or_preempt(SchedulerRun *run) {
         Request *r = run->running[i];
         while (kv_reserve(&r->cache, r->n_tokens) != 0) {
             if (run->n_running == 1) return -1;
-            Request *victim = run->running[run->n_running - 1];  /* running is in admission order */
+            Request *victim = run->running[run->n_running - 1]; /* running is in admission order */
             kv_reset(&victim->cache);
             victim->preemptions++;
             run->sch->preemptions++;
@@ -274,13 +277,15 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
     const double elapsed = now_ms() - run->start;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        if (run->computed_prompt[i]) r->prefill_ms += step_ms;
-        else r->decode_ms += step_ms, r->decode_steps++;
+        if (run->computed_prompt[i])
+            r->prefill_ms += step_ms;
+        else
+            r->decode_ms += step_ms, r->decode_steps++;
     }
     for (int k = 0; k < run->n_rows; k++) {
         Request *r = run->rows[k].request;
         if (r->score) {
-            if (!sch->kv || r->cache.len == r->n_tokens) r->stop = STOP_STEPS;  /* all of it computed */
+            if (!sch->kv || r->cache.len == r->n_tokens) r->stop = STOP_STEPS; /* all of it computed */
             continue;
         }
         const int next = run->rows[k].token;
@@ -290,8 +295,10 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
             continue;
         }
         if (append_token(r, next) != 0) return -1;
-        if (sch->max_new && r->generated >= sch->max_new) r->stop = STOP_STEPS;
-        else if (!sch->pool->window && r->n_tokens > c->max_seq_len) r->stop = STOP_CONTEXT;  /* no position left for it */
+        if (sch->max_new && r->generated >= sch->max_new)
+            r->stop = STOP_STEPS;
+        else if (!sch->pool->window && r->n_tokens > c->max_seq_len)
+            r->stop = STOP_CONTEXT; /* no position left for it */
     }
     out->n_finished = 0;
     for (int i = 0; i < run->n_running;) {
@@ -320,7 +327,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
         Request *r = run->running[i];
         const int count = sch->kv ? kv_tokens_per_pass(&r->cache, r->n_tokens - r->cache.len) : r->n_tokens;
         run->computed_prompt[i] = r->generated == 0;
-        if (r->generated == 0 || (sch->kv && count > 1)) prefill_tokens += count;  /* prompt, or a recompute */
+        if (r->generated == 0 || (sch->kv && count > 1)) prefill_tokens += count; /* prompt, or a recompute */
         n_tokens += count;
     }
     plan_passes(run);

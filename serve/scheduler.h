@@ -54,25 +54,25 @@ typedef struct Request Request;
 struct Request {
     /* the request, set by the caller */
     int index;
-    int *tokens;          /* (cap_tokens, malloc'd): the prompt, then each token sampled; grown as needed */
+    int *tokens; /* (cap_tokens, malloc'd): the prompt, then each token sampled; grown as needed */
     int cap_tokens;
     int n_prompt;
     uint64_t seed;
-    int score;            /* compute the prompt and report the logits of each of its positions,
+    int score; /* compute the prompt and report the logits of each of its positions,
                            * sampling nothing (--ppl, the warm-up) */
     /* its state */
-    int n_tokens;         /* tokens[0 .. n_tokens) known; the cache holds all but the last */
-    int generated;        /* tokens sampled (an EOS that ends it included) */
+    int n_tokens;  /* tokens[0 .. n_tokens) known; the cache holds all but the last */
+    int generated; /* tokens sampled (an EOS that ends it included) */
     StopReason stop;
-    int started;          /* admitted once: its sampler and cache exist until it ends */
-    int waited;           /* it waited a step for a prefix being computed */
+    int started; /* admitted once: its sampler and cache exist until it ends */
+    int waited;  /* it waited a step for a prefix being computed */
     Sampler sampler;
     KVCache cache;
-    Request *next;        /* in the queue */
+    Request *next; /* in the queue */
     /* its timing, from the start of the first step */
-    double first_token_ms;   /* when its first token was sampled */
-    double prefill_ms;       /* the step that computed its prompt */
-    double decode_ms;        /* its decode steps, summed */
+    double first_token_ms; /* when its first token was sampled */
+    double prefill_ms;     /* the step that computed its prompt */
+    double decode_ms;      /* its decode steps, summed */
     int decode_steps;
     int preemptions;
 };
@@ -87,17 +87,17 @@ typedef struct {
 
 /* What one step did. Valid until the next step. */
 typedef struct {
-    int step;             /* 0, 1, ... */
-    int running;          /* sequences computed */
-    int sequences;        /* of them, those that got a token */
-    int n_tokens;         /* tokens through the forward pass(es) */
-    int prefill_tokens;   /* of them, prompt tokens (or a preempted sequence's recompute) */
+    int step;           /* 0, 1, ... */
+    int running;        /* sequences computed */
+    int sequences;      /* of them, those that got a token */
+    int n_tokens;       /* tokens through the forward pass(es) */
+    int prefill_tokens; /* of them, prompt tokens (or a preempted sequence's recompute) */
     double ms;
     int n_rows;
-    const StepRow *rows;  /* (n_rows) the sampled sequences, in admission order, and scored positions */
-    const float *logits;  /* (n_rows, vocab_size) */
+    const StepRow *rows; /* (n_rows) the sampled sequences, in admission order, and scored positions */
+    const float *logits; /* (n_rows, vocab_size) */
     int n_finished;
-    Request *const *finished;  /* (n_finished) requests that ended this step; their blocks are free */
+    Request *const *finished; /* (n_finished) requests that ended this step; their blocks are free */
 } StepResult;
 
 typedef struct SchedulerRun SchedulerRun;
@@ -105,10 +105,10 @@ typedef struct SchedulerRun SchedulerRun;
 typedef struct {
     const Model *model;
     KVPool *pool;
-    int kv;               /* keep the cache between steps */
+    int kv; /* keep the cache between steps */
     MlaForm form;
-    int max_batch;        /* slots */
-    int max_new;          /* tokens to sample per sequence; 0 = until EOS or the context is full (or
+    int max_batch; /* slots */
+    int max_new;   /* tokens to sample per sequence; 0 = until EOS or the context is full (or
                            * with a window, until EOS) */
     int ignore_eos;
     int top_k;
@@ -116,9 +116,9 @@ typedef struct {
     float temperature;
     /* results */
     int steps;
-    double total_ms;      /* from the first step to the last */
+    double total_ms; /* from the first step to the last */
     int preemptions;
-    SchedulerRun *run;    /* scheduler.c's own */
+    SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;
 
 /* Allocates the run (the model's scratch for max_batch slots, the logits) and opens the

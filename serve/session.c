@@ -41,9 +41,12 @@ void check_model(int rc) {
 
 const char *encode_error(int code) {
     static char too_long[96];
-    snprintf(too_long, sizeof too_long, "is over %d bytes, more than the tokenizer encodes at once", SPM_MAX_TEXT_BYTES);
-    return code == SPM_ERR_TEXT ? "is not valid UTF-8 text" : code == SPM_ERR_NOMEM ? "cannot be encoded: out of memory"
-         : code == SPM_ERR_TOO_LONG ? too_long : "cannot be encoded by the tokenizer";
+    snprintf(too_long, sizeof too_long, "is over %d bytes, more than the tokenizer encodes at once",
+             SPM_MAX_TEXT_BYTES);
+    return code == SPM_ERR_TEXT       ? "is not valid UTF-8 text"
+           : code == SPM_ERR_NOMEM    ? "cannot be encoded: out of memory"
+           : code == SPM_ERR_TOO_LONG ? too_long
+                                      : "cannot be encoded by the tokenizer";
 }
 
 int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where) {
@@ -89,7 +92,7 @@ RequestList requests_of(const Model *m, const Options *o) {
             snprintf(where, sizeof where, "%s:%d: ", input_name(o->prompts_path).s,
                      ((PromptFile *)l.file)->line_numbers[i]);
         const int n = o->prompts_path || i == 0 ? encode_prompt(m, l.texts[i], prompt, m->cfg.max_seq_len + 1, where)
-                                                 : l.requests[0].n_prompt;
+                                                : l.requests[0].n_prompt;
         l.requests[i] = request_of(prompt, n, i, o->seed + (uint64_t)i);
     }
     free(prompt);
@@ -109,8 +112,15 @@ void requests_free(RequestList *l) {
 }
 
 void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options *o, int max_batch) {
-    *sch = (Scheduler){.model = m, .pool = pool, .kv = o->kv, .form = o->mla_form, .max_batch = max_batch,
-                       .max_new = o->steps, .ignore_eos = o->ignore_eos, .top_k = o->top_k, .top_p = o->top_p,
+    *sch = (Scheduler){.model = m,
+                       .pool = pool,
+                       .kv = o->kv,
+                       .form = o->mla_form,
+                       .max_batch = max_batch,
+                       .max_new = o->steps,
+                       .ignore_eos = o->ignore_eos,
+                       .top_k = o->top_k,
+                       .top_p = o->top_p,
                        .temperature = o->temperature};
     if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);
 }
@@ -122,8 +132,10 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
     json_text(stdout, o->checkpoint);
     printf(", \"variant\": \"%s\", \"mode\": \"%s\", \"kv_dtype\": \"%s\", \"mla_form\": ", variant_name(&m->cfg), mode,
            kv_dtype_name(o->kv_dtype));
-    if (m->cfg.variant == VARIANT_MLA && strcmp(type, "check-kv") != 0) printf("\"%s\"", mla_form_name(o->mla_form));
-    else fputs("null", stdout);  /* --check-kv names the form of each run it compares */
+    if (m->cfg.variant == VARIANT_MLA && strcmp(type, "check-kv") != 0)
+        printf("\"%s\"", mla_form_name(o->mla_form));
+    else
+        fputs("null", stdout); /* --check-kv names the form of each run it compares */
     printf(", \"window\": %d, \"window_sinks\": %d, \"threads\": %d, \"seed\": %llu", o->window,
            o->window ? o->window_sinks : 0, threads_count(), (unsigned long long)o->seed);
 }

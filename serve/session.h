@@ -33,8 +33,8 @@ int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_token
 typedef struct {
     Request *requests;
     int n;
-    const char **texts;   /* (n) each request's prompt text */
-    void *file;           /* the --prompts file they point into */
+    const char **texts; /* (n) each request's prompt text */
+    void *file;         /* the --prompts file they point into */
 } RequestList;
 RequestList requests_of(const Model *m, const Options *o);
 void requests_free(RequestList *l);

@@ -126,11 +126,13 @@ static int read_whole(const char *path, char **out, size_t *n_out, char *err, si
     } else if (!(buf = malloc(size + 1))) {
         errmsg(err, errlen, -1, "out of memory reading %s", input_name(path).s);
     } else if (read_at(fd, buf, size, 0) != 0) {
-        if (errno) errmsg(err, errlen, -1, "cannot read %s: %s", input_name(path).s, strerror(errno));
-        else errmsg(err, errlen, -1, "%s shrank while it was being read", input_name(path).s);
+        if (errno)
+            errmsg(err, errlen, -1, "cannot read %s: %s", input_name(path).s, strerror(errno));
+        else
+            errmsg(err, errlen, -1, "%s shrank while it was being read", input_name(path).s);
         free(buf);
         buf = NULL;
-    } else if (pread(fd, &(char){0}, 1, (off_t)size) > 0) {  /* more than its size said: never a silent cut */
+    } else if (pread(fd, &(char){0}, 1, (off_t)size) > 0) { /* more than its size said: never a silent cut */
         errmsg(err, errlen, -1, "%s grew while it was being read, or does not report its size (as files in /proc do)",
                input_name(path).s);
         free(buf);
@@ -177,10 +179,11 @@ int promptfile_read(PromptFile *f, const char *path, char *err, size_t errlen) {
         *end = '\0';
         char *b = line;
         while (b < end && is_space(*b)) b++;
-        if (b < end) {  /* a blank line holds no prompt */
+        if (b < end) { /* a blank line holds no prompt */
             if (!utf8_valid(line, (size_t)(end - line))) {
                 promptfile_free(f);
-                return errmsg(err, errlen, -1, "%s:%d: the prompt is not valid UTF-8 text", input_name(path).s, line_no);
+                return errmsg(err, errlen, -1, "%s:%d: the prompt is not valid UTF-8 text", input_name(path).s,
+                              line_no);
             }
             if (f->n_prompts == cap) {
                 cap = cap ? 2 * cap : 64;
@@ -216,7 +219,9 @@ void promptfile_free(PromptFile *f) {
 int textfile_read_text(const char *path, char **text, char *err, size_t errlen) {
     size_t n;
     if (read_whole(path, text, &n, err, errlen) != 0) return -1;
-    const char *bad = memchr(*text, '\0', n) ? "holds a NUL byte" : !utf8_valid(*text, n) ? "is not valid UTF-8 text" : NULL;
+    const char *bad = memchr(*text, '\0', n)  ? "holds a NUL byte"
+                      : !utf8_valid(*text, n) ? "is not valid UTF-8 text"
+                                              : NULL;
     if (!bad) return 0;
     free(*text);
     *text = NULL;

@@ -9,8 +9,8 @@
 #include "kernels/errmsg.h"
 
 typedef struct {
-    char *text;          /* the file, split in place */
-    char **stories;      /* NUL-terminated, valid UTF-8 without NUL bytes */
+    char *text;     /* the file, split in place */
+    char **stories; /* NUL-terminated, valid UTF-8 without NUL bytes */
     int n_stories;
 } StoryFile;
 
@@ -23,9 +23,9 @@ void storyfile_free(StoryFile *f);
 
 /* A file of prompts, one a line (blank lines skipped, a trailing \r dropped). */
 typedef struct {
-    char *text;          /* the file, split in place */
-    char **prompts;      /* NUL-terminated, valid UTF-8 */
-    int *line_numbers;   /* each prompt's line, from 1 */
+    char *text;        /* the file, split in place */
+    char **prompts;    /* NUL-terminated, valid UTF-8 */
+    int *line_numbers; /* each prompt's line, from 1 */
     int n_prompts;
 } PromptFile;
 

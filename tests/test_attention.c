@@ -89,7 +89,7 @@ static double *reference_attention(const Model *m, const float *xb, int T, int w
     const int H = c->n_heads, hd = c->head_dim, D = c->dim;
     const int is_mla = c->variant == VARIANT_MLA;
     const int rd = c->rope_dim, dc = c->kv_latent, qw = is_mla ? hd + rd : hd;
-    const int kw = is_mla ? hd + rd : hd;  /* key width per head */
+    const int kw = is_mla ? hd + rd : hd; /* key width per head */
     double *x = malloc(sizeof(double) * D), *out = calloc((size_t)T * H * hd, sizeof(double));
     double *q = malloc(sizeof(double) * T * H * qw), *k = malloc(sizeof(double) * T * H * kw),
            *v = malloc(sizeof(double) * T * H * hd);
@@ -134,7 +134,7 @@ static double *reference_attention(const Model *m, const float *xb, int T, int w
             for (int j = 0; j <= t; j++)
                 if (!window || t < window || j < sinks || j > t - (window - sinks)) seen[n++] = j;
             memcpy(qr, q + ((size_t)t * H + h) * qw, sizeof(double) * qw);
-            ref_rope(qr + rot_at, rot, n - 1, c->rope_theta);  /* the query's place: the last */
+            ref_rope(qr + rot_at, rot, n - 1, c->rope_theta); /* the query's place: the last */
             double mx = -1e300, z = 0;
             for (int i = 0; i < n; i++) {
                 memcpy(kr_, k + ((size_t)seen[i] * H + h) * kw, sizeof(double) * kw);
@@ -149,7 +149,12 @@ static double *reference_attention(const Model *m, const float *xb, int T, int w
                 for (int e = 0; e < hd; e++)
                     out[((size_t)t * H + h) * hd + e] += p[i] / z * v[((size_t)seen[i] * H + h) * hd + e];
         }
-    free(x); free(q); free(k); free(v); free(p); free(seen);
+    free(x);
+    free(q);
+    free(k);
+    free(v);
+    free(p);
+    free(seen);
     return out;
 }
 
@@ -206,7 +211,8 @@ static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_
     float *one = malloc(sizeof(float) * c->head_dim);
     for (int t = 0; t < T; t++)
         for (int h = 0; h < c->n_heads; h++) {
-            attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)t * c->n_heads + h) * qw, t, form, one);
+            attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)t * c->n_heads + h) * qw, t, form,
+                                      one);
             if (memcmp(one, whole + ((size_t)t * c->n_heads + h) * c->head_dim, sizeof(float) * c->head_dim) != 0)
                 fail_msg("%s (absorb %d): query %d head %d differs from attention_query_reference", variant_name(c),
                          absorb, t, h);
@@ -237,13 +243,17 @@ static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_
 
     /* every cache dtype, and windows (a ring, and sinks) that fill and slide: token by
      * token, every (query, head) equals its specification, bit for bit */
-    const struct { DType dt; int window, sinks; } caches[] = {
+    const struct {
+        DType dt;
+        int window, sinks;
+    } caches[] = {
         {DTYPE_BF16, 0, 0}, {DTYPE_I8, 0, 0}, {DTYPE_F32, 8, 0}, {DTYPE_F32, 8, 3}, {DTYPE_I8, 6, 2},
     };
     one = malloc(sizeof(float) * c->head_dim);
     for (size_t k = 0; k < sizeof caches / sizeof caches[0]; k++) {
         use_cache(f, caches[k].dt, caches[k].window, caches[k].sinks);
-        double *wref = caches[k].dt == DTYPE_F32 ? reference_attention(&f->m, xb, T, caches[k].window, caches[k].sinks) : NULL;
+        double *wref =
+            caches[k].dt == DTYPE_F32 ? reference_attention(&f->m, xb, T, caches[k].window, caches[k].sinks) : NULL;
         for (int t = 0; t < T; t++) {
             /* a prefill of 3, then one token a pass, as the scheduler runs a window */
             const int n = t == 0 ? 3 : 1;
@@ -253,15 +263,18 @@ static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_
                 for (int h = 0; h < c->n_heads; h++) {
                     attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)u * c->n_heads + h) * qw,
                                               t + u, form, one);
-                    if (memcmp(one, f->s.heads + ((size_t)u * c->n_heads + h) * c->head_dim, sizeof(float) * c->head_dim))
+                    if (memcmp(one, f->s.heads + ((size_t)u * c->n_heads + h) * c->head_dim,
+                               sizeof(float) * c->head_dim))
                         fail_msg("%s (absorb %d, dtype %d, window %d, sinks %d): query %d head %d differs from "
-                                 "attention_query_reference", variant_name(c), absorb, (int)caches[k].dt,
-                                 caches[k].window, caches[k].sinks, t + u, h);
+                                 "attention_query_reference",
+                                 variant_name(c), absorb, (int)caches[k].dt, caches[k].window, caches[k].sinks, t + u,
+                                 h);
                 }
             for (int i = 0; wref && i < n * HD; i++)
                 if (fabs(f->s.heads[i] - wref[(size_t)t * HD + i]) > 1e-4)
                     fail_msg("%s (absorb %d, window %d, sinks %d): query %d: |C - reference| = %g", variant_name(c),
-                             absorb, caches[k].window, caches[k].sinks, t, fabs(f->s.heads[i] - wref[(size_t)t * HD + i]));
+                             absorb, caches[k].window, caches[k].sinks, t,
+                             fabs(f->s.heads[i] - wref[(size_t)t * HD + i]));
         }
         free(wref);
     }
@@ -305,7 +318,8 @@ static void check_forward_cached_equals_uncached(Variant v, int latent) {
     float *full = malloc(sizeof(float) * V), *step = malloc(sizeof(float) * V);
     for (int n = 4; n <= T; n++) {
         kv_reset(&f->cache);
-        assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, n, MLA_ABSORBED, full, 0), 0);  /* whole sequence */
+        assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, n, MLA_ABSORBED, full, 0),
+                         0); /* whole sequence */
         /* a prefill of 4, then one token at a time */
         kv_reset(&f->cache);
         assert_int_equal(model_forward(&f->m, &f->s, &f->cache, tokens, 4, MLA_ABSORBED, step, 0), 0);
@@ -342,9 +356,12 @@ static void test_forward_cache_invariance(void **state) {
 int main(int argc, char **argv) {
     if (argc > 1) g_tokenizer_path = argv[1];
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_mha),          cmocka_unit_test(test_gqa),
-        cmocka_unit_test(test_mqa),          cmocka_unit_test(test_mla_expanded),
-        cmocka_unit_test(test_mla_absorbed), cmocka_unit_test(test_head_groups),
+        cmocka_unit_test(test_mha),
+        cmocka_unit_test(test_gqa),
+        cmocka_unit_test(test_mqa),
+        cmocka_unit_test(test_mla_expanded),
+        cmocka_unit_test(test_mla_absorbed),
+        cmocka_unit_test(test_head_groups),
         cmocka_unit_test(test_forward_cache_invariance),
     };
     return cmocka_run_group_tests_name("attention", tests, NULL, NULL);

@@ -35,7 +35,7 @@ static void test_defaults(void **state) {
     assert_int_equal(o.top_k, 40);
     assert_true(o.temperature == 1.0f);
     assert_int_equal(o.threads, 0);
-    assert_int_equal(o.mla_form, MLA_EXPANDED);  /* without the cache */
+    assert_int_equal(o.mla_form, MLA_EXPANDED); /* without the cache */
     assert_true(o.top_p == 1.0f);
     assert_int_equal(o.kv + o.quiet + o.verbose + o.ignore_eos + o.check_kv + o.info + o.json, 0);
     assert_null(o.prompt_path);
@@ -46,9 +46,10 @@ static void test_defaults(void **state) {
 }
 
 static void test_every_flag(void **state) {
-    char *argv[] = {"run", "-p", "Once", "-n", "20", "-k", "7", "--top-p", "0.9", "-t", "0.5", "-s", "99", "--kv",
-                    "--mla", "expand", "--threads", "3", "--log", "l.csv", "-q", "--ignore-eos", "--json",
-                    "--dump-logits", "d.bin", "m.bin"};
+    char *argv[] = {"run",       "-p",   "Once",  "-n",    "20", "-k",           "7",      "--top-p",
+                    "0.9",       "-t",   "0.5",   "-s",    "99", "--kv",         "--mla",  "expand",
+                    "--threads", "3",    "--log", "l.csv", "-q", "--ignore-eos", "--json", "--dump-logits",
+                    "d.bin",     "m.bin"};
     Options o;
     char err[64];
     assert_int_equal(parse(&o, ARGC(argv), argv, err, sizeof err), CLI_RUN);
@@ -65,7 +66,8 @@ static void test_every_flag(void **state) {
     assert_string_equal(o.dump_path, "d.bin");
     assert_string_equal(o.checkpoint, "m.bin");
     assert_int_equal(o.kv + o.quiet + o.ignore_eos + o.json, 4);
-    char *modes[][4] = {{"run", "--check-kv", "m.bin", "-v"}, {"run", "--ppl", "s.txt", "m.bin"},
+    char *modes[][4] = {{"run", "--check-kv", "m.bin", "-v"},
+                        {"run", "--ppl", "s.txt", "m.bin"},
                         {"run", "--info", "m.bin", "--verbose"}};
     assert_int_equal(parse(&o, 4, modes[0], err, sizeof err), CLI_RUN);
     assert_int_equal(o.check_kv + o.verbose, 2);
@@ -73,7 +75,7 @@ static void test_every_flag(void **state) {
     assert_string_equal(o.ppl_path, "s.txt");
     assert_int_equal(parse(&o, 4, modes[2], err, sizeof err), CLI_RUN);
     assert_int_equal(o.info + o.verbose, 2);
-    char *absorb[] = {"run", "--mla", "absorb", "-"};  /* "-" alone is a file name */
+    char *absorb[] = {"run", "--mla", "absorb", "-"}; /* "-" alone is a file name */
     assert_int_equal(parse(&o, ARGC(absorb), absorb, err, sizeof err), 0);
     assert_int_equal(o.mla_form, MLA_ABSORBED);
     assert_string_equal(o.checkpoint, "-");
@@ -88,8 +90,9 @@ static void test_every_flag(void **state) {
 
 /* Long names, --flag=value, abbreviations, "--", and argv left in its order. */
 static void test_long_forms(void **state) {
-    char *argv[] = {"run", "--prompt=Once upon", "--n-predict", "12", "--top-k=3", "--top-p=0.25", "--temp", "0.75",
-                    "--seed=5", "--quiet", "--threads=2", "--kv-dtype=int8", "--ignore", "m.bin"};
+    char *argv[] = {
+        "run",  "--prompt=Once upon", "--n-predict", "12",          "--top-k=3",       "--top-p=0.25", "--temp",
+        "0.75", "--seed=5",           "--quiet",     "--threads=2", "--kv-dtype=int8", "--ignore",     "m.bin"};
     char *copy[ARGC(argv)];
     memcpy(copy, argv, sizeof argv);
     Options o;
@@ -101,11 +104,11 @@ static void test_long_forms(void **state) {
     assert_true(o.top_p == 0.25f);
     assert_true(o.temperature == 0.75f);
     assert_int_equal(o.seed, 5);
-    assert_int_equal(o.quiet + o.ignore_eos, 2);  /* --ignore: the one flag it starts */
+    assert_int_equal(o.quiet + o.ignore_eos, 2); /* --ignore: the one flag it starts */
     assert_int_equal(o.threads, 2);
     assert_int_equal(o.kv_dtype, DTYPE_I8);
     assert_string_equal(o.checkpoint, "m.bin");
-    assert_memory_equal(copy, argv, sizeof argv);  /* not reordered */
+    assert_memory_equal(copy, argv, sizeof argv); /* not reordered */
     /* the checkpoint may come first; after "--" a name starting with '-' is the checkpoint */
     char *dashes[] = {"run", "-k", "2", "--", "-odd.bin"};
     assert_int_equal(parse(&o, ARGC(dashes), dashes, err, sizeof err), CLI_RUN);
@@ -179,9 +182,9 @@ static void test_help(void **state) {
     assert_int_equal(parse(&o, ARGC(a), a, err, sizeof err), 1);
     char *b[] = {"run", "-h"};
     assert_int_equal(parse(&o, ARGC(b), b, err, sizeof err), 1);
-    char *c[] = {"run", "--bogus", "-h"};  /* flags are read in order: the error comes first */
+    char *c[] = {"run", "--bogus", "-h"}; /* flags are read in order: the error comes first */
     assert_int_equal(parse(&o, ARGC(c), c, err, sizeof err), 2);
-    char *d[] = {"run", "-p", "-h"};       /* -h as the prompt; then no checkpoint */
+    char *d[] = {"run", "-p", "-h"}; /* -h as the prompt; then no checkpoint */
     assert_int_equal(parse(&o, ARGC(d), d, err, sizeof err), 2);
     assert_string_equal(err, "no checkpoint given");
     assert_int_equal(o.usage_on_error, 1);
@@ -196,13 +199,13 @@ static void test_messages(void **state) {
     expect_usage_error(ARGC(c), c, "-n 0 is out of range (1..1048576)");
     char *d[] = {"run", "m.bin", "-n", "ten"};
     expect_usage_error(ARGC(d), d, "-n needs an integer, got 'ten'");
-    char *d2[] = {"run", "m.bin", "-s", "99999999999999999999"};  /* past a long: out of range too */
+    char *d2[] = {"run", "m.bin", "-s", "99999999999999999999"}; /* past a long: out of range too */
     expect_usage_error(ARGC(d2), d2, "-s 99999999999999999999 is out of range (0..9223372036854775807)");
     char *e[] = {"run", "m.bin", "-t", "-1"};
     expect_usage_error(ARGC(e), e, "-t -1 is out of range (0..100)");
     char *f[] = {"run", "m.bin", "-t", "nan"};
     expect_usage_error(ARGC(f), f, "-t needs a number, got 'nan'");
-    char *f2[] = {"run", "m.bin", "-t", "1e39"};  /* overflows a float: out of range, not "needs a number" */
+    char *f2[] = {"run", "m.bin", "-t", "1e39"}; /* overflows a float: out of range, not "needs a number" */
     expect_usage_error(ARGC(f2), f2, "-t 1e39 is out of range (0..100)");
     char *f3[] = {"run", "m.bin", "--kv-mem", "-inf"};
     expect_usage_error(ARGC(f3), f3, "--kv-mem -inf is out of range (0..1048576)");
@@ -231,7 +234,7 @@ static void test_messages(void **state) {
     expect_usage_error(ARGC(r), r, "unknown flag --bogus (see -h)");
     char *t[] = {"run", "m.bin", "-qx"};
     expect_usage_error(ARGC(t), t, "unknown flag -x (see -h)");
-    char *u[] = {"run", "m.bin", "--kv", "-qx"};  /* not mistaken for a value given to --kv */
+    char *u[] = {"run", "m.bin", "--kv", "-qx"}; /* not mistaken for a value given to --kv */
     expect_usage_error(ARGC(u), u, "unknown flag -x (see -h)");
 }
 
@@ -253,9 +256,9 @@ int main(int argc, char **argv) {
     (void)argc;
     (void)argv;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults), cmocka_unit_test(test_every_flag), cmocka_unit_test(test_long_forms),
-        cmocka_unit_test(test_prompt_sources), cmocka_unit_test(test_one_mode), cmocka_unit_test(test_help),
-        cmocka_unit_test(test_messages), cmocka_unit_test(test_small_buffers),
+        cmocka_unit_test(test_defaults),       cmocka_unit_test(test_every_flag),    cmocka_unit_test(test_long_forms),
+        cmocka_unit_test(test_prompt_sources), cmocka_unit_test(test_one_mode),      cmocka_unit_test(test_help),
+        cmocka_unit_test(test_messages),       cmocka_unit_test(test_small_buffers),
     };
     return cmocka_run_group_tests_name("cli", tests, NULL, NULL);
 }

@@ -72,7 +72,7 @@ static void test_mat_pack(void **state) {
                     hit[off] = 1;
                     assert_true(mat_get(w, r, c) == want);
                     assert_true(row[c] == want);
-                    if (rows == 1) assert_int_equal(off, c);  /* vectors stay plain */
+                    if (rows == 1) assert_int_equal(off, c); /* vectors stay plain */
                 }
             }
             free(src);
@@ -128,15 +128,18 @@ static void test_dot_cat(void **state) {
 static void check_matmul(int T, int rows, int cols, DType dt) {
     float *x = random_floats(T * cols, 5), *wrow = malloc((size_t)cols * sizeof(float));
     void *wdata;
-    if (dt == DTYPE_BF16) wdata = random_bf16(rows * cols, 7, 0.5f);
-    else wdata = random_floats(rows * cols, 7);
+    if (dt == DTYPE_BF16)
+        wdata = random_bf16(rows * cols, 7, 0.5f);
+    else
+        wdata = random_floats(rows * cols, 7);
     Mat w = packed(wdata, rows, cols, dt);
     float *out = calloc((size_t)T * rows, sizeof(float));
     Worker alone = worker_alone();
     matmul(&alone, out, rows, x, cols, w, T);
     for (int r = 0; r < rows; r++) {
         for (int k = 0; k < cols; k++)
-            wrow[k] = dt == DTYPE_BF16 ? bf(((uint16_t *)wdata)[(size_t)r * cols + k]) : ((float *)wdata)[(size_t)r * cols + k];
+            wrow[k] = dt == DTYPE_BF16 ? bf(((uint16_t *)wdata)[(size_t)r * cols + k])
+                                       : ((float *)wdata)[(size_t)r * cols + k];
         for (int t = 0; t < T; t++) {
             double ref = 0;
             for (int k = 0; k < cols; k++) ref += (double)wrow[k] * x[(size_t)t * cols + k];
@@ -158,9 +161,9 @@ static void test_matmul_reference(void **state) {
     check_matmul(13, 30, 1344, DTYPE_BF16);
     check_matmul(7, 9, 33, DTYPE_F32);
     check_matmul(256, 16, 64, DTYPE_F32);
-    check_matmul(3, 2, 20, DTYPE_BF16);  /* fewer rows than a group */
-    check_matmul(2, 6, 63, DTYPE_BF16);  /* a last chunk of 31 columns: 16 + 15 */
-    check_matmul(4, 5, 48, DTYPE_BF16);  /* one pair chunk and a last chunk of 16 */
+    check_matmul(3, 2, 20, DTYPE_BF16); /* fewer rows than a group */
+    check_matmul(2, 6, 63, DTYPE_BF16); /* a last chunk of 31 columns: 16 + 15 */
+    check_matmul(4, 5, 48, DTYPE_BF16); /* one pair chunk and a last chunk of 16 */
 }
 
 /* Batch invariance: row t of a T-token matmul equals the 1-token matmul of row t, and the
@@ -189,7 +192,8 @@ static void test_matmul_batch_invariant(void **state) {
     float *xs = calloc((size_t)T * (cols + 8), sizeof(float)), *os = calloc((size_t)T * (rows + 3), sizeof(float));
     for (int t = 0; t < T; t++) memcpy(xs + (size_t)t * (cols + 8), x + (size_t)t * cols, (size_t)cols * sizeof(float));
     matmul(&alone, os, rows + 3, xs, cols + 8, w, T);
-    for (int t = 0; t < T; t++) assert_memory_equal(os + (size_t)t * (rows + 3), all + (size_t)t * rows, (size_t)rows * sizeof(float));
+    for (int t = 0; t < T; t++)
+        assert_memory_equal(os + (size_t)t * (rows + 3), all + (size_t)t * rows, (size_t)rows * sizeof(float));
     free(xs);
     free(os);
     free(x);
@@ -209,9 +213,9 @@ typedef struct {
     const float *x;
     MatmulJob jobs[3];
     float *want[3];
-    Mat w3;           /* a second matrix of w[2]'s shape: W1 = w[2], W3 = w3 */
-    const float *ref1, *ref3;  /* silu(W1 x) * W3 x, W3 x */
-    float *h1, *h3;            /* what matmul_swiglu gives */
+    Mat w3;                   /* a second matrix of w[2]'s shape: W1 = w[2], W3 = w3 */
+    const float *ref1, *ref3; /* silu(W1 x) * W3 x, W3 x */
+    float *h1, *h3;           /* what matmul_swiglu gives */
 } JobsCheck;
 
 /* Every thread of the team runs the products; thread 0 checks them once they are whole. */
@@ -224,7 +228,8 @@ static void check_jobs(void *arg, Worker *wk) {
     matmul_swiglu(wk, c->h1, c->h3, c->x, c->cols, c->jobs[2].w, c->w3, T);
     team_barrier(wk);
     if (wk->thread != 0) return;
-    for (int j = 0; j < 3; j++) assert_memory_equal(c->jobs[j].out, c->want[j], (size_t)T * c->jobs[j].w.rows * sizeof(float));
+    for (int j = 0; j < 3; j++)
+        assert_memory_equal(c->jobs[j].out, c->want[j], (size_t)T * c->jobs[j].w.rows * sizeof(float));
     assert_memory_equal(c->h3, c->ref3, (size_t)T * 64 * sizeof(float));
     assert_memory_equal(c->h1, c->ref1, (size_t)T * 64 * sizeof(float));
 }
@@ -298,8 +303,8 @@ static void test_matmul_every_token_count(void **state) {
 }
 
 static void test_matmul_jobs_and_swiglu(void **state) {
-    check_jobs_and_swiglu(2);  /* two token blocks: split by rows */
-    check_jobs_and_swiglu(7);  /* more: split by tokens (3 blocks: with 4 or 5 threads some get none) */
+    check_jobs_and_swiglu(2); /* two token blocks: split by rows */
+    check_jobs_and_swiglu(7); /* more: split by tokens (3 blocks: with 4 or 5 threads some get none) */
 }
 
 /* A product shared among 3 threads (with take-overs: 20 tokens) equals it on one. */
@@ -337,8 +342,8 @@ static float exp_nonpositive_scalar(float x) {
     x = x > -87.3f ? x : -87.3f;
     float n = nearbyintf(x * 1.44269504088896341f);
     float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
-    const float c[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
-                       5.0000001201e-1f};
+    const float c[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                       4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
     float p = c[0];
     for (int i = 1; i < 6; i++) p = fmaf(p, r, c[i]);
     uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
@@ -436,7 +441,7 @@ static void test_dot_rows_and_weighted_sum(void **state) {
                 assert_memory_equal(&out[j], &ref, sizeof(float));
             }
         }
-        for (int m = n - 1; m <= n; m++) {  /* an even and an odd number of rows */
+        for (int m = n - 1; m <= n; m++) { /* an even and an odd number of rows */
             weighted_sum_rows(sum, p, rows, stride, m, w);
             for (int d = 0; d < w; d++) {
                 float even = 0.0f, odd = 0.0f;
@@ -479,8 +484,9 @@ static void check_heads_read_alike(RowBlocks rows, const float *floats, size_t s
  * when it reads them alone. */
 static void test_row_blocks_equal_contiguous_rows(void **state) {
     enum { N = 70, STRIDE = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 3, LDQ = 150, LDP = 75 };
-    float *rows = random_floats(N * STRIDE, 91), *q = random_floats(HEADS * LDQ, 92), *p = random_floats(HEADS * LDP, 93);
-    float *store = random_floats((size_t)(BLOCKS + 3) * BLOCK * STRIDE, 94);  /* blocks in a scrambled order */
+    float *rows = random_floats(N * STRIDE, 91), *q = random_floats(HEADS * LDQ, 92),
+          *p = random_floats(HEADS * LDP, 93);
+    float *store = random_floats((size_t)(BLOCKS + 3) * BLOCK * STRIDE, 94); /* blocks in a scrambled order */
     const void *blocks[BLOCKS];
     for (int b = 0; b < BLOCKS; b++) {
         float *dst = store + (size_t)((b * 3 + 2) % (BLOCKS + 3)) * BLOCK * STRIDE;
@@ -516,7 +522,7 @@ static void test_row_quantize(void **state) {
     for (int i = 0; i < 40; i++) {
         const float s = scales[i < 24 ? 0 : 1];
         assert_true(fabsf(back[i] - x[i]) <= 0.5f * s * 1.0001f);
-        assert_true(back[i] == (float)q[i] * s);  /* the stored value is scale * int8, one product */
+        assert_true(back[i] == (float)q[i] * s); /* the stored value is scale * int8, one product */
     }
     /* zeros, extremes, non-finite */
     float zero[16] = {0}, big[16], bad[16];
@@ -554,8 +560,10 @@ static void test_typed_rows_equal_their_floats(void **state) {
         const DType dt = types[k];
         void *store = dt == DTYPE_I8 ? (void *)i8 : (void *)h;
         for (int j = 0; j < N; j++) {
-            row_quantize((char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, x + (size_t)j * W, W, SPLIT, dt);
-            row_dequantize(floats + (size_t)j * W, (char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, W, SPLIT, dt);
+            row_quantize((char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, x + (size_t)j * W, W, SPLIT,
+                         dt);
+            row_dequantize(floats + (size_t)j * W, (char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, W,
+                           SPLIT, dt);
         }
         const void *blocks[BLOCKS];
         const float *block_scales[BLOCKS];

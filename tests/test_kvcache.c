@@ -16,20 +16,27 @@ static float *LAT(const KVCache *c, int l, int pos) { return kv_latent(c, l, pos
 
 /* The shipped shape (4 layers, 16 heads of 32) of a variant. */
 static Config shipped(Variant v, int kv_heads, int latent) {
-    Config c = {.variant = v, .n_layers = 4, .n_heads = 16, .head_dim = 32, .n_kv_heads = kv_heads,
-                .kv_latent = latent, .rope_dim = latent ? 16 : 0, .max_seq_len = 256};
+    Config c = {.variant = v,
+                .n_layers = 4,
+                .n_heads = 16,
+                .head_dim = 32,
+                .n_kv_heads = kv_heads,
+                .kv_latent = latent,
+                .rope_dim = latent ? 16 : 0,
+                .max_seq_len = 256};
     return c;
 }
 
 /* bytes per token follow the formulas of the posts: 2*L*H_kv*d_h*4 and L*(d_c+d_R)*4 */
 static void test_bytes_per_token(void **state) {
     KVPool p;
-    const struct { Config cfg; size_t expect; } cases[] = {
+    const struct {
+        Config cfg;
+        size_t expect;
+    } cases[] = {
         {shipped(VARIANT_MHA, 16, 0), 2 * 4 * 16 * 32 * 4}, /* 16 KiB */
-        {shipped(VARIANT_GQA, 4, 0), 2 * 4 * 4 * 32 * 4},
-        {shipped(VARIANT_MQA, 1, 0), 2 * 4 * 1 * 32 * 4},
-        {shipped(VARIANT_MLA, 0, 64), 4 * 80 * 4},
-        {shipped(VARIANT_MLA, 0, 128), 4 * 144 * 4},
+        {shipped(VARIANT_GQA, 4, 0), 2 * 4 * 4 * 32 * 4},   {shipped(VARIANT_MQA, 1, 0), 2 * 4 * 1 * 32 * 4},
+        {shipped(VARIANT_MLA, 0, 64), 4 * 80 * 4},          {shipped(VARIANT_MLA, 0, 128), 4 * 144 * 4},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         assert_int_equal(kv_pool_init(&p, &cases[i].cfg, DTYPE_F32, 16), 0);
@@ -82,7 +89,7 @@ static void test_latent_layout(void **state) {
     assert_int_equal(kv_init(&s, &p, 32), 0);
     assert_int_equal(kv_reserve(&s, 32), 0);
     assert_ptr_equal(LAT(&s, 0, 1), LAT(&s, 0, 0) + 24);
-    assert_ptr_equal(LAT(&s, 1, 0), LAT(&s, 0, 15) + 24);  /* the next layer of the same block */
+    assert_ptr_equal(LAT(&s, 1, 0), LAT(&s, 0, 15) + 24); /* the next layer of the same block */
     kv_free(&s);
     kv_pool_free(&p);
 }
@@ -99,8 +106,8 @@ static void test_reserve_and_release(void **state) {
     assert_int_equal(kv_reserve(&a, 17), 0);
     assert_int_equal(a.n_blocks, 2);
     assert_int_equal(kv_blocks_in_use(&p), 2);
-    assert_int_equal(kv_reserve(&a, 65), -1);          /* past max_len */
-    assert_int_equal(kv_reserve(&b, 64), -1);          /* 4 blocks, 3 free */
+    assert_int_equal(kv_reserve(&a, 65), -1); /* past max_len */
+    assert_int_equal(kv_reserve(&b, 64), -1); /* 4 blocks, 3 free */
     assert_int_equal(b.n_blocks, 0);
     assert_int_equal(kv_blocks_in_use(&p), 2);
     assert_int_equal(kv_reserve(&b, 48), 0);
@@ -128,7 +135,7 @@ static void test_share_and_copy_on_write(void **state) {
     assert_int_equal(kv_reserve(&a, 20), 0);
     for (int t = 0; t < 20; t++) K(&a, 3, 0, t)[0] = (float)t;
     a.len = 20;
-    kv_share_prefix(&b, &a, 18);  /* a full block and 2 positions of the second */
+    kv_share_prefix(&b, &a, 18); /* a full block and 2 positions of the second */
     assert_int_equal(b.len, 18);
     assert_int_equal(b.n_blocks, 2);
     assert_int_equal(b.blocks[0], a.blocks[0]);
@@ -142,9 +149,9 @@ static void test_share_and_copy_on_write(void **state) {
     assert_int_equal(b.blocks[0], a.blocks[0]);
     assert_int_equal(p.refs[a.blocks[1]], 1);
     assert_int_equal(p.refs[a.blocks[0]], 2);
-    for (int t = 0; t < 18; t++) assert_true(K(&b, 3, 0, t)[0] == (float)t);  /* the copy holds the prefix */
+    for (int t = 0; t < 18; t++) assert_true(K(&b, 3, 0, t)[0] == (float)t); /* the copy holds the prefix */
     K(&b, 3, 0, 18)[0] = -1.0f;
-    assert_true(K(&a, 3, 0, 18)[0] == 18.0f);  /* a's own position untouched */
+    assert_true(K(&a, 3, 0, 18)[0] == 18.0f); /* a's own position untouched */
     /* a exclusive owner writes in place: no copy */
     assert_int_equal(kv_blocks_needed(&a, 21), 0);
     const int before = a.blocks[1];
@@ -172,7 +179,7 @@ static void test_copy_needs_a_block(void **state) {
     assert_int_equal(b.blocks[0], a.blocks[0]);
     assert_int_equal(p.refs[a.blocks[0]], 2);
     kv_free(&a);
-    assert_int_equal(kv_reserve(&b, 5), 0);  /* now alone with it: in place */
+    assert_int_equal(kv_reserve(&b, 5), 0); /* now alone with it: in place */
     kv_free(&b);
     kv_pool_free(&p);
 }
@@ -180,7 +187,11 @@ static void test_copy_needs_a_block(void **state) {
 /* int8 and bf16 shrink a token's bytes as the formulas say: 2*L*H_kv*(d_h+4) and
  * L*(d_c+d_R+8) with a 4-byte scale a vector, and half of fp32 for bf16. */
 static void test_bytes_per_token_by_dtype(void **state) {
-    const struct { Config cfg; DType dt; size_t expect; } cases[] = {
+    const struct {
+        Config cfg;
+        DType dt;
+        size_t expect;
+    } cases[] = {
         {shipped(VARIANT_MHA, 16, 0), DTYPE_BF16, 2 * 4 * 16 * 32 * 2},
         {shipped(VARIANT_MHA, 16, 0), DTYPE_I8, 2 * 4 * 16 * (32 + 4)},
         {shipped(VARIANT_MQA, 1, 0), DTYPE_I8, 2 * 4 * 1 * (32 + 4)},
@@ -207,7 +218,7 @@ static void test_window_slots_and_positions(void **state) {
     for (int pos = 0; pos < 17; pos++) assert_int_equal(kv_slot(&p, pos), ring[pos]);
     assert_int_equal(kv_window_length(&p, 5), 6);
     assert_int_equal(kv_window_length(&p, 20), 8);
-    for (int i = 0; i < 8; i++) assert_int_equal(kv_window_position(&p, 20, i), 13 + i);  /* 13 .. 20 */
+    for (int i = 0; i < 8; i++) assert_int_equal(kv_window_position(&p, 20, i), 13 + i); /* 13 .. 20 */
     kv_pool_set_window(&p, 8, 3);
     const int sinks[] = {0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3};
     for (int pos = 0; pos < 14; pos++) assert_int_equal(kv_slot(&p, pos), sinks[pos]);
@@ -229,12 +240,17 @@ static void test_window_slots_and_positions(void **state) {
 }
 
 int main(int argc, char **argv) {
-    (void)argc; (void)argv;
+    (void)argc;
+    (void)argv;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_bytes_per_token),        cmocka_unit_test(test_layout_disjoint),
-        cmocka_unit_test(test_latent_layout),          cmocka_unit_test(test_reserve_and_release),
-        cmocka_unit_test(test_share_and_copy_on_write), cmocka_unit_test(test_copy_needs_a_block),
-        cmocka_unit_test(test_bytes_per_token_by_dtype), cmocka_unit_test(test_window_slots_and_positions),
+        cmocka_unit_test(test_bytes_per_token),
+        cmocka_unit_test(test_layout_disjoint),
+        cmocka_unit_test(test_latent_layout),
+        cmocka_unit_test(test_reserve_and_release),
+        cmocka_unit_test(test_share_and_copy_on_write),
+        cmocka_unit_test(test_copy_needs_a_block),
+        cmocka_unit_test(test_bytes_per_token_by_dtype),
+        cmocka_unit_test(test_window_slots_and_positions),
     };
     return cmocka_run_group_tests_name("kvcache", tests, NULL, NULL);
 }

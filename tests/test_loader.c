@@ -16,7 +16,7 @@
 #include "model.h"
 #include "testutil.h"
 
-static unsigned char *g_valid;  /* a valid small GQA checkpoint */
+static unsigned char *g_valid; /* a valid small GQA checkpoint */
 static size_t g_size;
 static int g_vocab;
 
@@ -54,7 +54,7 @@ static void expect_refused(const unsigned char *data, size_t n, const char *need
     int rc = load_bytes(data, n, err, sizeof err);
     if (rc != -1) fail_msg("accepted a bad file (expected an error about '%s')", needle);
     assert_true(strlen(err) > 10);
-    assert_null(strchr(err, '\n'));  /* one line */
+    assert_null(strchr(err, '\n')); /* one line */
     if (needle && !strstr(err, needle)) fail_msg("message '%s' does not mention '%s'", err, needle);
 }
 
@@ -88,7 +88,7 @@ static void test_long_path_keeps_the_reason(void **state) {
     const char *reason = ": No such file or directory";
     assert_true(strlen(err) > strlen(reason));
     assert_string_equal(err + strlen(err) - strlen(reason), reason);
-    assert_non_null(strstr(err, "cannot open checkpoint ...d/d/d"));  /* the path's end */
+    assert_non_null(strstr(err, "cannot open checkpoint ...d/d/d")); /* the path's end */
 }
 
 static int load_path(const char *path, char *err, size_t errlen) {
@@ -175,19 +175,22 @@ static void expect_weight_refused(const Config *c, const char *name, int layer, 
 static void test_nonfinite_weights(void **state) {
     const Config bf = test_config(VARIANT_GQA, 0, g_vocab, DTYPE_BF16);
     expect_weight_refused(&bf, "tok_embeddings", -1, 0, 0x7FC0, "weight [0][0] of tok_embeddings is NaN");
-    expect_weight_refused(&bf, "tok_embeddings", -1, (size_t)5 * bf.dim + 7, 0xFF80, "weight [5][7] of tok_embeddings is infinite");
+    expect_weight_refused(&bf, "tok_embeddings", -1, (size_t)5 * bf.dim + 7, 0xFF80,
+                          "weight [5][7] of tok_embeddings is infinite");
     expect_weight_refused(&bf, "wv", 1, (size_t)3 * bf.dim + 2, 0x7F81, "weight [3][2] of wv in layer 1 is NaN");
-    expect_weight_refused(&bf, "final_norm", -1, (size_t)bf.dim - 1, 0x7F80, "weight [0][63] of final_norm is infinite");
+    expect_weight_refused(&bf, "final_norm", -1, (size_t)bf.dim - 1, 0x7F80,
+                          "weight [0][63] of final_norm is infinite");
     const Config f32 = test_config(VARIANT_MLA, 16, g_vocab, DTYPE_F32);
     expect_weight_refused(&f32, "wuk", 0, 17, 0x7FC00000u, "weight [1][1] of wuk in layer 0 is NaN");
-    expect_weight_refused(&f32, "w2", 1, (size_t)f32.hidden_dim * f32.dim - 1, 0xFF800000u, "of w2 in layer 1 is infinite");
+    expect_weight_refused(&f32, "w2", 1, (size_t)f32.hidden_dim * f32.dim - 1, 0xFF800000u,
+                          "of w2 in layer 1 is infinite");
     /* the largest finite numbers load: they are numbers */
     const char *path = temp_path("largest.bin");
     assert_int_equal(write_test_checkpoint(path, &bf, g_tokenizer_path, 6), 0);
     size_t n;
     unsigned char *b = read_whole_file(path, &n);
     const size_t at = rd_u64_at(b, 88);
-    b[at] = 0x7F, b[at + 1] = 0x7F;  /* bf16 0x7F7F, about 3.4e38 */
+    b[at] = 0x7F, b[at + 1] = 0x7F; /* bf16 0x7F7F, about 3.4e38 */
     char err[512];
     assert_int_equal(load_bytes(b, n, err, sizeof err), 0);
     free(b);
@@ -208,30 +211,30 @@ static void test_reserved_header_bytes(void **state) {
 }
 
 static void test_bad_header_fields(void **state) {
-    expect_field_refused(0, 0x46554747, "magic");        /* "GGUF" */
+    expect_field_refused(0, 0x46554747, "magic"); /* "GGUF" */
     expect_field_refused(4, 2, "version");
     expect_field_refused(4, 0, "version");
     expect_field_refused(8, 4, "variant");
-    expect_field_refused(8, 0, "MHA");                   /* GQA head counts under the MHA name */
+    expect_field_refused(8, 0, "MHA"); /* GQA head counts under the MHA name */
     expect_field_refused(8, 2, "MQA");
     expect_field_refused(8, 3, "MLA");
     expect_field_refused(12, 2, "dtype");
-    expect_field_refused(12, 0, "weights");              /* fp32 doubles the expected size */
-    expect_field_refused(16, 0, "dim");                  /* zero */
-    expect_field_refused(16, 0xFFFFFFFF, "dim = 4294967295 is out of range (1..65536)");  /* the file's number */
-    expect_field_refused(16, 65536, "weights");          /* plausible but does not add up */
+    expect_field_refused(12, 0, "weights"); /* fp32 doubles the expected size */
+    expect_field_refused(16, 0, "dim");     /* zero */
+    expect_field_refused(16, 0xFFFFFFFF, "dim = 4294967295 is out of range (1..65536)"); /* the file's number */
+    expect_field_refused(16, 65536, "weights"); /* plausible but does not add up */
     expect_field_refused(20, 1000000, "n_layers = 1000000 is out of range");
     expect_field_refused(24, 0, "n_heads");
-    expect_field_refused(24, 3, "GQA");                  /* 2 KV heads do not divide 3 heads */
-    expect_field_refused(28, 15, "odd");                 /* head_dim odd */
-    expect_field_refused(32, 4, "GQA");                  /* n_kv_heads == n_heads */
-    expect_field_refused(36, 16, "kv_latent");           /* a latent on a GQA model */
-    expect_field_refused(44, 97, "weights");             /* hidden_dim */
+    expect_field_refused(24, 3, "GQA");        /* 2 KV heads do not divide 3 heads */
+    expect_field_refused(28, 15, "odd");       /* head_dim odd */
+    expect_field_refused(32, 4, "GQA");        /* n_kv_heads == n_heads */
+    expect_field_refused(36, 16, "kv_latent"); /* a latent on a GQA model */
+    expect_field_refused(44, 97, "weights");   /* hidden_dim */
     expect_field_refused(48, 0x7FFFFFFF, "vocab_size = 2147483647 is out of range");
     expect_field_refused(52, 100000, "max_seq_len = 100000 is out of range");
     expect_field_refused(36, 70000, "kv_latent = 70000 is out of range (0..65536)");
-    expect_field_refused(56, 0x7FC00000, "rope_theta");  /* NaN */
-    {   /* a valid 530 KB file (dim 1, context 8192, heads 4 x 16384) once made the loader fill two
+    expect_field_refused(56, 0x7FC00000, "rope_theta"); /* NaN */
+    { /* a valid 530 KB file (dim 1, context 8192, heads 4 x 16384) once made the loader fill two
          * 256 MB RoPE tables, 4 s of cos/sin (docs/ROBUSTNESS.md); now its header is refused */
         unsigned char *b = malloc(g_size);
         memcpy(b, g_valid, g_size);
@@ -243,18 +246,18 @@ static void test_bad_header_fields(void **state) {
     }
     expect_field_refused(60, 0, "norm_eps");
     expect_field_refused(64, 5000, "bos_id");
-    expect_field_refused(68, 1, "tokenizer");            /* eos id that the tokenizer does not have */
+    expect_field_refused(68, 1, "tokenizer"); /* eos id that the tokenizer does not have */
 }
 
 static void test_bad_offsets(void **state) {
-    expect_field_refused(72, 7, "tokenizer");                        /* tokenizer inside the header */
-    expect_field_refused(76, 1, "tokenizer");                        /* offset >= 4 GiB */
-    expect_field_refused(80, 0, "tokenizer");                        /* empty tokenizer */
-    expect_field_refused(80, 0xFFFFFFF0u, "tokenizer");              /* runs past the end */
-    expect_field_refused(88, 64, "weights");                         /* overlaps the tokenizer */
-    expect_field_refused(88, 63 + 128 * 1024, "weights");            /* not aligned */
+    expect_field_refused(72, 7, "tokenizer");             /* tokenizer inside the header */
+    expect_field_refused(76, 1, "tokenizer");             /* offset >= 4 GiB */
+    expect_field_refused(80, 0, "tokenizer");             /* empty tokenizer */
+    expect_field_refused(80, 0xFFFFFFF0u, "tokenizer");   /* runs past the end */
+    expect_field_refused(88, 64, "weights");              /* overlaps the tokenizer */
+    expect_field_refused(88, 63 + 128 * 1024, "weights"); /* not aligned */
     expect_field_refused(96, 12345, "weights");
-    expect_field_refused(100, 1, "weights");                         /* size >= 4 GiB */
+    expect_field_refused(100, 1, "weights"); /* size >= 4 GiB */
 }
 
 static void test_corrupt_tokenizer(void **state) {
@@ -281,8 +284,12 @@ static void test_vocab_mismatch(void **state) {
 
 /* every variant and dtype loads, with the parameter count the layout implies */
 static void test_every_variant_loads(void **state) {
-    const struct { Variant v; int latent; DType dt; } cases[] = {
-        {VARIANT_MHA, 0, DTYPE_BF16}, {VARIANT_GQA, 0, DTYPE_F32}, {VARIANT_MQA, 0, DTYPE_BF16},
+    const struct {
+        Variant v;
+        int latent;
+        DType dt;
+    } cases[] = {
+        {VARIANT_MHA, 0, DTYPE_BF16},  {VARIANT_GQA, 0, DTYPE_F32},  {VARIANT_MQA, 0, DTYPE_BF16},
         {VARIANT_MLA, 16, DTYPE_BF16}, {VARIANT_MLA, 32, DTYPE_F32},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -299,19 +306,30 @@ static void test_every_variant_loads(void **state) {
     }
     /* the shipped shape: 4 layers, 512 wide; MHA has 14.5M parameters */
     Config big = test_config(VARIANT_MHA, 0, 4096, DTYPE_BF16);
-    big.dim = 512; big.n_layers = 4; big.n_heads = 16; big.head_dim = 32; big.n_kv_heads = 16; big.hidden_dim = 1344;
+    big.dim = 512;
+    big.n_layers = 4;
+    big.n_heads = 16;
+    big.head_dim = 32;
+    big.n_kv_heads = 16;
+    big.hidden_dim = 1344;
     assert_int_equal(model_param_count(&big), 4096 * 512 + 4 * (512 + 4 * 512 * 512 + 512 + 3 * 512 * 1344) + 512);
 }
 
 int main(int argc, char **argv) {
     if (argc > 1) g_tokenizer_path = argv[1];
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_valid_loads),      cmocka_unit_test(test_missing_file),
-        cmocka_unit_test(test_truncated_everywhere), cmocka_unit_test(test_bad_header_fields),
-        cmocka_unit_test(test_bad_offsets),      cmocka_unit_test(test_corrupt_tokenizer),
-        cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_every_variant_loads),
-        cmocka_unit_test(test_nonfinite_weights), cmocka_unit_test(test_reserved_header_bytes),
-        cmocka_unit_test(test_long_path_keeps_the_reason), cmocka_unit_test(test_special_files),
+        cmocka_unit_test(test_valid_loads),
+        cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_truncated_everywhere),
+        cmocka_unit_test(test_bad_header_fields),
+        cmocka_unit_test(test_bad_offsets),
+        cmocka_unit_test(test_corrupt_tokenizer),
+        cmocka_unit_test(test_vocab_mismatch),
+        cmocka_unit_test(test_every_variant_loads),
+        cmocka_unit_test(test_nonfinite_weights),
+        cmocka_unit_test(test_reserved_header_bytes),
+        cmocka_unit_test(test_long_path_keeps_the_reason),
+        cmocka_unit_test(test_special_files),
     };
     return cmocka_run_group_tests_name("loader", tests, setup, teardown);
 }

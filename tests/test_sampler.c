@@ -20,7 +20,7 @@ static void test_greedy_is_argmax(void **state) {
     assert_int_equal(sampler_init(&sm, 100, 1, 1.0f, 1.0f, 42), 0);
     for (int i = 0; i < 10; i++) assert_int_equal(sampler_sample(&sm, logits), 63);
     sampler_free(&sm);
-    assert_int_equal(sampler_init(&sm, 100, 40, 1.0f, 0.0f, 42), 0);  /* temperature 0 is greedy too */
+    assert_int_equal(sampler_init(&sm, 100, 40, 1.0f, 0.0f, 42), 0); /* temperature 0 is greedy too */
     assert_int_equal(sampler_sample(&sm, logits), 63);
     sampler_free(&sm);
     /* ties go to the first index */
@@ -33,7 +33,7 @@ static void test_greedy_is_argmax(void **state) {
 static void test_top_k_distribution(void **state) {
     enum { V = 50, DRAWS = 200000 };
     float logits[V];
-    for (int i = 0; i < V; i++) logits[i] = -1.0f + 0.001f * i;  /* all below log(1) = 0 */
+    for (int i = 0; i < V; i++) logits[i] = -1.0f + 0.001f * i; /* all below log(1) = 0 */
     logits[7] = logf(1.0f);
     logits[30] = logf(2.0f);
     logits[2] = logf(3.0f);
@@ -70,8 +70,8 @@ static void test_seed_and_temperature(void **state) {
         top_low += sampler_sample(&a, logits) == 7;
         top_high += sampler_sample(&b, logits) == 7;
     }
-    assert_true(top_low > 19000);            /* p = 0.98 */
-    assert_true(top_high < 6000 && top_high > 3000);  /* p ~ 0.23 */
+    assert_true(top_low > 19000);                    /* p = 0.98 */
+    assert_true(top_high < 6000 && top_high > 3000); /* p ~ 0.23 */
     sampler_free(&a);
     sampler_free(&b);
 }
@@ -101,7 +101,7 @@ static void expect_draws(Sampler *sm, const float *logits, const double *p, cons
  * short of it, 0.4 + 0.3 reaches it, so ids 45 and 2 remain, drawn with 4/7 and 3/7. */
 static void test_top_p_keeps_the_nucleus(void **state) {
     float logits[50];
-    for (int i = 0; i < 50; i++) logits[i] = -1e30f;  /* probability 0 */
+    for (int i = 0; i < 50; i++) logits[i] = -1e30f; /* probability 0 */
     logits[7] = logf(0.1f), logits[30] = logf(0.2f), logits[2] = logf(0.3f), logits[45] = logf(0.4f);
     Sampler sm;
     assert_int_equal(sampler_init(&sm, 50, 50, 0.6f, 1.0f, 2024), 0);
@@ -129,7 +129,7 @@ static void test_top_p_keeps_the_nucleus(void **state) {
 static void test_top_k_then_top_p_then_temperature(void **state) {
     const double prob[6] = {0.04, 0.26, 0.11, 0.33, 0.16, 0.10};
     float logits[6];
-    for (int i = 0; i < 6; i++) logits[i] = (float)log(prob[i]) + 3.0f;  /* a shift changes nothing */
+    for (int i = 0; i < 6; i++) logits[i] = (float)log(prob[i]) + 3.0f; /* a shift changes nothing */
     Sampler sm;
     assert_int_equal(sampler_init(&sm, 6, 4, 0.6f, 2.0f, 31337), 0);
     const double w3 = sqrt(0.33), w1 = sqrt(0.26);
@@ -170,11 +170,15 @@ static void test_random_range(void **state) {
 }
 
 int main(int argc, char **argv) {
-    (void)argc; (void)argv;
+    (void)argc;
+    (void)argv;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_greedy_is_argmax),    cmocka_unit_test(test_top_k_distribution),
-        cmocka_unit_test(test_seed_and_temperature), cmocka_unit_test(test_rejects_bad_parameters),
-        cmocka_unit_test(test_random_range),        cmocka_unit_test(test_top_p_keeps_the_nucleus),
+        cmocka_unit_test(test_greedy_is_argmax),
+        cmocka_unit_test(test_top_k_distribution),
+        cmocka_unit_test(test_seed_and_temperature),
+        cmocka_unit_test(test_rejects_bad_parameters),
+        cmocka_unit_test(test_random_range),
+        cmocka_unit_test(test_top_p_keeps_the_nucleus),
         cmocka_unit_test(test_top_k_then_top_p_then_temperature),
     };
     return cmocka_run_group_tests_name("sampler", tests, NULL, NULL);

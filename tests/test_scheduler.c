@@ -43,8 +43,16 @@ static Request request(int index, int n) {
 }
 
 static Scheduler greedy(KVPool *pool, int slots, int max_new) {
-    return (Scheduler){.model = &model, .pool = pool, .kv = 1, .form = MLA_ABSORBED, .max_batch = slots,
-                       .max_new = max_new, .ignore_eos = 1, .top_k = 1, .top_p = 1.0f, .temperature = 1.0f};
+    return (Scheduler){.model = &model,
+                       .pool = pool,
+                       .kv = 1,
+                       .form = MLA_ABSORBED,
+                       .max_batch = slots,
+                       .max_new = max_new,
+                       .ignore_eos = 1,
+                       .top_k = 1,
+                       .top_p = 1.0f,
+                       .temperature = 1.0f};
 }
 
 /* What a run's steps showed. */
@@ -65,7 +73,7 @@ static Trace run_all(Scheduler *sch, Request *requests, int n) {
         tr.steps++;
         if (st.running > tr.max_running) tr.max_running = st.running;
         for (int k = 0; k < st.n_rows; k++) {
-            assert_int_equal(st.rows[k].pos, st.rows[k].request->n_tokens - 2);  /* the row of its last token */
+            assert_int_equal(st.rows[k].pos, st.rows[k].request->n_tokens - 2); /* the row of its last token */
             tr.tokens[st.rows[k].request->index]++;
         }
         for (int k = 0; k < st.n_finished; k++) tr.finished_order[tr.n_finished++] = st.finished[k]->index;
@@ -101,7 +109,7 @@ static void test_admission_and_retirement(void **state) {
     }
     /* 5 requests of 6 tokens, 2 at a time: three rounds of 6 steps */
     assert_int_equal(tr.steps, 18);
-    assert_int_equal(kv_blocks_in_use(&pool), 0);  /* every block back in the pool */
+    assert_int_equal(kv_blocks_in_use(&pool), 0); /* every block back in the pool */
     kv_pool_free(&pool);
 }
 
@@ -115,9 +123,9 @@ static void test_prompt_computed_once_and_shared(void **state) {
     for (int i = 0; i < 3; i++) rs[i] = request(i, 40);
     Scheduler sch = greedy(&pool, 3, 4);
     const Trace tr = run_all(&sch, rs, 3);
-    assert_int_equal(tr.step_tokens[0], 40);       /* the prompt, once */
-    assert_int_equal(tr.prefill_tokens[1], 2);      /* the others' last prompt token each */
-    assert_int_equal(tr.step_tokens[1], 3);         /* and the first one's new token */
+    assert_int_equal(tr.step_tokens[0], 40);   /* the prompt, once */
+    assert_int_equal(tr.prefill_tokens[1], 2); /* the others' last prompt token each */
+    assert_int_equal(tr.step_tokens[1], 3);    /* and the first one's new token */
     /* the two full blocks of the prompt shared three ways, each sequence's third block its own */
     assert_int_equal(pool.peak_in_use, 2 + 3);
     for (int i = 1; i < 3; i++) assert_memory_equal(rs[i].tokens, rs[0].tokens, (size_t)rs[0].n_tokens * sizeof(int));
@@ -174,7 +182,7 @@ static void test_admission_waits_for_room(void **state) {
     assert_int_equal(sch.preemptions, 0);
     assert_int_equal(tr.max_running, 1);
     assert_int_equal(tr.steps, 8 + 8);
-    assert_int_equal(tr.step_tokens[8], 49);  /* its prompt, once the first has ended */
+    assert_int_equal(tr.step_tokens[8], 49); /* its prompt, once the first has ended */
     for (int i = 0; i < 2; i++) free(rs[i].tokens);
     kv_pool_free(&pool);
 }

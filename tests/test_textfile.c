@@ -11,7 +11,8 @@
 #include "testutil.h"
 
 static void test_splits_and_strips(void **state) {
-    const char *text = "  First story.\nSecond line.\n<|endoftext|>\n\nStory two.\n <|endoftext|> \n\n<|endoftext|>\nLast";
+    const char *text =
+        "  First story.\nSecond line.\n<|endoftext|>\n\nStory two.\n <|endoftext|> \n\n<|endoftext|>\nLast";
     StoryFile f;
     char err[128];
     assert_int_equal(storyfile_parse(&f, text, strlen(text), err, sizeof err), 0);
@@ -98,10 +99,11 @@ static void test_long_path_keeps_the_reason(void **state) {
 }
 
 int main(int argc, char **argv) {
-    (void)argc; (void)argv;
+    (void)argc;
+    (void)argv;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_splits_and_strips), cmocka_unit_test(test_separator_inside_a_line_is_text),
-        cmocka_unit_test(test_rejects_bad_text), cmocka_unit_test(test_special_files),
+        cmocka_unit_test(test_splits_and_strips),          cmocka_unit_test(test_separator_inside_a_line_is_text),
+        cmocka_unit_test(test_rejects_bad_text),           cmocka_unit_test(test_special_files),
         cmocka_unit_test(test_long_path_keeps_the_reason),
     };
     return cmocka_run_group_tests_name("textfile", tests, NULL, NULL);

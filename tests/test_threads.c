@@ -15,14 +15,14 @@
 enum { MAX_ITEMS = 1000, ROUNDS = 50 };
 
 typedef struct {
-    atomic_int visits[MAX_ITEMS];  /* per item, over all threads */
-    atomic_int by_thread[8];       /* items each thread did */
+    atomic_int visits[MAX_ITEMS]; /* per item, over all threads */
+    atomic_int by_thread[8];      /* items each thread did */
     ParallelMode mode;
     ShareKind kind;
     long n;
-    int alone_value;               /* written by thread 0 alone, read by every thread after */
-    atomic_int saw_alone;          /* runs of items that read this round's alone_value */
-    atomic_int runs;               /* runs of items share_next gave, in shared rounds */
+    int alone_value;      /* written by thread 0 alone, read by every thread after */
+    atomic_int saw_alone; /* runs of items that read this round's alone_value */
+    atomic_int runs;      /* runs of items share_next gave, in shared rounds */
 } Count;
 
 /* Every thread: a shared operation over n items, ROUNDS times, each round after thread 0
@@ -56,11 +56,11 @@ static void check_counts(int threads, ParallelMode mode, ShareKind kind, long n)
     const int want = ROUNDS * (kind == SHARE_EACH ? parts : 1);
     for (long i = 0; i < n; i++)
         if (atomic_load(&c->visits[i]) != want)
-            fail_msg("threads %d mode %d kind %d n %ld: item %ld done %d times, not %d", threads, (int)mode, (int)kind, n, i,
-                     atomic_load(&c->visits[i]), want);
+            fail_msg("threads %d mode %d kind %d n %ld: item %ld done %d times, not %d", threads, (int)mode, (int)kind,
+                     n, i, atomic_load(&c->visits[i]), want);
     if (mode == PARALLEL_ALONE)
         for (int t = 1; t < threads; t++) assert_int_equal(atomic_load(&c->by_thread[t]), 0);
-    if (mode == PARALLEL_STATIC && kind == SHARE_SPLIT)  /* thread p did exactly part p */
+    if (mode == PARALLEL_STATIC && kind == SHARE_SPLIT) /* thread p did exactly part p */
         for (int t = 0; t < threads; t++) {
             long lo, hi;
             parallel_share(n, t, parts, &lo, &hi);

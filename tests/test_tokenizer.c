@@ -33,7 +33,8 @@ static const char *const k_texts[] = {
     "Once upon a time, a little fox named Pip lived near a big green hill.",
     "The café was naïve about 2024 things, and 7 cats said \"hello!\"",
     "A dragon \xF0\x9F\x90\x89 and a tiger \xF0\x9F\x90\xAF met at 10 and left at 45!",
-    "Stra\xC3\x9F" "e, \xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E, \xCE\x95\xCE\xBB\xCE\xBB\xCE\xB7\xCE\xBD\xCE\xB9\xCE\xBA\xCE\xAC",
+    "Stra\xC3\x9F"
+    "e, \xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E, \xCE\x95\xCE\xBB\xCE\xBB\xCE\xB7\xCE\xBD\xCE\xB9\xCE\xBA\xCE\xAC",
     "tab\there and line one\nline two",
     "\xF0\x9F\x8C\xBC",
     "x",
@@ -172,17 +173,17 @@ static void test_encode_rejects_invalid_utf8_and_nul(void **state) {
         const char *s;
         size_t len;
     } bad[] = {
-        {"abc\0def", 7},                 /* embedded NUL */
-        {"\0", 1},                       /* NUL alone */
-        {"caf\xC3", 4},                  /* cut short */
-        {"\xC3\x28", 2},                 /* bad trail byte */
-        {"\xC0\xAF", 2},                 /* overlong '/' */
-        {"\xE0\x80\x80", 3},             /* overlong NUL */
-        {"\xED\xA0\x80", 3},             /* surrogate U+D800 */
-        {"\xF4\x90\x80\x80", 4},         /* above U+10FFFF */
-        {"\xFF", 1},                     /* never in UTF-8 */
-        {"ok \x80 then", 9},             /* lone trail byte */
-        {"\xF0\x9F\x90", 3},             /* emoji cut short */
+        {"abc\0def", 7},         /* embedded NUL */
+        {"\0", 1},               /* NUL alone */
+        {"caf\xC3", 4},          /* cut short */
+        {"\xC3\x28", 2},         /* bad trail byte */
+        {"\xC0\xAF", 2},         /* overlong '/' */
+        {"\xE0\x80\x80", 3},     /* overlong NUL */
+        {"\xED\xA0\x80", 3},     /* surrogate U+D800 */
+        {"\xF4\x90\x80\x80", 4}, /* above U+10FFFF */
+        {"\xFF", 1},             /* never in UTF-8 */
+        {"ok \x80 then", 9},     /* lone trail byte */
+        {"\xF0\x9F\x90", 3},     /* emoji cut short */
     };
     int ids[MAX_IDS];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -387,8 +388,8 @@ static uint64_t rng_next(uint64_t *s) {
  * the stream, spm_decode and the library's DecodeIds agree on every one. */
 static void test_stream_matches_library_decode(void **state) {
     (void)state;
-    static const unsigned char bytes[] = {0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x90, 0x89, 0xC3, 0xA9, 0xED, 0xA0,
-                                          0xF4, 0x8F, 0x90, 0xC0, 0xC2, 'A', ' ', 0xFF, 0x80, 0xBF, 0xE0, 0xF5};
+    static const unsigned char bytes[] = {0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x90, 0x89, 0xC3, 0xA9, 0xED, 0xA0, 0xF4,
+                                          0x8F, 0x90, 0xC0, 0xC2, 'A',  ' ',  0xFF, 0x80, 0xBF, 0xE0, 0xF5};
     const int V = spm_vocab_size(s_tok);
     uint64_t rng = 0x9E3779B97F4A7C15ull;
     char lib[TEXT_CAP], streamed[TEXT_CAP], decoded[TEXT_CAP];
@@ -398,10 +399,13 @@ static void test_stream_matches_library_decode(void **state) {
         int n = (int)(rng_next(&rng) % 24);
         for (int i = 0; i < n; i++) {
             unsigned r = (unsigned)(rng_next(&rng) % 16);
-            if (r < 6) ids[i] = BYTE_ID(bytes[rng_next(&rng) % sizeof bytes]);
-            else if (r < 7) ids[i] = (int)(rng_next(&rng) % 3); /* unk, bos, eos */
-            else ids[i] = 3 + (int)(rng_next(&rng) % (uint64_t)(V - 3)); /* any piece but a NUL byte... */
-            if (ids[i] == BYTE_ID(0)) ids[i] = BYTE_ID('0');           /* ...which C strings cannot hold */
+            if (r < 6)
+                ids[i] = BYTE_ID(bytes[rng_next(&rng) % sizeof bytes]);
+            else if (r < 7)
+                ids[i] = (int)(rng_next(&rng) % 3); /* unk, bos, eos */
+            else
+                ids[i] = 3 + (int)(rng_next(&rng) % (uint64_t)(V - 3)); /* any piece but a NUL byte... */
+            if (ids[i] == BYTE_ID(0)) ids[i] = BYTE_ID('0');            /* ...which C strings cannot hold */
         }
         with_bytes += count_byte_ids(ids, n) > 0;
         long len = spm_test_library_decode(s_tok, ids, n, lib, sizeof lib);
@@ -582,9 +586,19 @@ static void test_crafted_charsmap_normalizes(void **state) {
 }
 
 enum Corruption {
-    VALUE_PAST_STRINGS, VALUE_FAR_PAST_STRINGS, VALUE_INSIDE_A_STRING, LAST_STRING_UNTERMINATED, STRING_NOT_UTF8,
-    ROOT_OFFSET_OUTSIDE, ROOT_IS_A_VALUE, CHILD_OFFSET_OUTSIDE, TRIE_SIZE_PAST_BLOB, TRIE_SIZE_NOT_BLOCKS,
-    TRIE_SIZE_ZERO, BLOB_OF_3_BYTES, N_CORRUPTIONS
+    VALUE_PAST_STRINGS,
+    VALUE_FAR_PAST_STRINGS,
+    VALUE_INSIDE_A_STRING,
+    LAST_STRING_UNTERMINATED,
+    STRING_NOT_UTF8,
+    ROOT_OFFSET_OUTSIDE,
+    ROOT_IS_A_VALUE,
+    CHILD_OFFSET_OUTSIDE,
+    TRIE_SIZE_PAST_BLOB,
+    TRIE_SIZE_NOT_BLOCKS,
+    TRIE_SIZE_ZERO,
+    BLOB_OF_3_BYTES,
+    N_CORRUPTIONS
 };
 
 static size_t corrupt_charsmap(enum Corruption k, unsigned char *blob) {
@@ -592,17 +606,17 @@ static size_t corrupt_charsmap(enum Corruption k, unsigned char *blob) {
     test_charsmap_init(&c, 'q', k == STRING_NOT_UTF8 ? "\xFF" : "Once");
     const uint32_t child = TEST_TRIE_BASE ^ 'q';
     switch (k) {
-        case VALUE_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | (uint32_t)(c.strings_len + 16); break;
-        case VALUE_FAR_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | 0x40000000; break;
-        case VALUE_INSIDE_A_STRING: c.units[TEST_TRIE_LEAF] = 1u << 31 | 2; break;
-        case LAST_STRING_UNTERMINATED: c.strings_len--; break;
-        case ROOT_OFFSET_OUTSIDE: c.units[0] = 0xFFFFFC00u >> 1 | 1u << 9; break; /* offset about 2^29 */
-        case ROOT_IS_A_VALUE: c.units[0] |= 1u << 31; break;
-        case CHILD_OFFSET_OUTSIDE: c.units[child] = 0x1FFFFFu << 10 | 1u << 8 | 'q'; break; /* bit 31 clear */
-        case TRIE_SIZE_PAST_BLOB: c.trie_bytes = 0x7FFFFFF0u; break;
-        case TRIE_SIZE_NOT_BLOCKS: c.trie_bytes -= 4; break;
-        case TRIE_SIZE_ZERO: c.trie_bytes = 0; break;
-        default: break;
+    case VALUE_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | (uint32_t)(c.strings_len + 16); break;
+    case VALUE_FAR_PAST_STRINGS: c.units[TEST_TRIE_LEAF] = 1u << 31 | 0x40000000; break;
+    case VALUE_INSIDE_A_STRING: c.units[TEST_TRIE_LEAF] = 1u << 31 | 2; break;
+    case LAST_STRING_UNTERMINATED: c.strings_len--; break;
+    case ROOT_OFFSET_OUTSIDE: c.units[0] = 0xFFFFFC00u >> 1 | 1u << 9; break; /* offset about 2^29 */
+    case ROOT_IS_A_VALUE: c.units[0] |= 1u << 31; break;
+    case CHILD_OFFSET_OUTSIDE: c.units[child] = 0x1FFFFFu << 10 | 1u << 8 | 'q'; break; /* bit 31 clear */
+    case TRIE_SIZE_PAST_BLOB: c.trie_bytes = 0x7FFFFFF0u; break;
+    case TRIE_SIZE_NOT_BLOCKS: c.trie_bytes -= 4; break;
+    case TRIE_SIZE_ZERO: c.trie_bytes = 0; break;
+    default: break;
     }
     size_t len = test_charsmap_encode(&c, blob);
     return k == BLOB_OF_3_BYTES ? 3 : len;
@@ -635,10 +649,10 @@ static void test_crafted_charsmap_with_self_test(void **state) {
     (void)state;
     unsigned char blob[sizeof(TestCharsmap) + 4], sample[32], samples[48], self_test[64];
     size_t len = corrupt_charsmap(ROOT_OFFSET_OUTSIDE, blob);
-    size_t n = pb_put_bytes(sample, 1, "q", 1);                /* Sample.input */
-    n += pb_put_bytes(sample + n, 2, "\xE2\x96\x81q", 4);       /* Sample.expected */
-    size_t m = pb_put_bytes(samples, 1, sample, n);           /* SelfTestData.samples */
-    size_t k = pb_put_bytes(self_test, 4, samples, m);        /* ModelProto.self_test_data */
+    size_t n = pb_put_bytes(sample, 1, "q", 1);           /* Sample.input */
+    n += pb_put_bytes(sample + n, 2, "\xE2\x96\x81q", 4); /* Sample.expected */
+    size_t m = pb_put_bytes(samples, 1, sample, n);       /* SelfTestData.samples */
+    size_t k = pb_put_bytes(self_test, 4, samples, m);    /* ModelProto.self_test_data */
     char err[256];
     assert_null(load_with_charsmap(3, blob, len, self_test, k, err, sizeof err));
     assert_non_null(strstr(err, "normalizer"));
@@ -749,8 +763,11 @@ static void test_crafted_wire_format(void **state) {
 /* Real charsmaps, as spm_train compiles them, pass the checks and normalize. */
 static void test_trained_normalizers_load(void **state) {
     (void)state;
-    static const struct { const char *rule, *type, *text, *same_as; } cases[] = {
-        {"nmt_nfkc", "bpe", "\xEF\xBD\x86\xEF\xBD\x95\xEF\xBD\x8C\xEF\xBD\x8C moon", "full moon"}, /* fullwidth letters */
+    static const struct {
+        const char *rule, *type, *text, *same_as;
+    } cases[] = {
+        {"nmt_nfkc", "bpe", "\xEF\xBD\x86\xEF\xBD\x95\xEF\xBD\x8C\xEF\xBD\x8C moon",
+         "full moon"}, /* fullwidth letters */
         {"nfkc_cf", "unigram", "ONCE Upon", "once upon"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -874,7 +891,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_crafted_pieces),
         cmocka_unit_test(test_crafted_wire_format),
         cmocka_unit_test(test_trained_normalizers_load),
-        cmocka_unit_test(test_encode_out_of_memory), cmocka_unit_test(test_encode_too_long),
+        cmocka_unit_test(test_encode_out_of_memory),
+        cmocka_unit_test(test_encode_too_long),
         cmocka_unit_test(test_encode_bos_without_bos),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

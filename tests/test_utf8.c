@@ -15,8 +15,15 @@
 
 /* The reference: UTF-8 as the standard defines it, one code point at a time. */
 static size_t encode(uint32_t cp, unsigned char out[4]) {
-    if (cp < 0x80) { out[0] = (unsigned char)cp; return 1; }
-    if (cp < 0x800) { out[0] = (unsigned char)(0xC0 | cp >> 6); out[1] = (unsigned char)(0x80 | (cp & 0x3F)); return 2; }
+    if (cp < 0x80) {
+        out[0] = (unsigned char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        out[0] = (unsigned char)(0xC0 | cp >> 6);
+        out[1] = (unsigned char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
     if (cp < 0x10000) {
         out[0] = (unsigned char)(0xE0 | cp >> 12);
         out[1] = (unsigned char)(0x80 | (cp >> 6 & 0x3F));
@@ -37,7 +44,7 @@ static int is_surrogate(uint32_t cp) { return cp >= 0xD800 && cp <= 0xDFFF; }
 static void test_char_len_matches_every_encoding(void **state) {
     (void)state;
     static uint8_t two[1 << 16], three[1 << 24]; /* indexed by the bytes, big-endian */
-    static uint8_t four_lead[1 << 16];            /* first two bytes of some 4-byte encoding */
+    static uint8_t four_lead[1 << 16];           /* first two bytes of some 4-byte encoding */
     memset(two, 0, sizeof two);
     memset(three, 0, sizeof three);
     memset(four_lead, 0, sizeof four_lead);
@@ -56,7 +63,8 @@ static void test_char_len_matches_every_encoding(void **state) {
     for (uint32_t v = 0; v < (1u << 24); v++) {
         const char s[3] = {(char)(v >> 16), (char)(v >> 8), (char)v};
         size_t expect = (unsigned char)s[0] < 0x80 ? 1 : two[v >> 8] ? 2 : three[v] ? 3 : 0;
-        if (utf8_char_len(s, 3) != expect) fail_msg("bytes %06X: got %zu, expected %zu", v, utf8_char_len(s, 3), expect);
+        if (utf8_char_len(s, 3) != expect)
+            fail_msg("bytes %06X: got %zu, expected %zu", v, utf8_char_len(s, 3), expect);
         if ((v & 0xFF) == 0) { /* and the first two bytes alone */
             size_t expect2 = (unsigned char)s[0] < 0x80 ? 1 : two[v >> 8] ? 2 : 0;
             assert_int_equal(utf8_char_len(s, 2), expect2);
@@ -81,17 +89,17 @@ static void test_valid(void **state) {
     (void)state;
     assert_true(utf8_valid("caf\xC3\xA9 \xF0\x9F\x98\x80", 10));
     assert_true(utf8_valid("", 0));
-    assert_true(utf8_valid("\xEF\xBF\xBD", 3));         /* U+FFFD itself */
-    assert_true(utf8_valid("\xF4\x8F\xBF\xBF", 4));     /* U+10FFFF */
-    assert_false(utf8_valid("a\0b", 3));                /* NUL */
-    assert_false(utf8_valid("\xC0\xAF", 2));            /* overlong '/' */
-    assert_false(utf8_valid("\xE0\x80\xAF", 3));        /* overlong '/' in three bytes */
-    assert_false(utf8_valid("\xED\xA0\x80", 3));        /* surrogate */
-    assert_false(utf8_valid("\xF4\x90\x80\x80", 4));    /* past U+10FFFF */
-    assert_false(utf8_valid("ok\xE2\x82", 4));          /* cut short */
-    assert_false(utf8_valid("\x80", 1));                /* lone continuation */
+    assert_true(utf8_valid("\xEF\xBF\xBD", 3));      /* U+FFFD itself */
+    assert_true(utf8_valid("\xF4\x8F\xBF\xBF", 4));  /* U+10FFFF */
+    assert_false(utf8_valid("a\0b", 3));             /* NUL */
+    assert_false(utf8_valid("\xC0\xAF", 2));         /* overlong '/' */
+    assert_false(utf8_valid("\xE0\x80\xAF", 3));     /* overlong '/' in three bytes */
+    assert_false(utf8_valid("\xED\xA0\x80", 3));     /* surrogate */
+    assert_false(utf8_valid("\xF4\x90\x80\x80", 4)); /* past U+10FFFF */
+    assert_false(utf8_valid("ok\xE2\x82", 4));       /* cut short */
+    assert_false(utf8_valid("\x80", 1));             /* lone continuation */
     assert_false(utf8_valid("\xFF", 1));
-    assert_false(utf8_valid("caf\xC3\xA9", 4));          /* n is honoured: a cut character */
+    assert_false(utf8_valid("caf\xC3\xA9", 4)); /* n is honoured: a cut character */
 }
 
 static char s_out[256];
@@ -114,7 +122,8 @@ static void test_sanitize_keeps_normal_text(void **state) {
         "~ and U+FFFD itself: " R,
         "",
     };
-    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) assert_string_equal(san(texts[i], strlen(texts[i])), texts[i]);
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++)
+        assert_string_equal(san(texts[i], strlen(texts[i])), texts[i]);
 }
 
 static void test_sanitize_escape_sequences(void **state) {
@@ -126,17 +135,26 @@ static void test_sanitize_escape_sequences(void **state) {
     assert_string_equal(SAN("\x1b]0;pwned\x07rest"), R "]0;pwned" R "rest");
     assert_string_equal(SAN("\x1b]0;t\x1b\\x"), R "]0;t" R "\\x");
     /* C1 CSI written as UTF-8 (U+009B), and the other ends of the C1 range */
-    assert_string_equal(SAN("\xC2\x9B" "31m"), R "31m");
-    assert_string_equal(SAN("a\xC2\x80" "b\xC2\x9F" "c"), "a" R "b" R "c");
+    assert_string_equal(SAN("\xC2\x9B"
+                            "31m"),
+                        R "31m");
+    assert_string_equal(SAN("a\xC2\x80"
+                            "b\xC2\x9F"
+                            "c"),
+                        "a" R "b" R "c");
     /* a raw 8-bit CSI byte is not UTF-8 at all */
-    assert_string_equal(SAN("\x9B" "31m"), R "31m");
+    assert_string_equal(SAN("\x9B"
+                            "31m"),
+                        R "31m");
     /* an overlong ESC must not come out as ESC */
     assert_string_equal(SAN("\xC0\x9B[31m"), R R "[31m");
 }
 
 static void test_sanitize_controls(void **state) {
     (void)state;
-    assert_string_equal(SAN("a\x7F" "b"), "a" R "b");                  /* DEL */
+    assert_string_equal(SAN("a\x7F"
+                            "b"),
+                        "a" R "b");                                    /* DEL */
     assert_string_equal(SAN("over\rwrite"), "over" R "write");         /* CR */
     assert_string_equal(SAN("\x01\x07\x08\x0B\x0C\x1F"), R R R R R R); /* SOH BEL BS VT FF US */
     assert_string_equal(san("a\0b", 3), "a" R "b");                    /* NUL inside n */
@@ -146,15 +164,17 @@ static void test_sanitize_controls(void **state) {
 static void test_sanitize_invalid_utf8(void **state) {
     (void)state;
     assert_string_equal(SAN("\xFF\xFE"), R R);
-    assert_string_equal(SAN("x\x80y"), "x" R "y");                     /* lone trail byte */
-    assert_string_equal(SAN("ab\xE2\x82"), "ab" R R);                  /* cut at the end */
+    assert_string_equal(SAN("x\x80y"), "x" R "y");    /* lone trail byte */
+    assert_string_equal(SAN("ab\xE2\x82"), "ab" R R); /* cut at the end */
     assert_string_equal(SAN("\xF0\x9F\x90"), R R R);
-    assert_string_equal(SAN("\xE2\x82" "A"), R R "A");                 /* cut in the middle */
-    assert_string_equal(SAN("\xC0\xAF"), R R);                         /* overlongs */
+    assert_string_equal(SAN("\xE2\x82"
+                            "A"),
+                        R R "A");              /* cut in the middle */
+    assert_string_equal(SAN("\xC0\xAF"), R R); /* overlongs */
     assert_string_equal(SAN("\xE0\x80\xAF"), R R R);
-    assert_string_equal(SAN("\xED\xA0\x80"), R R R);                   /* surrogate */
-    assert_string_equal(SAN("\xF4\x90\x80\x80"), R R R R);             /* past U+10FFFF */
-    assert_string_equal(SAN("\xC2\x7F"), R R);                         /* bad trail, then DEL */
+    assert_string_equal(SAN("\xED\xA0\x80"), R R R);       /* surrogate */
+    assert_string_equal(SAN("\xF4\x90\x80\x80"), R R R R); /* past U+10FFFF */
+    assert_string_equal(SAN("\xC2\x7F"), R R);             /* bad trail, then DEL */
 }
 
 static void test_sanitize_buffer_like_snprintf(void **state) {
@@ -177,7 +197,11 @@ static void test_sanitize_buffer_like_snprintf(void **state) {
     assert_int_equal(utf8_sanitize(buf, 0, "abc", 3), 3);
     assert_int_equal(buf[0], 'Z'); /* dstlen 0: nothing written */
     /* after a character that did not fit, smaller ones after it are not written either */
-    assert_int_equal(utf8_sanitize(buf, 4, "a\x1b" "b", 3), 5);
+    assert_int_equal(utf8_sanitize(buf, 4,
+                                   "a\x1b"
+                                   "b",
+                                   3),
+                     5);
     assert_string_equal(buf, "a");
 }
 
@@ -192,8 +216,9 @@ static uint64_t rng_next(uint64_t *s) {
  * DEL and no C1 control; the stream form writes the same bytes. */
 static void test_sanitize_random_bytes(void **state) {
     (void)state;
-    static const unsigned char pool[] = {0x1B, '[', '3', 'm', 0x9B, 0xC2, 0x80, 0x9F, 0xA0, 0x7F, '\n', '\t', '\r', 0x07,
-                                         0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x90, 0x89, 0xED, 0xA0, 0xC0, 0xFF, 'a', ' '};
+    static const unsigned char pool[] = {0x1B, '[',  '3',  'm',  0x9B, 0xC2, 0x80, 0x9F, 0xA0,
+                                         0x7F, '\n', '\t', '\r', 0x07, 0xE2, 0x82, 0xAC, 0xF0,
+                                         0x9F, 0x90, 0x89, 0xED, 0xA0, 0xC0, 0xFF, 'a',  ' '};
     uint64_t rng = 0x243F6A8885A308D3ull;
     char src[32], out[32 * 3 + 1], streamed[32 * 3 + 1];
     for (int iter = 0; iter < 50000; iter++) {
@@ -214,7 +239,8 @@ static void test_sanitize_random_bytes(void **state) {
             int controls = 0;
             for (size_t i = 0; i < n; i++) {
                 unsigned char c = (unsigned char)src[i];
-                controls |= (c < 0x20 && c != '\n' && c != '\t') || c == 0x7F || (c == 0xC2 && i + 1 < n && (unsigned char)src[i + 1] <= 0x9F);
+                controls |= (c < 0x20 && c != '\n' && c != '\t') || c == 0x7F ||
+                            (c == 0xC2 && i + 1 < n && (unsigned char)src[i + 1] <= 0x9F);
             }
             if (!controls) assert_memory_equal(out, src, n);
         }

@@ -45,7 +45,7 @@ void encode_header(unsigned char h[128], const Config *c, uint64_t tok_off, uint
     put_u32(h + 4, 1);
     put_u32(h + 8, (uint32_t)c->variant);
     put_u32(h + 12, (uint32_t)c->dtype);
-    const int f[10] = {c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
+    const int f[10] = {c->dim,       c->n_layers, c->n_heads,    c->head_dim,   c->n_kv_heads,
                        c->kv_latent, c->rope_dim, c->hidden_dim, c->vocab_size, c->max_seq_len};
     for (int i = 0; i < 10; i++) put_u32(h + 16 + 4 * i, (uint32_t)f[i]);
     memcpy(h + 56, &c->rope_theta, 4);
@@ -70,14 +70,18 @@ static void put_value(unsigned char *p, DType dt, float v) {
     if (dt == DTYPE_BF16) {
         uint32_t u;
         memcpy(&u, &v, 4);
-        uint16_t h = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  /* round to nearest even */
+        uint16_t h = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); /* round to nearest even */
         memcpy(p, &h, 2);
     } else {
         memcpy(p, &v, 4);
     }
 }
 
-struct Fill { unsigned char *p; DType dt; uint64_t state; };
+struct Fill {
+    unsigned char *p;
+    DType dt;
+    uint64_t state;
+};
 
 /* matrices: uniform in [-0.08, 0.08); vectors (norm weights): 1 +- 0.2 */
 static void fill_tensor(void *ctx, const TensorRef *t) {
@@ -97,7 +101,10 @@ int write_test_checkpoint(const char *path, const Config *c, const char *tokeniz
     uint64_t tok_off = 128, w_off = (tok_off + tok_size + 63) / 64 * 64, w_size = (uint64_t)n_params * es;
     size_t total = (size_t)(w_off + w_size);
     unsigned char *buf = calloc(1, total);
-    if (!buf) { free(tok); return -1; }
+    if (!buf) {
+        free(tok);
+        return -1;
+    }
     encode_header(buf, c, tok_off, tok_size, w_off, w_size);
     memcpy(buf + tok_off, tok, tok_size);
     struct Fill fill = {buf + w_off, c->dtype, seed * 0x9E3779B97F4A7C15ull + 1};
@@ -118,7 +125,10 @@ unsigned char *read_whole_file(const char *path, size_t *size) {
     long n = ftell(f);
     fseek(f, 0, SEEK_SET);
     unsigned char *buf = malloc(n > 0 ? (size_t)n : 1);
-    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) { free(buf); buf = NULL; }
+    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        free(buf);
+        buf = NULL;
+    }
     fclose(f);
     if (buf) *size = (size_t)n;
     return buf;
@@ -146,7 +156,9 @@ void expect_special_files_refused(PathReader read) {
     const char *fifo = temp_path("fifo");
     unlink(fifo);
     if (mkfifo(fifo, 0600) != 0) abort();
-    const struct { const char *path, *kind; } cases[] = {
+    const struct {
+        const char *path, *kind;
+    } cases[] = {
         {fifo, "is a FIFO, not a regular file"},
         {"/dev/zero", "is a character device, not a regular file"},
         {".", "is a directory, not a regular file"},

@@ -39,7 +39,7 @@ void run_on_team(int n, void (*fn)(void *arg, Worker *w), void *arg);
 
 /* The tokenizer model the tests use (argv[1] of every test binary). */
 extern const char *g_tokenizer_path;
-float test_uniform(uint64_t *state);  /* in [-1, 1) */
+float test_uniform(uint64_t *state); /* in [-1, 1) */
 
 /* Protobuf wire format, to edit serialized SentencePiece models (ModelProto): a field
  * appended after a model's bytes is merged over it, so appending `3 { 2: charsmap }` replaces
@@ -58,10 +58,10 @@ unsigned char *concat_bytes(const void *a, size_t na, const void *b, size_t nb, 
  * unit TEST_TRIE_LEAF, holds the offset of `to` in the strings. Tests corrupt the fields. */
 enum { TEST_TRIE_UNITS = 512, TEST_TRIE_BASE = 256, TEST_TRIE_LEAF = 384 };
 typedef struct {
-    uint32_t trie_bytes;               /* the size field: 4 * TEST_TRIE_UNITS when sound */
+    uint32_t trie_bytes; /* the size field: 4 * TEST_TRIE_UNITS when sound */
     uint32_t units[TEST_TRIE_UNITS];
     char strings[64];
-    size_t strings_len;                /* bytes of strings written, NULs included */
+    size_t strings_len; /* bytes of strings written, NULs included */
 } TestCharsmap;
 void test_charsmap_init(TestCharsmap *c, unsigned char from, const char *to);
 /* Serializes c into out (room for 4 + 4 * TEST_TRIE_UNITS + strings_len bytes); returns the size. */

@@ -27,8 +27,8 @@
 
 namespace {
 
-constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";  // U+2581 LOWER ONE EIGHTH BLOCK
-constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD REPLACEMENT CHARACTER
+constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";       // U+2581 LOWER ONE EIGHTH BLOCK
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";       // U+FFFD REPLACEMENT CHARACTER
 constexpr std::string_view kDefaultUnknown = " \xE2\x81\x87 ";  // " U+2047 "
 
 // How DecodeIds removes the space SentencePiece's normalizer put before the text.
@@ -42,9 +42,9 @@ enum class PieceKind : unsigned char { kNormal, kControl, kUnknown, kByte };
 
 struct PieceInfo {
     PieceKind kind = PieceKind::kNormal;
-    unsigned char byte = 0;  // for kByte
+    unsigned char byte = 0;      // for kByte
     bool leading_space = false;  // normal piece whose text starts with U+2581
-    std::string text;        // normal piece with U+2581 replaced by ' '
+    std::string text;            // normal piece with U+2581 replaced by ' '
 };
 
 // Copies text into dst (dstlen > 0), NUL-terminated, cut at a UTF-8 character boundary when
@@ -121,9 +121,9 @@ struct SpmStream {
     const SpmTokenizer *t = nullptr;
     unsigned char pending[4] = {0, 0, 0, 0};  // a valid but incomplete UTF-8 prefix
     size_t npending = 0;
-    bool emitted = false;         // the decoded text so far is not empty
-    bool prefix_consumed = false; // a leading space was already removed (PrefixRule::kOnce)
-    std::string out;              // what the last put/flush returns
+    bool emitted = false;          // the decoded text so far is not empty
+    bool prefix_consumed = false;  // a leading space was already removed (PrefixRule::kOnce)
+    std::string out;               // what the last put/flush returns
 };
 
 namespace {
@@ -137,7 +137,8 @@ void drain_bytes(SpmStream *s, bool end) {
         const size_t n = s->npending - start;
         const size_t len = valid_char_len(p, n);
         if (len > 0) {
-            if (!(len == 1 && p[0] == 0)) s->out.append(reinterpret_cast<const char *>(p), len);  // no NUL in a C string
+            if (!(len == 1 && p[0] == 0))
+                s->out.append(reinterpret_cast<const char *>(p), len);  // no NUL in a C string
             s->emitted = true;
             start += len;
         } else if (!end && could_complete(p, n)) {
@@ -158,25 +159,25 @@ void stream_put(SpmStream *s, int id) {
     const PieceInfo &pi = t->pieces[static_cast<size_t>(id)];
     if (pi.kind == PieceKind::kByte) {
         if (s->npending >= sizeof s->pending) drain_bytes(s, true);  // only after an out-of-memory throw
-        s->pending[s->npending++] = pi.byte;  // room: a drain never keeps 4 bytes
+        s->pending[s->npending++] = pi.byte;                         // room: a drain never keeps 4 bytes
         drain_bytes(s, false);
         return;
     }
     drain_bytes(s, true);  // any other piece ends a byte run
     switch (pi.kind) {
-        case PieceKind::kControl:
-            return;
-        case PieceKind::kUnknown:
-            s->out += t->unk_surface;
-            if (!t->unk_surface.empty()) s->emitted = true;
-            return;
-        default:
-            break;
+    case PieceKind::kControl: return;
+    case PieceKind::kUnknown:
+        s->out += t->unk_surface;
+        if (!t->unk_surface.empty()) s->emitted = true;
+        return;
+    default: break;
     }
     bool strip = false;
     if (pi.leading_space && !s->emitted) {
-        if (t->prefix_rule == PrefixRule::kWhileEmpty) strip = true;
-        else if (t->prefix_rule == PrefixRule::kOnce && !s->prefix_consumed) strip = true;
+        if (t->prefix_rule == PrefixRule::kWhileEmpty)
+            strip = true;
+        else if (t->prefix_rule == PrefixRule::kOnce && !s->prefix_consumed)
+            strip = true;
     }
     if (strip) {
         s->prefix_consumed = true;
@@ -215,7 +216,8 @@ void analyze(SpmTokenizer *t) {
         } else if (sp.IsUnknown(id)) {
             pi.kind = PieceKind::kUnknown;
         } else if (sp.IsByte(id)) {
-            const int hi = piece.size() == 6 ? hex_digit(piece[3]) : -1, lo = piece.size() == 6 ? hex_digit(piece[4]) : -1;
+            const int hi = piece.size() == 6 ? hex_digit(piece[3]) : -1,
+                      lo = piece.size() == 6 ? hex_digit(piece[4]) : -1;
             if (hi < 0 || lo < 0 || piece.compare(0, 3, "<0x") != 0 || piece[5] != '>')
                 throw std::runtime_error("byte piece " + std::to_string(id) + " is not of the form <0xNN>");
             pi.kind = PieceKind::kByte;
@@ -292,28 +294,26 @@ bool walk_fields(std::string_view *in, uint32_t end_group, int depth, const Leng
         if (!read_varint(in, &tag, 5) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
         const auto number = static_cast<uint32_t>(tag >> 3);
         switch (tag & 7) {
-            case 0:
-                if (!read_varint(in, &v, 10)) return false;
-                break;
-            case 1:
-            case 5: {
-                const size_t n = (tag & 7) == 1 ? 8 : 4;
-                if (in->size() < n) return false;
-                in->remove_prefix(n);
-                break;
-            }
-            case 2:
-                if (!read_varint(in, &v, 5) || v > in->size()) return false;
-                if (on_length) on_length(number, in->substr(0, v));
-                in->remove_prefix(v);
-                break;
-            case 3:
-                if (!walk_fields(in, number, depth + 1, nullptr)) return false;
-                break;
-            case 4:
-                return end_group != 0 && number == end_group;
-            default:
-                return false;
+        case 0:
+            if (!read_varint(in, &v, 10)) return false;
+            break;
+        case 1:
+        case 5: {
+            const size_t n = (tag & 7) == 1 ? 8 : 4;
+            if (in->size() < n) return false;
+            in->remove_prefix(n);
+            break;
+        }
+        case 2:
+            if (!read_varint(in, &v, 5) || v > in->size()) return false;
+            if (on_length) on_length(number, in->substr(0, v));
+            in->remove_prefix(v);
+            break;
+        case 3:
+            if (!walk_fields(in, number, depth + 1, nullptr)) return false;
+            break;
+        case 4: return end_group != 0 && number == end_group;
+        default: return false;
         }
     }
     return end_group == 0;
@@ -331,7 +331,8 @@ uint32_t load_u32le(const char *p) {
 // the charsmaps spm_train compiles (whole 256-unit blocks, strings stored one after another).
 std::string charsmap_problem(std::string_view blob) {
     if (blob.empty()) return "";  // no normalization rules
-    if (blob.size() < 4) return "it is " + std::to_string(blob.size()) + " bytes long, too short for its 4-byte trie size";
+    if (blob.size() < 4)
+        return "it is " + std::to_string(blob.size()) + " bytes long, too short for its 4-byte trie size";
     const uint32_t trie_bytes = load_u32le(blob.data());
     if (trie_bytes == 0 || trie_bytes % 1024 != 0)
         return "its trie size " + std::to_string(trie_bytes) + " is not a whole number of 256-unit blocks";
@@ -361,7 +362,8 @@ std::string charsmap_problem(std::string_view blob) {
         if (u & (1u << 8)) {
             const uint32_t value = load_u32le(units + 4 * base) & 0x7FFFFFFFu;
             if (value >= strings.size() || (value > 0 && strings[value - 1] != '\0'))
-                return "unit " + std::to_string(i) + "'s value " + std::to_string(value) + " is not the start of one of its strings";
+                return "unit " + std::to_string(i) + "'s value " + std::to_string(value) +
+                       " is not the start of one of its strings";
         }
     }
     return "";
@@ -381,7 +383,8 @@ ModelBytesCheck check_model_bytes(std::string_view bytes) {
         return [&c, denormalizer](uint32_t number, std::string_view value) {
             if (number != 2 || !c.why.empty()) return;
             if (denormalizer && !value.empty())
-                c.why = "it has a denormalizer (a precompiled_charsmap in denormalizer_spec), which this program's decoder does not apply";
+                c.why = "it has a denormalizer (a precompiled_charsmap in denormalizer_spec), which this program's "
+                        "decoder does not apply";
             else if (const std::string problem = charsmap_problem(value); !problem.empty())
                 c.why = "its normalizer's precompiled_charsmap is malformed: " + problem;
         };
@@ -400,11 +403,12 @@ SpmTokenizer *load_serialized(std::string_view bytes, const std::string &what, c
         set_err(err, errlen, "cannot load the SentencePiece model " + what + ": it is empty.");
         return nullptr;
     }
-    const std::string unparsable =
-        "cannot load the SentencePiece model " + what + ": its bytes do not parse as a ModelProto (not a .model file, or cut short).";
+    const std::string unparsable = "cannot load the SentencePiece model " + what +
+                                   ": its bytes do not parse as a ModelProto (not a .model file, or cut short).";
     const ModelBytesCheck check = check_model_bytes(bytes);
     if (!check.parses || !check.why.empty()) {
-        set_err(err, errlen, !check.parses ? unparsable : "cannot use the SentencePiece model " + what + ": " + check.why + ".");
+        set_err(err, errlen,
+                !check.parses ? unparsable : "cannot use the SentencePiece model " + what + ": " + check.why + ".");
         return nullptr;
     }
     auto t = std::make_unique<SpmTokenizer>();
@@ -419,9 +423,7 @@ SpmTokenizer *load_serialized(std::string_view bytes, const std::string &what, c
     }
     try {
         analyze(t.get());
-    } catch (const std::bad_alloc &) {
-        throw;
-    } catch (const std::exception &e) {
+    } catch (const std::bad_alloc &) { throw; } catch (const std::exception &e) {
         set_err(err, errlen, "cannot use the SentencePiece model " + what + ": " + one_line(e.what()) + ".");
         return nullptr;
     }
@@ -478,9 +480,7 @@ SpmTokenizer *spm_load_file(const char *path, char *err, size_t errlen) {
         return load_serialized(bytes, what, err, errlen);
     } catch (const std::bad_alloc &) {
         set_err(err, errlen, "cannot load the SentencePiece model: out of memory.");
-    } catch (...) {
-        set_err(err, errlen, "cannot load the SentencePiece model: the library failed unexpectedly.");
-    }
+    } catch (...) { set_err(err, errlen, "cannot load the SentencePiece model: the library failed unexpectedly."); }
     return nullptr;
 }
 
@@ -494,17 +494,14 @@ SpmTokenizer *spm_load_bytes(const void *data, size_t size, char *err, size_t er
                                "of " + std::to_string(size) + " bytes", err, errlen);
     } catch (const std::bad_alloc &) {
         set_err(err, errlen, "cannot load the SentencePiece model: out of memory.");
-    } catch (...) {
-        set_err(err, errlen, "cannot load the SentencePiece model: the library failed unexpectedly.");
-    }
+    } catch (...) { set_err(err, errlen, "cannot load the SentencePiece model: the library failed unexpectedly."); }
     return nullptr;
 }
 
 void spm_free(SpmTokenizer *t) {
     try {
         delete t;
-    } catch (...) {
-    }
+    } catch (...) {}
 }
 
 int spm_vocab_size(const SpmTokenizer *t) { return t ? t->vocab : 0; }
@@ -526,9 +523,7 @@ int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos,
         if (add_bos && w < max_ids) ids[w++] = t->bos;
         for (size_t i = 0; i < out.size() && w < max_ids; i++) ids[w++] = out[i];
         return count;
-    } catch (const std::bad_alloc &) {
-        return SPM_ERR_NOMEM;
-    } catch (...) {
+    } catch (const std::bad_alloc &) { return SPM_ERR_NOMEM; } catch (...) {
         return SPM_ERR_OTHER;
     }
 }
@@ -540,16 +535,13 @@ SpmStream *spm_stream_new(const SpmTokenizer *t) {
         s->t = t;
         s->out.reserve(64);
         return s;
-    } catch (...) {
-        return nullptr;
-    }
+    } catch (...) { return nullptr; }
 }
 
 void spm_stream_free(SpmStream *s) {
     try {
         delete s;
-    } catch (...) {
-    }
+    } catch (...) {}
 }
 
 const char *spm_stream_put(SpmStream *s, int id) {
@@ -618,9 +610,7 @@ long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char 
             buf[k] = '\0';
         }
         return static_cast<long>(text.size());
-    } catch (...) {
-        return -1;
-    }
+    } catch (...) { return -1; }
 }
 #endif
 

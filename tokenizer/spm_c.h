@@ -34,10 +34,10 @@ int spm_eos_id(const SpmTokenizer *t);
 
 /* spm_encode's errors: distinct negative values, so that callers can say what went wrong. */
 enum {
-    SPM_ERR_TEXT = -1,  /* the text is not valid UTF-8 (overlong forms, surrogates and code
+    SPM_ERR_TEXT = -1,     /* the text is not valid UTF-8 (overlong forms, surrogates and code
                            points above U+10FFFF included) or holds a NUL byte */
-    SPM_ERR_NOMEM = -2, /* out of memory */
-    SPM_ERR_OTHER = -3, /* bad arguments, add_bos on a model without BOS, more than INT_MAX
+    SPM_ERR_NOMEM = -2,    /* out of memory */
+    SPM_ERR_OTHER = -3,    /* bad arguments, add_bos on a model without BOS, more than INT_MAX
                            ids, or the library reported an error */
     SPM_ERR_TOO_LONG = -4, /* valid text of more than SPM_MAX_TEXT_BYTES bytes */
 };

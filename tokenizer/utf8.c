@@ -5,7 +5,6 @@
 
 #define REPLACEMENT "\xEF\xBF\xBD" /* U+FFFD, 3 bytes */
 
-
 size_t utf8_char_len(const char *str, size_t n) {
     const unsigned char *s = (const unsigned char *)str;
     if (n == 0) return 0;
@@ -13,10 +12,20 @@ size_t utf8_char_len(const char *str, size_t n) {
     if (c0 < 0x80) return 1;
     size_t len;
     unsigned cp, min;
-    if ((c0 & 0xE0) == 0xC0) { len = 2; cp = c0 & 0x1F; min = 0x80; }
-    else if ((c0 & 0xF0) == 0xE0) { len = 3; cp = c0 & 0x0F; min = 0x800; }
-    else if ((c0 & 0xF8) == 0xF0) { len = 4; cp = c0 & 0x07; min = 0x10000; }
-    else return 0;
+    if ((c0 & 0xE0) == 0xC0) {
+        len = 2;
+        cp = c0 & 0x1F;
+        min = 0x80;
+    } else if ((c0 & 0xF0) == 0xE0) {
+        len = 3;
+        cp = c0 & 0x0F;
+        min = 0x800;
+    } else if ((c0 & 0xF8) == 0xF0) {
+        len = 4;
+        cp = c0 & 0x07;
+        min = 0x10000;
+    } else
+        return 0;
     if (n < len) return 0;
     for (size_t k = 1; k < len; k++) {
         if (!utf8_is_trail(s[k])) return 0;
