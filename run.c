@@ -34,6 +34,8 @@ static void check_standard_streams(const Options *o) {
     if (fcntl(STDOUT_FILENO, F_GETFD) < 0) die(1, "cannot write standard output: it is closed");
     if (fcntl(STDIN_FILENO, F_GETFD) < 0) {
         if (o->prompt_path && !strcmp(o->prompt_path, "-")) die(1, "cannot read the prompt: standard input is closed");
+        if (o->prompts_path && !strcmp(o->prompts_path, "-"))
+            die(1, "cannot read the --prompts file: standard input is closed");
         if (open("/dev/null", O_RDONLY) != STDIN_FILENO) die(1, "cannot open /dev/null: %s", strerror(errno));
     }
     if (fcntl(STDERR_FILENO, F_GETFD) < 0 && open("/dev/null", O_WRONLY) != STDERR_FILENO) exit(1);

@@ -23,7 +23,8 @@ __attribute__((format(printf, 4, 5))) static inline int errmsg(char *err, size_t
 
 /* A path as a message shows it: whole, or when longer than MSG_PATH_BYTES its last bytes
  * after "...", so that what a message says after the path (an errno text) is never what a
- * full buffer cuts off. */
+ * full buffer cuts off; a control character (an escape sequence's ESC, say) shows as '?',
+ * so that no path can drive the terminal the message lands on. */
 enum { MSG_PATH_BYTES = 160 };
 typedef struct {
     char s[MSG_PATH_BYTES + 4];
@@ -34,12 +35,14 @@ static inline MsgPath msg_path(const char *path) {
     const size_t n = strlen(path);
     if (n <= MSG_PATH_BYTES) {
         memcpy(m.s, path, n + 1);
-        return m;
+    } else {
+        const char *tail = path + n - (MSG_PATH_BYTES - 3);
+        while (((unsigned char)*tail & 0xC0) == 0x80) tail++; /* start at a character, not inside one */
+        memcpy(m.s, "...", 3);
+        memcpy(m.s + 3, tail, strlen(tail) + 1);
     }
-    const char *tail = path + n - (MSG_PATH_BYTES - 3);
-    while (((unsigned char)*tail & 0xC0) == 0x80) tail++; /* start at a character, not inside one */
-    memcpy(m.s, "...", 3);
-    memcpy(m.s + 3, tail, strlen(tail) + 1);
+    for (char *c = m.s; *c; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7F) *c = '?';
     return m;
 }
 

@@ -320,7 +320,8 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->prompt_given = prompt_flags != 0;
     if (o->quiet && o->verbose) return errmsg(err, errlen, 2, "-q and -v cannot be combined");
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
-    if (o->prompts_path && o->prompt_given) return errmsg(err, errlen, 2, "-p and --prompts cannot be combined");
+    if (o->prompts_path && o->prompt_given)
+        return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
     if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
         return errmsg(err, errlen, 2,

@@ -467,3 +467,20 @@ def test_disturbed_steps_counted_from_the_steps(small_checkpoints, tmp_path):
     assert abs(summary["step_ms_median"] - median) < 1e-3
     assert summary["steps_over_3x_median"] == slow
     assert summary["disturbed"] is (slow * 50 > len(ms))
+
+
+def test_closed_stdin_and_paths_that_drive_a_terminal(small_checkpoints, tmp_path):
+    """--prompts - with standard input closed says so (as -p - does); a path holding an
+    escape sequence is echoed with its control characters as '?', never raw."""
+    import os
+    path, _ = small_checkpoints["mqa"]
+    for flag, what in (("-p", "the prompt"), ("--prompts", "the --prompts file")):
+        p = subprocess.run([RUN, path, flag, "-", "-n", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=60, preexec_fn=lambda: os.close(0))
+        assert p.returncode == 1 and p.stderr.decode() == f"run: cannot read {what}: standard input is closed\n", \
+            p.stderr
+    evil = tmp_path / "a\x1b[2Jb\x07.txt"
+    p = run([path, "-f", evil, "-n", 2], check=False)
+    err = p.stderr.decode()
+    assert p.returncode == 1 and "\x1b" not in err and "\x07" not in err, err
+    assert f"cannot open {tmp_path}/a?[2Jb?.txt" in err, err

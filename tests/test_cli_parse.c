@@ -149,7 +149,9 @@ static void test_prompt_sources(void **state) {
     char *both[] = {"run", "m.bin", "-p", "Once", "--file=p.txt"};
     expect_usage_error(ARGC(both), both, "-p and -f cannot be combined");
     char *serve[] = {"run", "m.bin", "-f", "p.txt", "--prompts", "all.txt"};
-    expect_usage_error(ARGC(serve), serve, "-p and --prompts cannot be combined");
+    expect_usage_error(ARGC(serve), serve, "-f and --prompts cannot be combined");
+    char *serve_p[] = {"run", "m.bin", "-p", "Once", "--prompts", "all.txt"};
+    expect_usage_error(ARGC(serve_p), serve_p, "-p and --prompts cannot be combined");
 }
 
 /* Modes exclude each other, and outputs that only a generation writes are refused beside them. */
