@@ -65,6 +65,10 @@ static void check_limits(const Model *m, const Options *o) {
     if (o->window > ctx) die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o->window, ctx);
     if (o->window && o->window <= o->window_sinks)
         die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o->window, o->window_sinks);
+    if (o->mla_given && m->cfg.variant != VARIANT_MLA)
+        die(EXIT_USAGE, "--mla chooses an MLA model's form: %s has no latent attention", variant_name(&m->cfg));
+    if ((o->batch > 1 || o->prompts_path) && !o->kv && !o->check_batch && !o->quiet)
+        fprintf(stderr, "run: note: without --kv every step recomputes each sequence whole; --kv keeps a cache\n");
     if (o->dump_path && (o->batch > 1 || o->prompts_path))
         die(EXIT_USAGE, "--dump-logits writes one sequence's logits: it takes no --batch or --prompts");
 }

@@ -329,6 +329,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
      * expanded one recomputes without it */
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;
+    o->mla_given = mla_given;
     if (!o->checkpoint) {
         o->usage_on_error = 1;
         return errmsg(err, errlen, 2, "no checkpoint given");

@@ -44,6 +44,7 @@ typedef struct {
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */
     int window_sinks;         /* of them, the first positions kept for good (--window-policy sinks) */
     int prompt_given;         /* -p or -f was on the command line */
+    int mla_given;        /* --mla was on the command line (refused for a model without MLA) */
     int threads_note;         /* -t above 2: say that -t is the temperature here and threads are --threads */
     int usage_on_error;       /* with return 2: print the usage text to stderr before the message */
 } Options;

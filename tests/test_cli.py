@@ -484,3 +484,18 @@ def test_closed_stdin_and_paths_that_drive_a_terminal(small_checkpoints, tmp_pat
     err = p.stderr.decode()
     assert p.returncode == 1 and "\x1b" not in err and "\x07" not in err, err
     assert f"cannot open {tmp_path}/a?[2Jb?.txt" in err, err
+
+
+def test_flags_that_would_do_nothing(small_checkpoints, tmp_path):
+    """--mla on a model without latent attention is refused; --batch without --kv runs, with
+    one note that every step recomputes; the README's prompts file ships."""
+    gqa, _ = small_checkpoints["gqa"]
+    p = run([gqa, "--mla", "absorb", "-n", 2], check=False)
+    assert p.returncode == 2 and p.stderr.decode() == "run: --mla chooses an MLA model's form: gqa has no latent attention\n"
+    note = "run: note: without --kv every step recomputes each sequence whole; --kv keeps a cache\n"
+    assert run([gqa, "--batch", 2, "-n", 2]).stderr.decode().startswith(note)
+    assert note not in run([gqa, "--batch", 2, "-n", 2, "--kv"]).stderr.decode()
+    mla, _ = small_checkpoints["mla64"]
+    assert run([mla, "--mla", "expand", "-n", 2, "-q"]).returncode == 0
+    lines = [line for line in open(os.path.join(ROOT, "docs", "prompts.txt")).read().splitlines() if line.strip()]
+    assert len(lines) == 6
