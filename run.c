@@ -67,8 +67,6 @@ static void check_limits(const Model *m, const Options *o) {
         die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o->window, o->window_sinks);
     if (o->mla_given && m->cfg.variant != VARIANT_MLA)
         die(EXIT_USAGE, "--mla chooses an MLA model's form: %s has no latent attention", variant_name(&m->cfg));
-    if ((o->batch > 1 || o->prompts_path) && !o->kv && !o->check_batch && !o->quiet)
-        fprintf(stderr, "run: note: without --kv every step recomputes each sequence whole; --kv keeps a cache\n");
     if (o->dump_path && (o->batch > 1 || o->prompts_path))
         die(EXIT_USAGE, "--dump-logits writes one sequence's logits: it takes no --batch or --prompts");
 }
@@ -121,9 +119,6 @@ int main(int argc, char **argv) {
         die(EXIT_USAGE, "%s", usage_err);
     }
     check_standard_streams(&o);
-    if (o.threads_note)
-        fprintf(stderr, "run: note: -t %g is the temperature (as in llama2.c); the thread count is --threads\n",
-                (double)o.temperature);
     char *prompt_text = o.prompt_path ? read_prompt(o.prompt_path) : NULL;
     if (prompt_text) o.prompt = prompt_text;
     if (o.threads > 0)

@@ -442,6 +442,12 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
         check_written(g.log_csv, o->log_path);
     }
     if (o->dump_path) g.dump = open_output(o->dump_path, o, o->log_path);
+    /* notes once every input has been checked, so that an error stays the one line */
+    if (o->threads_note)
+        fprintf(stderr, "run: note: -t %g is the temperature (as in llama2.c); the thread count is --threads\n",
+                (double)o->temperature);
+    if ((o->batch > 1 || o->prompts_path) && !o->kv && !o->quiet)
+        fprintf(stderr, "run: note: without --kv every step recomputes each sequence whole; --kv keeps a cache\n");
     print_settings(m, o, list.n, o->batch);
     /* Step lines go to stderr when asked for, or when it is not the terminal the story is
      * on (a file, a pipe, a terminal of its own): there they do not cut the story up. */

@@ -146,6 +146,29 @@ static void test_top_k_then_top_p_then_temperature(void **state) {
     sampler_free(&sm);
 }
 
+/* top-p at an exact boundary: four equal logits give probabilities of exactly 1/4, so the
+ * running total reaches p = 0.5 exactly at the second token, and p = 0.75 at the third:
+ * top-p keeps exactly 2 (then 3), never one more. Ties rank by index, so the kept tokens
+ * are the first ones. */
+static void test_top_p_at_an_exact_boundary(void **state) {
+    (void)state;
+    const float logits[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    const struct { float p; int kept; } cases[] = {{0.5f, 2}, {0.75f, 3}, {0.25f, 1}, {1.0f, 4}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int seen[4] = {0};
+        for (uint64_t seed = 1; seed <= 400; seed++) {
+            Sampler s;
+            assert_int_equal(sampler_init(&s, 4, 4, cases[c].p, 1.0f, seed), 0);
+            seen[sampler_sample(&s, logits)]++;
+            sampler_free(&s);
+        }
+        for (int i = 0; i < 4; i++)
+            if ((seen[i] > 0) != (i < cases[c].kept))
+                fail_msg("top-p %g: token %d drawn %d times; want the first %d only, each drawn", (double)cases[c].p, i,
+                         seen[i], cases[c].kept);
+    }
+}
+
 static void test_rejects_bad_parameters(void **state) {
     Sampler sm;
     assert_int_equal(sampler_init(&sm, 100, 0, 1.0f, 1.0f, 1), -1);
@@ -179,6 +202,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_rejects_bad_parameters),
         cmocka_unit_test(test_random_range),
         cmocka_unit_test(test_top_p_keeps_the_nucleus),
+        cmocka_unit_test(test_top_p_at_an_exact_boundary),
         cmocka_unit_test(test_top_k_then_top_p_then_temperature),
     };
     return cmocka_run_group_tests_name("sampler", tests, NULL, NULL);
