@@ -37,7 +37,7 @@ void cli_usage(FILE *f) {
           "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
           "      --json            JSON on stdout: one object a sequence and one for the summary, or one\n"
           "                        for --info, --ppl, --check-kv and --check-batch\n"
-          "  -v, --verbose         step lines on stderr even when it shares a terminal with stdout\n"
+          "  -v, --verbose         step lines on stderr also in a file, a pipe or stdout's terminal\n"
           "  -q, --quiet           no step lines on stderr (the summary stays)\n"
           "      --ignore-eos      keep generating after EOS\n"
           "\n"

@@ -449,9 +449,10 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     if ((o->batch > 1 || o->prompts_path) && !o->kv && !o->quiet)
         fprintf(stderr, "run: note: without --kv every step recomputes each sequence whole; --kv keeps a cache\n");
     print_settings(m, o, list.n, o->batch);
-    /* Step lines go to stderr when asked for, or when it is not the terminal the story is
-     * on (a file, a pipe, a terminal of its own): there they do not cut the story up. */
-    g.step_lines = !o->quiet && (o->verbose || !g.one_terminal);
+    /* Step lines go to stderr when asked for, or when it is a terminal of its own: there
+     * they do not cut the story up. In a file or pipe they would interleave with the story
+     * whenever stdout goes to the same place (make demo > log 2>&1); --log records them. */
+    g.step_lines = !o->quiet && (o->verbose || (isatty(STDERR_FILENO) && !g.one_terminal));
     if (!(g.stream = spm_stream_new(m->tokenizer))) die(1, "out of memory");
     catch_interrupts();
     if (streams_text(&g))

@@ -34,7 +34,10 @@ def test_generates_and_logs(small_checkpoints, variant, kv, tmp_path):
     per_token = (cfg.n_layers * (cfg.kv_latent + cfg.rope_dim) * 4 if cfg.kv_latent
                  else 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4)
     assert kv_bytes == (per_token * cfg.max_seq_len if kv else 0)
-    assert len(re.findall(r"^\[step \d+\] pos \d+ token \d+ ms [\d.]+$", err, re.M)) == 19
+    # stderr is a pipe here, not a terminal of its own: no step lines without -v
+    assert "[step" not in err and "[prefill]" not in err
+    verbose = run(args + ["-v"]).stderr.decode()
+    assert len(re.findall(r"^\[step \d+\] pos \d+ token \d+ ms [\d.]+$", verbose, re.M)) == 19
     rows = log.read_text().strip().split("\n")
     assert rows[0] == "step,phase,sequences,n_tokens,pos,token,ms" and len(rows) == 21
     # the prefill runs the 5 prompt tokens; each later step one token with the cache, all of them without
@@ -317,11 +320,13 @@ def test_step_lines_elsewhere_or_when_asked(small_checkpoints):
     sp = spm.SentencePieceProcessor(model_file=TOKENIZER)
     path, _ = small_checkpoints["gqa"]
     args = [path, "-p", PROMPT, "-n", 12, "-k", 1, "--ignore-eos", "--kv"]
-    # stderr not on the terminal stdout is on: the step lines go there
+    # stderr a file or pipe (make demo > log 2>&1): no step lines to interleave with the story
     _, _, err = on_terminal(args, stderr_on_terminal=False)
-    assert len(re.findall(rb"^\[step \d+\]", err, re.M)) == 11
-    _, out, _ = on_terminal(args, stdout_on_terminal=False)
+    assert b"[step" not in err and b"summary: " in err
+    # stderr a terminal of its own (stdout piped): the step lines go there
+    screen, out, _ = on_terminal(args, stdout_on_terminal=False)
     assert out.startswith(PROMPT.encode())
+    assert len(re.findall(r"^\[step \d+\]", screen, re.M)) == 11
     # -v on one terminal: each step line on a line of its own, after its token's text
     screen, _, _ = on_terminal(args + ["-v"])
     lines = screen.split("\n")
@@ -499,3 +504,16 @@ def test_flags_that_would_do_nothing(small_checkpoints, tmp_path):
     assert run([mla, "--mla", "expand", "-n", 2, "-q"]).returncode == 0
     lines = [line for line in open(os.path.join(ROOT, "docs", "prompts.txt")).read().splitlines() if line.strip()]
     assert len(lines) == 6
+
+
+def test_json_escapes_every_control_character(small_checkpoints):
+    """A prompt holding every C0 control but NUL, DEL, a quote and a backslash comes back in
+    --json as the same string; the text beside it stays valid JSON."""
+    import json
+    path, _ = small_checkpoints["mqa"]
+    prompt = "a" + "".join(chr(c) for c in range(1, 32)) + "\x7f\"\\b"
+    out = run([path, "-p", prompt, "-n", 3, "-q", "--json"]).stdout.decode()
+    sequence = json.loads(out.splitlines()[0])
+    assert sequence["prompt"] == prompt
+    assert all(ord(ch) >= 0x20 or ch in "\n\t" for ch in sequence["text"])
+
