@@ -19,14 +19,14 @@ SPM_LIBS := $(shell pkg-config --libs sentencepiece 2>/dev/null || echo -lsenten
 LDLIBS = $(SPM_LIBS) -lm
 B = build
 
-# the layers, from the bottom: kernels/ (kernels, SIMD, threads, file helpers); the model
+# the layers, from the bottom: kernels/ (kernels, SIMD, threads, file helpers, UTF-8); the model
 # (model, attention, kvcache, loader); serve/ (scheduler, sampler, the modes, the command
 # line, output); tokenizer/ on the side; run.c on top.
-KERNELS = kernels/kernels.c kernels/threads.c kernels/fileio.c
+KERNELS = kernels/kernels.c kernels/threads.c kernels/fileio.c kernels/utf8.c
 MODEL = model.c attention.c kvcache.c loader.c
 SERVE = serve/scheduler.c serve/sampler.c serve/session.c serve/generate.c serve/check.c serve/ppl.c serve/info.c \
   serve/cli.c serve/output.c serve/json.c serve/textfile.c serve/version.c
-ENGINE = $(KERNELS) $(MODEL) $(SERVE) tokenizer/utf8.c
+ENGINE = $(KERNELS) $(MODEL) $(SERVE)
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/tokenizer/spm_c.o
 HEADERS = $(wildcard *.h kernels/*.h serve/*.h tokenizer/*.h)
 
@@ -37,7 +37,7 @@ $(B)/%.o: %.c $(HEADERS) | $(B)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h | $(B)
+$(B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h kernels/utf8.h | $(B)
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) -c $< -o $@
 
@@ -68,7 +68,7 @@ $(B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS) | $(B)
 
 # The tests link the tokenizer with its test hook (SPM_TEST_HOOKS), which ./run leaves out.
 TEST_ENGINE_OBJS = $(filter-out $(B)/tokenizer/spm_c.o,$(ENGINE_OBJS)) $(B)/tests/spm_c_hooks.o
-$(B)/tests/spm_c_hooks.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h | $(B)
+$(B)/tests/spm_c_hooks.o: tokenizer/spm_c.cc tokenizer/spm_c.h kernels/utf8.h | $(B)
 	$(CXX) $(CXXFLAGS) -DSPM_TEST_HOOKS -c $< -o $@
 
 $(B)/tests/test_%: $(B)/tests/test_%.o $(B)/tests/testutil.o $(TEST_ENGINE_OBJS)

@@ -40,7 +40,7 @@ $(ASAN_B)/%.o: %.c $(HEADERS)
 $(ASAN_B)/serve/version.o: ASAN_CFLAGS += $(COMMIT_FLAG)
 $(ASAN_B)/serve/version.o: $(B)/git-commit
 
-$(ASAN_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
+$(ASAN_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h kernels/utf8.h
 	@mkdir -p $(@D)
 	$(CXX) $(ASAN_CXXFLAGS) -c $< -o $@
 
@@ -52,7 +52,7 @@ $(ASAN_B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS)
 	$(CC) $(ASAN_CFLAGS) -I. -Wno-unused-parameter -c $< -o $@
 
 ASAN_TEST_OBJS = $(filter-out $(ASAN_B)/tokenizer/spm_c.o,$(ASAN_OBJS)) $(ASAN_B)/tests/spm_c_hooks.o
-$(ASAN_B)/tests/spm_c_hooks.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
+$(ASAN_B)/tests/spm_c_hooks.o: tokenizer/spm_c.cc tokenizer/spm_c.h kernels/utf8.h
 	@mkdir -p $(@D)
 	$(CXX) $(ASAN_CXXFLAGS) -DSPM_TEST_HOOKS -c $< -o $@
 
@@ -87,7 +87,7 @@ $(VG_B)/%.o: %.c $(HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(VG_CFLAGS) -c $< -o $@
 
-$(VG_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h tokenizer/utf8.h
+$(VG_B)/tokenizer/spm_c.o: tokenizer/spm_c.cc tokenizer/spm_c.h kernels/utf8.h
 	@mkdir -p $(@D)
 	$(CXX) -O2 -g -std=c++17 -I. -Wall -Wextra -Werror -c $< -o $@
 

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "serve/textfile.h"
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 #define TEXT_CAP (1 << 20)
 

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "kernels/utf8.h"
+
 /* Writes the message into err (errlen bytes, always NUL-terminated when errlen > 0; cut
  * when longer; err may be NULL when errlen is 0) and returns code. */
 __attribute__((format(printf, 4, 5))) static inline int errmsg(char *err, size_t errlen, int code, const char *fmt,
@@ -37,7 +39,7 @@ static inline MsgPath msg_path(const char *path) {
         memcpy(m.s, path, n + 1);
     } else {
         const char *tail = path + n - (MSG_PATH_BYTES - 3);
-        while (((unsigned char)*tail & 0xC0) == 0x80) tail++; /* start at a character, not inside one */
+        while (utf8_is_trail((unsigned char)*tail)) tail++; /* start at a character, not inside one */
         memcpy(m.s, "...", 3);
         memcpy(m.s + 3, tail, strlen(tail) + 1);
     }

@@ -16,7 +16,7 @@
 #include "serve/output.h"
 #include "serve/session.h"
 #include "tokenizer/spm_c.h"
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 /* A generation's outputs and figures, as the step loop fills them. */
 typedef struct {

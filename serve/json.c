@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 void json_string(FILE *f, const char *s, size_t n) {
     fputc('"', f);

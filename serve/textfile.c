@@ -8,7 +8,7 @@
 
 #include "kernels/errmsg.h"
 #include "kernels/fileio.h"
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 #define SEPARATOR "<|endoftext|>"
 #define MAX_FILE_BYTES (1L << 30)

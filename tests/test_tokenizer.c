@@ -15,7 +15,7 @@
 
 #include "tokenizer/spm_c.h"
 #include "testutil.h"
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 /* Not in spm_c.h: spm_c.cc's hook that runs the library's own DecodeIds. */
 long spm_test_library_decode(const SpmTokenizer *t, const int *ids, int n, char *buf, size_t bufsize);

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 #define R "\xEF\xBF\xBD" /* U+FFFD */
 

@@ -6,7 +6,7 @@
 // and later) rule for rule; the model-dependent parts (the unknown surface, how the dummy
 // prefix space is removed) are read off the library's own DecodeIds at load time.
 #include "tokenizer/spm_c.h"
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 #include <sentencepiece_processor.h>
 

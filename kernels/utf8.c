@@ -1,5 +1,5 @@
 /* utf8.c: see utf8.h */
-#include "tokenizer/utf8.h"
+#include "kernels/utf8.h"
 
 #include <string.h>
 
