@@ -23,7 +23,7 @@ typedef struct {
 
 struct Team {
     int threads;
-    int spin_ns; /* how long a wait spins before it sleeps */
+    int spin_ns; /* how long a wait spins before it yields its core */
     int closing; /* read by the members after a post */
     void (*member)(void *arg, Worker *w);
     void *arg;

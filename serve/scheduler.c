@@ -14,6 +14,8 @@ struct SchedulerRun {
     Request **running;           /* (max_batch) in the order of admission */
     int n_running;
     int *computed_prompt; /* (max_batch) 1 when the step computes that sequence's prompt */
+    int n_tokens;         /* the step's tokens through the passes */
+    int prefill_tokens;   /* of them, prompt tokens (or a preempted sequence's recompute) */
     /* the step's passes: pass p runs running[pass_first[p] .. pass_first[p + 1]) */
     int n_passes;
     int *pass_first;   /* (max_batch + 1) */
@@ -173,8 +175,8 @@ static int reserve_or_preempt(SchedulerRun *run) {
 /* Lays out pass p's tokens: with the cache, every running sequence's new tokens (with a
  * window, at most what it takes without sliding); without, each of the pass's sequences
  * whole, on an emptied cache. A row of logits for each sequence that samples, and for each
- * scored position. Returns the pass's token count. */
-static int lay_out_pass(SchedulerRun *run, int p) {
+ * scored position. Counts the step's tokens and its prompt tokens as it goes. */
+static void lay_out_pass(SchedulerRun *run, int p) {
     const Scheduler *sch = run->sch;
     int T = 0, n_logits = 0;
     run->row0 = run->n_rows;
@@ -182,6 +184,9 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         Request *r = run->running[i];
         if (!sch->kv) kv_reset(&r->cache);
         const int from = r->cache.len, count = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
+        run->computed_prompt[i] = r->generated == 0;
+        if (r->generated == 0 || (sch->kv && count > 1)) run->prefill_tokens += count; /* prompt, or a recompute */
+        run->n_tokens += count;
         for (int pos = from; pos < from + count; pos++, T++) {
             run->ids[T] = r->tokens[pos];
             run->caches[T] = &r->cache;
@@ -196,7 +201,6 @@ static int lay_out_pass(SchedulerRun *run, int p) {
      * computes at least one row of logits */
     run->batch = (Batch){T, run->ids, run->caches, n_logits ? n_logits : 1, run->logit_tokens};
     if (!n_logits) run->logit_tokens[0] = T - 1;
-    return T;
 }
 
 /* Groups the running sequences into passes: with the cache, all in one; without, whole
@@ -321,15 +325,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     if (admit(run) != 0) return -1;
     if (run->n_running == 0) return run->queue ? -1 : 0;
     if (sch->kv && reserve_or_preempt(run) != 0) return -1;
-    run->n_rows = run->n_sample = 0;
-    int n_tokens = 0, prefill_tokens = 0;
-    for (int i = 0; i < run->n_running; i++) {
-        Request *r = run->running[i];
-        const int count = sch->kv ? kv_tokens_per_pass(&r->cache, r->n_tokens - r->cache.len) : r->n_tokens;
-        run->computed_prompt[i] = r->generated == 0;
-        if (r->generated == 0 || (sch->kv && count > 1)) prefill_tokens += count; /* prompt, or a recompute */
-        n_tokens += count;
-    }
+    run->n_rows = run->n_sample = run->n_tokens = run->prefill_tokens = 0;
     plan_passes(run);
     run->rc = 0;
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
@@ -344,8 +340,8 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     out->running = running;
     out->step = sch->steps++;
     out->sequences = sequences;
-    out->n_tokens = n_tokens;
-    out->prefill_tokens = prefill_tokens;
+    out->n_tokens = run->n_tokens;
+    out->prefill_tokens = run->prefill_tokens;
     out->ms = step_ms;
     out->n_rows = run->n_rows;
     out->rows = run->rows;
