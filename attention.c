@@ -96,6 +96,23 @@ static void matvec_reference(float *y, Mat w, int r0, int n, const float *x) {
     }
 }
 
+/* out = sum_j softmax(scores)_j rows[j] over n keys, in chunks of ATTN_CHUNK_KEYS: each
+ * chunk's softmax and weighted sum, merged into the chunks before it in order. scores
+ * become each chunk's probabilities. */
+static void attend_reference(float *out, float *scores, int n, const float *rows, size_t stride, int width) {
+    float chunk_out[width], max = 0.0f, sum = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += ATTN_CHUNK_KEYS) {
+        const int keys = n - j0 < ATTN_CHUNK_KEYS ? n - j0 : ATTN_CHUNK_KEYS;
+        float chunk_max, chunk_sum;
+        softmax_stats(scores + j0, keys, &chunk_max, &chunk_sum);
+        mix_reference(j0 == 0 ? out : chunk_out, scores + j0, keys, rows + (size_t)j0 * stride, stride, width);
+        if (j0 == 0)
+            max = chunk_max, sum = chunk_sum;
+        else
+            softmax_merge(out, &max, &sum, chunk_out, chunk_max, chunk_sum, width);
+    }
+}
+
 /* MHA, GQA, MQA: score_j = q . k_j / sqrt(d); p = softmax(scores); out = sum_j p_j v_j. */
 static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos, float *out) {
     const Config *c = L->cfg;
@@ -106,8 +123,7 @@ static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h
     gather_rows(L, cache, Hkv + g, pos, -1, values);
     p = malloc((size_t)n * sizeof(float));
     for (int j = 0; j < n; j++) p[j] = dot(q, keys + (size_t)j * hd, hd) * score_scale(c);
-    softmax(p, n);
-    mix_reference(out, p, n, values, (size_t)hd, hd);
+    attend_reference(out, p, n, values, (size_t)hd, hd);
     free(p);
     free(keys);
 }
@@ -128,8 +144,7 @@ static void mla_expanded_query_reference(const Layer *L, const KVCache *cache, i
         matvec_reference(values + (size_t)j * hd, w->wuv, h * hd, hd, latent); /* v_j = W_UV,h c_j */
         p[j] = dot_cat(q, key, hd, q + hd, k_rope, rd) * score_scale(c);       /* [q_C ; q_R] . [k_C ; k_R] */
     }
-    softmax(p, n);
-    mix_reference(out, p, n, values, (size_t)hd, hd);
+    attend_reference(out, p, n, values, (size_t)hd, hd);
     free(p);
     free(values);
     free(latents);
@@ -149,8 +164,7 @@ static void mla_absorbed_query_reference(const Layer *L, const KVCache *cache, i
     matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q); /* q_lat = W_UK,h^T q_C */
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));        /* q_R */
     for (int j = 0; j < n; j++) p[j] = dot(q_abs, latents + (size_t)j * lw, lw) * score_scale(c);
-    softmax(p, n);
-    mix_reference(ctx_lat, p, n, latents, (size_t)lw, dc); /* sum_j p_j c_j */
+    attend_reference(ctx_lat, p, n, latents, (size_t)lw, dc); /* sum_j p_j c_j */
     matvec_reference(out, mat_block(w->wuv_heads, h, hd), 0, hd, ctx_lat);
     free(p);
     free(latents);
@@ -173,51 +187,62 @@ void attention_query_reference(const Layer *L, const KVCache *cache, int head, c
  * sets and evict each other before the next query reads them again. */
 static int mla_exp_stride(const Config *c) { return c->n_heads * c->head_dim + 16; }
 
+/* n floats, 64-byte aligned, left untouched: scratch sized by the context, whose pages a
+ * run only pays for as far as its sequences reach. NULL when out of memory. */
+static float *alloc_floats_lazy(size_t n) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, n * sizeof(float)) == 0 ? p : NULL;
+}
+
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys) {
     memset(a, 0, sizeof *a);
     a->max_keys = max_keys;
+    a->max_chunks = (max_keys + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS;
+    const int chunk = max_keys < ATTN_CHUNK_KEYS ? max_keys : ATTN_CHUNK_KEYS;
     const size_t T = (size_t)max_tokens, H = (size_t)c->n_heads, hd = (size_t)c->head_dim;
     const size_t kv = (size_t)c->n_kv_heads * hd, dc = (size_t)c->kv_latent, rd = (size_t)c->rope_dim;
     const size_t expanded = dc ? (size_t)max_keys * (size_t)mla_exp_stride(c) : 0;
+    const size_t threads = TEAM_MAX_THREADS, heads_an_item = H < ATTN_MAX_HEADS_PER_ITEM ? H : ATTN_MAX_HEADS_PER_ITEM;
+    const size_t split_partials = a->max_chunks > 1 ? (size_t)ATTN_SPLIT_TOKENS * H * (size_t)a->max_chunks : 0;
+    a->partial_width = (int)(dc > hd ? dc : hd);
+    a->scores_stride = ((size_t)chunk + 15) / 16 * 16;
+    a->scores_per_item = heads_an_item * a->scores_stride;
+    a->blocks_per_row = kv_blocks_for(chunk);
     struct {
         float **p;
         size_t n;
+        int lazy;
     } bufs[] = {
-        {&a->q, T * H * (size_t)config_query_width(c)},
-        {&a->k, T * kv},
-        {&a->v, T * kv},
-        {&a->latent, T * dc},
-        {&a->k_rope, T * rd},
-        {&a->rows, T * (dc + rd)},
-        {&a->q_abs, T * H * (dc + rd)},
-        {&a->ctx_lat, T * H * dc},
-        {&a->latents, dc ? (size_t)max_keys * (dc + rd) : 0},
-        {&a->k_exp, expanded},
-        {&a->v_exp, expanded},
-        {&a->window_rows, 2 * (size_t)max_keys * kv},
+        {&a->q, T * H * (size_t)config_query_width(c), 0},
+        {&a->k, T * kv, 0},
+        {&a->v, T * kv, 0},
+        {&a->latent, T * dc, 0},
+        {&a->k_rope, T * rd, 0},
+        {&a->rows, T * (dc + rd), 0},
+        {&a->q_abs, T * H * (dc + rd), 0},
+        {&a->ctx_lat, T * H * dc, 0},
+        {&a->latents, dc ? (size_t)max_keys * (dc + rd) : 0, 1},
+        {&a->k_exp, expanded, 1},
+        {&a->v_exp, expanded, 1},
+        {&a->window_rows, 2 * (size_t)max_keys * kv, 1},
+        {&a->scores, threads * 2 * a->scores_per_item, 1},
+        {&a->chunk_out, a->max_chunks > 1 ? threads * heads_an_item * (size_t)a->partial_width : 0, 1},
+        {&a->partials, split_partials * (size_t)a->partial_width, 1},
+        {&a->partial_stats, split_partials * 2, 1},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         if (bufs[i].n == 0) continue;
-        if (!(*bufs[i].p = alloc_floats_touched(bufs[i].n))) {
+        if (!(*bufs[i].p = bufs[i].lazy ? alloc_floats_lazy(bufs[i].n) : alloc_floats_touched(bufs[i].n))) {
             attn_scratch_free(a);
             return -1;
         }
     }
-    a->items = malloc(2 * H * T * sizeof(int));
-    if (!a->items) {
-        attn_scratch_free(a);
-        return -1;
-    }
-    a->scores_stride = ((size_t)max_keys + 15) / 16 * 16;
-    a->blocks_per_row = kv_blocks_for(max_keys);
-    const size_t threads = TEAM_MAX_THREADS, per_thread_blocks = (size_t)a->blocks_per_row;
-    void *scores = NULL;
-    a->scores_per_item = (H < ATTN_MAX_HEADS_PER_ITEM ? H : ATTN_MAX_HEADS_PER_ITEM) * a->scores_stride;
-    if (posix_memalign(&scores, 64, threads * 2 * a->scores_per_item * sizeof(float)) != 0) scores = NULL;
-    a->scores = scores;
-    a->row_blocks = malloc(threads * per_thread_blocks * sizeof *a->row_blocks);
-    a->row_scales = malloc(threads * per_thread_blocks * sizeof *a->row_scales);
-    if (!a->scores || !a->row_blocks || !a->row_scales) {
+    const size_t whole_items = H * T, split_items = split_partials;
+    a->max_items = (int)(whole_items > split_items ? whole_items : split_items);
+    a->items = malloc(3 * (size_t)a->max_items * sizeof(int));
+    a->row_blocks = malloc(threads * (size_t)a->blocks_per_row * sizeof *a->row_blocks);
+    a->row_scales = malloc(threads * (size_t)a->blocks_per_row * sizeof *a->row_scales);
+    if (!a->items || !a->row_blocks || !a->row_scales) {
         attn_scratch_free(a);
         return -1;
     }
@@ -225,11 +250,10 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
 }
 
 void attn_scratch_free(AttnScratch *a) {
-    float *bufs[] = {a->q,     a->k,       a->v,       a->latent, a->k_rope, a->rows,
-                     a->q_abs, a->ctx_lat, a->latents, a->k_exp,  a->v_exp,  a->window_rows};
+    float *bufs[] = {a->q,       a->k,     a->v,     a->latent,      a->k_rope, a->rows,      a->q_abs,    a->ctx_lat,
+                     a->latents, a->k_exp, a->v_exp, a->window_rows, a->scores, a->chunk_out, a->partials, a->partial_stats};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
-    free(a->scores);
     free(a->row_blocks);
     free(a->row_scales);
     memset(a, 0, sizeof *a);
@@ -243,7 +267,8 @@ typedef struct {
     const TokenSlots *slots;
     float *heads;
     float scale;
-    int windowed; /* the keys and values were gathered into a->window_rows / a->latents */
+    int windowed;  /* the keys and values were gathered into a->window_rows / a->latents */
+    int out_width; /* floats of a head's weighted sum: head_dim, or kv_latent for absorbed MLA */
     MlaForm form;
     Worker *wk;
 } AttnPass;
@@ -251,103 +276,140 @@ typedef struct {
 /* How many keys token t of the pass attends to (kvcache.h's kv_window_length). */
 static int keys_of(const AttnPass *p, int t) { return kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]); }
 
+/* How many chunks of ATTN_CHUNK_KEYS they make, and the keys of chunk k. */
+static int chunks_of(const AttnPass *p, int t) { return (keys_of(p, t) + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS; }
+static int chunk_keys(const AttnPass *p, int t, int k) {
+    const int rest = keys_of(p, t) - k * ATTN_CHUNK_KEYS;
+    return rest < ATTN_CHUNK_KEYS ? rest : ATTN_CHUNK_KEYS;
+}
+
 /* Row `row` of the gathered copy, laid out as the pool's rows: each KV head's keys, then its values. */
 static const float *window_head(const AttnPass *p, int row) {
     return p->a->window_rows + (size_t)row * p->a->max_keys * p->L->cfg->head_dim;
 }
 
-/* Token t's keys 0 .. n-1 in row `row` of the pass's layer, block by block, listed in
+/* Token t's keys of chunk k in row `row` of the pass's layer, block by block, listed in
  * thread `thread`'s tables: from the cache's blocks (pool row `row`), or with a window from
  * the copy gathered at `gathered` (`stride` floats a row), as blocks of KV_BLOCK_TOKENS rows. */
-static RowBlocks item_rows(const AttnPass *p, int thread, int t, int row, const float *gathered, size_t stride) {
-    const int n = keys_of(p, t);
+static RowBlocks item_rows(const AttnPass *p, int thread, int t, int k, int row, const float *gathered, size_t stride) {
+    const int first = k * ATTN_CHUNK_KEYS / KV_BLOCK_TOKENS, n = kv_blocks_for(chunk_keys(p, t, k));
     const void **blocks = p->a->row_blocks + (size_t)thread * p->a->blocks_per_row;
     if (p->windowed) {
-        for (int b = 0; b < kv_blocks_for(n); b++) blocks[b] = gathered + (size_t)b * KV_BLOCK_TOKENS * stride;
+        for (int b = 0; b < n; b++) blocks[b] = gathered + (size_t)(first + b) * KV_BLOCK_TOKENS * stride;
         return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0};
     }
     const KVCache *cache = p->slots->cache[t];
     const KVPool *pool = cache->pool;
     const float **scales = p->a->row_scales + (size_t)thread * p->a->blocks_per_row;
-    for (int b = 0; b < kv_blocks_for(n); b++) {
-        const KVRow first = kv_row(cache, p->L->index, row, b * KV_BLOCK_TOKENS);
-        blocks[b] = first.data;
-        scales[b] = first.scales;
+    for (int b = 0; b < n; b++) {
+        const KVRow row_start = kv_row(cache, p->L->index, row, (first + b) * KV_BLOCK_TOKENS);
+        blocks[b] = row_start.data;
+        scales[b] = row_start.scales;
     }
     return (RowBlocks){blocks,      scales,         KV_BLOCK_TOKENS, (size_t)pool->row_width,
                        pool->dtype, pool->n_scales, pool->split};
 }
 
-/* -- the arithmetic of one item, token t's heads h0 .. h0+nh-1, which read the same rows:
- * their scores into att (one row of scores_stride a head), then the mix of the
- * probabilities softmax made of them -- */
+/* -- the arithmetic of one chunk of an item, token t's heads h0 .. h0+nh-1 over chunk k of
+ * its keys (the heads read the same rows): their scores into att (one row of
+ * scores_stride a head), then the mix of the probabilities softmax made of them into out
+ * (head h at out + (h - h0) * out_width) -- */
 
 /* KV head row `row` (the keys of a KV head, or n_kv_heads rows on, its values). */
-static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int row) {
-    return item_rows(p, thread, t, row, window_head(p, row), (size_t)p->L->cfg->head_dim);
+static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int k, int row) {
+    return item_rows(p, thread, t, k, row, window_head(p, row), (size_t)p->L->cfg->head_dim);
 }
 
-static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
-    const Config *c = p->L->cfg;
-    const int hd = c->head_dim, place = query_place(p->slots->cache[t]->pool, p->slots->pos[t]);
-    float *q = p->a->q + ((size_t)t * c->n_heads + h0) * hd; /* (nh, hd) */
-    for (int i = 0; i < nh; i++) rope(p->L->rope, c, q + (size_t)i * hd, place);
-    dot_row_blocks(att, p->a->scores_stride, q, (size_t)hd, nh, kv_head_rows(p, thread, t, kv_head_of(c, h0)),
-                   keys_of(p, t), hd, p->scale);
-}
-
-static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
+static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int k, int thread, float *att) {
     const Config *c = p->L->cfg;
     const int hd = c->head_dim;
-    float *out = p->heads + ((size_t)t * c->n_heads + h0) * hd; /* (nh, hd) */
+    const float *q = p->a->q + ((size_t)t * c->n_heads + h0) * hd; /* (nh, hd), rotated */
+    dot_row_blocks(att, p->a->scores_stride, q, (size_t)hd, nh, kv_head_rows(p, thread, t, k, kv_head_of(c, h0)),
+                   chunk_keys(p, t, k), hd, p->scale);
+}
+
+static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int k, int thread, const float *att, float *out) {
+    const Config *c = p->L->cfg;
+    const int hd = c->head_dim;
     weighted_sum_row_blocks(out, (size_t)hd, att, p->a->scores_stride, nh,
-                            kv_head_rows(p, thread, t, c->n_kv_heads + kv_head_of(c, h0)), keys_of(p, t), hd);
+                            kv_head_rows(p, thread, t, k, c->n_kv_heads + kv_head_of(c, h0)), chunk_keys(p, t, k), hd);
 }
 
 /* The expanded form reads one sequence's latents, gathered into a->latents, and its keys
  * and values expanded from them into a->k_exp and a->v_exp: each head its own rows. */
-static void mla_expanded_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
-    (void)thread; /* reads no cache blocks: the sequence's keys were expanded beforehand */
+static void mla_expanded_scores(const AttnPass *p, int h0, int nh, int t, int k, float *att) {
     const Config *c = p->L->cfg;
-    const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent;
-    const int n = keys_of(p, t);
+    const int hd = c->head_dim, rd = c->rope_dim, dc = c->kv_latent, j0 = k * ATTN_CHUNK_KEYS;
+    const size_t es = (size_t)mla_exp_stride(c), lw = (size_t)(dc + rd);
     for (int h = h0; h < h0 + nh; h++) {
         const float *q = p->a->q + ((size_t)t * c->n_heads + h) * (hd + rd); /* [q_C ; q_R] */
-        dot_rows_cat(att + (size_t)(h - h0) * p->a->scores_stride, n, p->scale, q, p->a->k_exp + (size_t)h * hd,
-                     (size_t)mla_exp_stride(c), hd, q + hd, p->a->latents + dc, (size_t)(dc + rd), rd);
+        dot_rows_cat(att + (size_t)(h - h0) * p->a->scores_stride, chunk_keys(p, t, k), p->scale, q,
+                     p->a->k_exp + j0 * es + (size_t)h * hd, es, hd, q + hd, p->a->latents + j0 * lw + dc, lw, rd);
     }
 }
 
-static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
-    (void)thread; /* reads no cache blocks: the sequence's keys were expanded beforehand */
+static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int k, const float *att, float *out) {
     const Config *c = p->L->cfg;
-    const int hd = c->head_dim, n = keys_of(p, t);
+    const int hd = c->head_dim;
+    const size_t es = (size_t)mla_exp_stride(c);
     for (int h = h0; h < h0 + nh; h++)
-        weighted_sum_rows(p->heads + ((size_t)t * c->n_heads + h) * hd, att + (size_t)(h - h0) * p->a->scores_stride,
-                          p->a->v_exp + (size_t)h * hd, (size_t)mla_exp_stride(c), n, hd);
+        weighted_sum_rows(out + (size_t)(h - h0) * hd, att + (size_t)(h - h0) * p->a->scores_stride,
+                          p->a->v_exp + (size_t)k * ATTN_CHUNK_KEYS * es + (size_t)h * hd, es, chunk_keys(p, t, k), hd);
 }
 
 /* MLA, absorbed: the queries were taken into the latent space beforehand (mla_absorb_queries)
  * and the weighted latents are taken out after every item (mla_expand_contexts), each as one
  * product per head over the pass's tokens, so an item reads only the latents. */
-static RowBlocks latent_rows(const AttnPass *p, int thread, int t) {
-    return item_rows(p, thread, t, 0, p->a->latents, (size_t)(p->L->cfg->kv_latent + p->L->cfg->rope_dim));
+static RowBlocks latent_rows(const AttnPass *p, int thread, int t, int k) {
+    return item_rows(p, thread, t, k, 0, p->a->latents, (size_t)(p->L->cfg->kv_latent + p->L->cfg->rope_dim));
 }
 
-static void mla_absorbed_scores(const AttnPass *p, int h0, int nh, int t, int thread, float *att) {
+static void mla_absorbed_scores(const AttnPass *p, int h0, int nh, int t, int k, int thread, float *att) {
     const Config *c = p->L->cfg;
     const int lw = c->kv_latent + c->rope_dim;
     const float *q_abs = p->a->q_abs + ((size_t)t * c->n_heads + h0) * lw; /* (nh, lw): [q_lat ; q_R] */
-    dot_row_blocks(att, p->a->scores_stride, q_abs, (size_t)lw, nh, latent_rows(p, thread, t), keys_of(p, t), lw,
-                   p->scale);
+    dot_row_blocks(att, p->a->scores_stride, q_abs, (size_t)lw, nh, latent_rows(p, thread, t, k), chunk_keys(p, t, k),
+                   lw, p->scale);
 }
 
-static void mla_absorbed_mix(const AttnPass *p, int h0, int nh, int t, int thread, const float *att) {
-    const Config *c = p->L->cfg;
-    const int dc = c->kv_latent;
-    float *ctx_lat = p->a->ctx_lat + ((size_t)t * c->n_heads + h0) * dc; /* (nh, dc): sum_j p_j c_j */
-    weighted_sum_row_blocks(ctx_lat, (size_t)dc, att, p->a->scores_stride, nh, latent_rows(p, thread, t), keys_of(p, t),
-                            dc);
+static void mla_absorbed_mix(const AttnPass *p, int nh, int t, int k, int thread, const float *att, float *out) {
+    const int dc = p->L->cfg->kv_latent; /* out: (nh, dc), sum_j p_j c_j */
+    weighted_sum_row_blocks(out, (size_t)dc, att, p->a->scores_stride, nh, latent_rows(p, thread, t, k),
+                            chunk_keys(p, t, k), dc);
+}
+
+static void chunk_scores(const AttnPass *p, int h0, int nh, int t, int k, int thread, float *att) {
+    if (p->L->cfg->variant != VARIANT_MLA)
+        kv_heads_scores(p, h0, nh, t, k, thread, att);
+    else if (p->form == MLA_ABSORBED)
+        mla_absorbed_scores(p, h0, nh, t, k, thread, att);
+    else
+        mla_expanded_scores(p, h0, nh, t, k, att);
+}
+
+static void chunk_mix(const AttnPass *p, int h0, int nh, int t, int k, int thread, const float *att, float *out) {
+    if (p->L->cfg->variant != VARIANT_MLA)
+        kv_heads_mix(p, h0, nh, t, k, thread, att, out);
+    else if (p->form == MLA_ABSORBED)
+        mla_absorbed_mix(p, nh, t, k, thread, att, out);
+    else
+        mla_expanded_mix(p, h0, nh, t, k, att, out);
+}
+
+/* Where token t's head h0's result goes (out_width floats a head, heads consecutive): the
+ * heads, or MLA's weighted latents. */
+static float *item_out(const AttnPass *p, int t, int h0) {
+    const int H = p->L->cfg->n_heads;
+    const float *base = p->L->cfg->variant == VARIANT_MLA && p->form == MLA_ABSORBED ? p->a->ctx_lat : p->heads;
+    return (float *)base + ((size_t)t * H + h0) * p->out_width;
+}
+
+/* A chunk's weighted sum kept for the merge after the split (token t0 + slot), and its statistics. */
+static float *partial_out(const AttnPass *p, int slot, int h, int k) {
+    return p->a->partials + (((size_t)slot * p->L->cfg->n_heads + h) * p->a->max_chunks + k) * p->a->partial_width;
+}
+static float *partial_stats(const AttnPass *p, int slot, int h, int k) {
+    return p->a->partial_stats + (((size_t)slot * p->L->cfg->n_heads + h) * p->a->max_chunks + k) * 2;
 }
 
 /* -- the scheduling of the items among the threads -- */
@@ -359,88 +421,158 @@ static int sequence_end(const TokenSlots *slots, int t0, int t1) {
     return end;
 }
 
-/* The order of the items (first head, token): sequence by sequence, and inside one
+/* The order of the items (first head, token, chunk): sequence by sequence, and inside one
  * sequence's tokens head group by head group. A decode step (one token a sequence) thus
  * runs a token's heads together, which share its cache rows (GQA's groups, MLA's
  * latents); a prefill runs each head group over all its tokens, which share those rows.
- * Returns the number of items written. */
-static int order_items(int *items, const TokenSlots *slots, int t0, int t1, int n_heads, int heads_per_item) {
+ * Split: an item a chunk, for passes of few tokens over long contexts; otherwise an item
+ * a token, all its chunks (chunk -1). Returns the number of items written. */
+static int order_items(const AttnPass *p, int *items, int t0, int t1, int heads_per_item, int split) {
     int n = 0;
     for (int r0 = t0, r1; r0 < t1; r0 = r1) {
-        r1 = sequence_end(slots, r0, t1);
-        for (int h = 0; h < n_heads; h += heads_per_item)
-            for (int t = r0; t < r1; t++) {
-                items[2 * n] = h;
-                items[2 * n + 1] = t;
-                n++;
-            }
+        r1 = sequence_end(p->slots, r0, t1);
+        for (int h = 0; h < p->L->cfg->n_heads; h += heads_per_item)
+            for (int t = r0; t < r1; t++)
+                for (int k = split ? 0 : -1; k < (split ? chunks_of(p, t) : 0); k++) {
+                    items[3 * n] = h;
+                    items[3 * n + 1] = t;
+                    items[3 * n + 2] = k;
+                    n++;
+                }
     }
     return n;
 }
 
 /* Heads an item takes: as many of the `sharing` heads that read the same rows as divide
- * them, up to ATTN_MAX_HEADS_PER_ITEM, halved while the pass has too few items to share
- * among the threads. */
-static int heads_per_item(int sharing, int tokens, int n_heads, int threads) {
+ * them, up to ATTN_MAX_HEADS_PER_ITEM, halved while the pass has too few items (`units`
+ * a head group) to share among the threads. */
+static int heads_per_item(int sharing, long units, int n_heads, int threads) {
     int k = sharing < ATTN_MAX_HEADS_PER_ITEM ? sharing : ATTN_MAX_HEADS_PER_ITEM;
     while (sharing % k != 0) k--;
-    while (k % 2 == 0 && (long)tokens * (n_heads / k) < 4L * threads) k /= 2;
+    while (k % 2 == 0 && units * (n_heads / k) < 4L * threads) k /= 2;
     return k;
 }
 
-/* The queries of tokens [t0, t1), `sharing` heads reading the same rows, shared among the
- * threads by items. A thread's run of items is software-pipelined: item i+1's scores are
- * computed before item i's softmax and mix, so softmax's first load never waits on the
- * scores just stored. */
-static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
-    const int H = p->L->cfg->n_heads, nh = heads_per_item(sharing, t1 - t0, H, p->wk->threads);
-    const int *items = p->a->items;
-    const int n_items = (t1 - t0) * (H / nh);
-    if (team_alone(p->wk)) order_items(p->a->items, p->slots, t0, t1, H, nh);
-    long keys = 0;
-    for (int t = t0; t < t1; t++) keys += keys_of(p, t);
-    const int thread = p->wk->thread;
-    float *att[2]; /* two items' scores, then probabilities: this thread's own */
-    att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
-    att[1] = att[0] + p->a->scores_per_item;
-    const Variant variant = p->L->cfg->variant;
-    Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim, t1 - t0));
+/* One chunk of work a thread does: chunk k of item (h0, t); `split`: the chunk is an item
+ * of its own, kept for the merge after all items. */
+typedef struct {
+    int h0, t, k, n_chunks, split;
+    int slot; /* t's place among the tokens of run_queries */
+} Unit;
+
+/* The first unit of item i, and the unit after u within items [.., hi); 0 when none. */
+static int first_unit(const AttnPass *p, long i, long hi, int t0, Unit *u) {
+    if (i >= hi) return 0;
+    const int *item = p->a->items + 3 * i;
+    *u = (Unit){item[0], item[1], item[2] < 0 ? 0 : item[2], chunks_of(p, item[1]), item[2] >= 0, item[1] - t0};
+    return 1;
+}
+
+/* Unit u's softmax and weighted sum, its scores in att: a lone chunk straight into the
+ * item's output; a split chunk into its partial; otherwise the first chunk into the
+ * output and each later one merged into it, in order (max and sum: the statistics of the
+ * chunks merged so far, one a head). */
+static void finish_unit(const AttnPass *p, const Unit *u, int nh, int thread, float *att, float *max, float *sum) {
+    const int keys = chunk_keys(p, u->t, u->k), w = p->out_width;
+    float chunk_max[ATTN_MAX_HEADS_PER_ITEM], chunk_sum[ATTN_MAX_HEADS_PER_ITEM];
+    for (int h = 0; h < nh; h++) softmax_stats(att + (size_t)h * p->a->scores_stride, keys, &chunk_max[h], &chunk_sum[h]);
+    float *out = item_out(p, u->t, u->h0);
+    if (u->n_chunks == 1) {
+        chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, out);
+    } else if (u->split) {
+        const int slot = u->slot;
+        float *chunk = p->a->chunk_out + (size_t)thread * ATTN_MAX_HEADS_PER_ITEM * p->a->partial_width;
+        chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, chunk);
+        for (int h = 0; h < nh; h++) {
+            memcpy(partial_out(p, slot, u->h0 + h, u->k), chunk + (size_t)h * w, (size_t)w * sizeof(float));
+            float *stats = partial_stats(p, slot, u->h0 + h, u->k);
+            stats[0] = chunk_max[h], stats[1] = chunk_sum[h];
+        }
+    } else if (u->k == 0) {
+        chunk_mix(p, u->h0, nh, u->t, 0, thread, att, out);
+        for (int h = 0; h < nh; h++) max[h] = chunk_max[h], sum[h] = chunk_sum[h];
+    } else {
+        float *chunk = p->a->chunk_out + (size_t)thread * ATTN_MAX_HEADS_PER_ITEM * p->a->partial_width;
+        chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, chunk);
+        for (int h = 0; h < nh; h++)
+            softmax_merge(out + (size_t)h * w, &max[h], &sum[h], chunk + (size_t)h * w, chunk_max[h], chunk_sum[h], w);
+    }
+}
+
+/* After a split pass: each (token, head) of more than one chunk merges its chunks' partials
+ * in order, as an item that ran them all would have. */
+static void merge_split_chunks(const AttnPass *p, int t0, int t1) {
+    const int H = p->L->cfg->n_heads, w = p->out_width;
+    Share sh = share_begin(p->wk, (long)(t1 - t0) * H, SHARE_SPLIT,
+                           parallel_mode((long)(t1 - t0) * H * p->a->max_chunks * w, t1 - t0));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
-        for (long i = lo; i <= hi; i++) {
-            if (i < hi) { /* item i's scores, one item ahead of the mix */
-                const int h0 = items[2 * i], t = items[2 * i + 1];
-                float *scores = att[(i - lo) % 2];
-                if (variant != VARIANT_MLA)
-                    kv_heads_scores(p, h0, nh, t, thread, scores);
-                else if (p->form == MLA_ABSORBED)
-                    mla_absorbed_scores(p, h0, nh, t, thread, scores);
-                else
-                    mla_expanded_scores(p, h0, nh, t, thread, scores);
-            }
-            if (i > lo) { /* item i-1's softmax and weighted sum */
-                const int h0 = items[2 * i - 2], t = items[2 * i - 1];
-                float *probs = att[(i - 1 - lo) % 2];
-                for (int h = 0; h < nh; h++) softmax(probs + (size_t)h * p->a->scores_stride, keys_of(p, t));
-                if (variant != VARIANT_MLA)
-                    kv_heads_mix(p, h0, nh, t, thread, probs);
-                else if (p->form == MLA_ABSORBED)
-                    mla_absorbed_mix(p, h0, nh, t, thread, probs);
-                else
-                    mla_expanded_mix(p, h0, nh, t, thread, probs);
+        for (long i = lo; i < hi; i++) {
+            const int slot = (int)(i / H), h = (int)(i % H), n = chunks_of(p, t0 + slot);
+            if (n == 1) continue;
+            float *out = item_out(p, t0 + slot, h);
+            const float *stats = partial_stats(p, slot, h, 0);
+            float max = stats[0], sum = stats[1];
+            memcpy(out, partial_out(p, slot, h, 0), (size_t)w * sizeof(float));
+            for (int k = 1; k < n; k++) {
+                stats = partial_stats(p, slot, h, k);
+                softmax_merge(out, &max, &sum, partial_out(p, slot, h, k), stats[0], stats[1], w);
             }
         }
     share_end(&sh);
 }
 
+/* The queries of tokens [t0, t1), `sharing` heads reading the same rows, shared among the
+ * threads by items. A thread's run of chunks is software-pipelined: the next chunk's scores
+ * are computed before this one's softmax and mix, so softmax's first load never waits on
+ * the scores just stored. */
+static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
+    const int H = p->L->cfg->n_heads, threads = p->wk->threads, T = t1 - t0;
+    long chunks = 0, keys = 0;
+    for (int t = t0; t < t1; t++) chunks += chunks_of(p, t), keys += keys_of(p, t);
+    int nh = heads_per_item(sharing, T, H, threads);
+    /* too few items for the threads, and chunks to share instead */
+    const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / nh) < 4L * threads;
+    if (split) nh = heads_per_item(sharing, chunks, H, threads);
+    const long n_items = (split ? chunks : T) * (H / nh);
+    if (team_alone(p->wk)) order_items(p, p->a->items, t0, t1, nh, split);
+    const int thread = p->wk->thread;
+    float *att[2]; /* two chunks' scores, then probabilities: this thread's own */
+    att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
+    att[1] = att[0] + p->a->scores_per_item;
+    float max[ATTN_MAX_HEADS_PER_ITEM], sum[ATTN_MAX_HEADS_PER_ITEM];
+    Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim, T));
+    for (long lo, hi; share_next(&sh, &lo, &hi);) {
+        long i = lo;
+        Unit cur, prev;
+        int have = first_unit(p, i, hi, t0, &cur), have_prev = 0, buf = 0;
+        while (have || have_prev) {
+            if (have) chunk_scores(p, cur.h0, nh, cur.t, cur.k, thread, att[buf]);
+            if (have_prev) finish_unit(p, &prev, nh, thread, att[buf ^ 1], max, sum);
+            have_prev = have;
+            if (!have) break;
+            prev = cur;
+            buf ^= 1;
+            if (!cur.split && cur.k + 1 < cur.n_chunks)
+                cur.k++;
+            else
+                have = first_unit(p, ++i, hi, t0, &cur);
+        }
+    }
+    share_end(&sh);
+    if (split) merge_split_chunks(p, t0, t1);
+}
+
 /* -- each variant: its projections, its cache writes, then its queries -- */
 
 /* Token t's key for KV head g (rotated, unless a window rotates keys when read) and its
- * value, into the cache. */
+ * value, into the cache; the queries of the group's heads rotated, by their place. */
 static void kv_heads_store(const AttnPass *p, int t, int g) {
     const Config *c = p->L->cfg;
-    const int Hkv = c->n_kv_heads, hd = c->head_dim;
+    const int Hkv = c->n_kv_heads, hd = c->head_dim, G = kv_group_size(c);
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
+    float *q = p->a->q + ((size_t)t * c->n_heads + (size_t)g * G) * hd; /* (G, hd) */
+    for (int i = 0; i < G; i++) rope(p->L->rope, c, q + (size_t)i * hd, query_place(cache->pool, pos));
     float *k = p->a->k + ((size_t)t * Hkv + g) * hd;
     if (!cache->pool->window) rope(p->L->rope, c, k, pos);
     kv_store(cache->pool, kv_key(cache, p->L->index, g, pos), k);
@@ -476,7 +608,7 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
         {a->v, Hkv * hd, xb, c->dim, w->wv, T}, /* v: (T, Hkv*hd) */
     };
     matmul_jobs(p->wk, qkv, 3);
-    Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * Hkv * hd, T));
+    Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * (Hkv + H) * hd, T));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long tg = lo; tg < hi; tg++) kv_heads_store(p, (int)(tg / Hkv), (int)(tg % Hkv));
     share_end(&sh);
@@ -607,7 +739,8 @@ static void attention_mla(const AttnPass *p, const float *xb) {
 void attention(const Layer *L, AttnScratch *a, const TokenSlots *slots, const float *xb, float *heads, MlaForm form,
                Worker *wk) {
     const int windowed = slots->T > 0 && slots->cache[0]->pool->window > 0;
-    const AttnPass p = {L, a, slots, heads, score_scale(L->cfg), windowed, form, wk};
+    const int out_width = L->cfg->variant == VARIANT_MLA && form == MLA_ABSORBED ? L->cfg->kv_latent : L->cfg->head_dim;
+    const AttnPass p = {L, a, slots, heads, score_scale(L->cfg), windowed, out_width, form, wk};
     if (L->cfg->variant != VARIANT_MLA)
         attention_kv_heads(&p, xb);
     else

@@ -25,10 +25,20 @@ typedef struct {
     const int *pos;        /* (T) */
 } TokenSlots;
 
+/* A query over more positions than this splits them into chunks of this many, oldest
+ * first: each chunk's softmax and weighted sum, then the chunks merged in order
+ * (kernels.h's softmax_merge). A constant of the arithmetic, never of the thread count or
+ * the batch, so every split gives the same bits; a multiple of KV_BLOCK_TOKENS and even,
+ * so a chunk starts on a block and on an even position. */
+enum { ATTN_CHUNK_KEYS = 256 };
+
 /* The most heads one item of attention takes together (they read the same rows while
  * those are in L1); 16 already shares each row among 16 heads. It bounds the scores each
  * thread keeps. */
 enum { ATTN_MAX_HEADS_PER_ITEM = 16 };
+
+/* The most tokens a pass may have for its chunks to be shared among the threads. */
+enum { ATTN_SPLIT_TOKENS = 64 };
 
 /* Scratch of one layer's attention for passes of up to max_tokens tokens over up to
  * max_keys positions. */
@@ -43,16 +53,23 @@ typedef struct {
     float *latents;       /* (max_keys, kv_latent+rope_dim) one sequence's cached [c ; k_R] (MLA, expanded) */
     float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
     float *window_rows;   /* (2*n_kv_heads, max_keys, head_dim) one sequence's window, gathered */
-    int *items;           /* (n_heads*max_tokens, 2) the (first head, token) order of the queries */
-    int max_keys;
+    int *items;           /* (max_items, 3) the (first head, token, chunk) order of the queries */
+    int max_keys, max_chunks;
+    /* a pass of few tokens over long contexts runs each chunk as an item of its own, on
+     * every thread, then merges the chunks (ATTN_SPLIT_TOKENS tokens at most): */
+    float *partials;      /* (ATTN_SPLIT_TOKENS, n_heads, max_chunks, partial_width) each chunk's weighted sum */
+    float *partial_stats; /* (ATTN_SPLIT_TOKENS, n_heads, max_chunks, 2) its softmax's max and sum */
     /* each thread's own (TEAM_MAX_THREADS of each, touched only by the threads that run):
      * on the heap rather than the threads' stacks, whose size the user sets */
-    float *scores;            /* (threads, 2, heads an item, scores_stride) two items' scores, then probabilities */
-    size_t scores_stride;     /* a head's: max_keys, rounded up to a 64-byte line */
+    float *scores;            /* (threads, 2, heads an item, scores_stride) two chunks' scores, then probabilities */
+    size_t scores_stride;     /* a head's: a chunk's keys, rounded up to a 64-byte line */
+    float *chunk_out;         /* (threads, heads an item, partial_width) a chunk's weighted sum, before its merge */
+    int partial_width;        /* the widest weighted sum a head makes: head_dim, or MLA's kv_latent */
     size_t scores_per_item;   /* min(n_heads, ATTN_MAX_HEADS_PER_ITEM) * scores_stride */
-    const void **row_blocks;  /* (threads, blocks_per_row) the blocks a cache row spans */
+    const void **row_blocks;  /* (threads, blocks_per_row) the blocks a chunk of a cache row spans */
     const float **row_scales; /* (threads, blocks_per_row) their int8 scales */
     int blocks_per_row;
+    int max_items;
 } AttnScratch;
 
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys);

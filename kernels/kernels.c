@@ -669,6 +669,11 @@ void rmsnorm(float *out, const float *x, Mat w, int n, float eps) {
 }
 
 void softmax(float *x, int n) {
+    float max, sum;
+    softmax_stats(x, n, &max, &sum);
+}
+
+void softmax_stats(float *x, int n, float *max_out, float *sum_out) {
     int full = n / 16 * 16, tail = n - full;
     float max = x[0];
     if (n >= 16) { /* max is exact in any order: the last 16 elements overlap the blocks */
@@ -694,9 +699,33 @@ void softmax(float *x, int n) {
         e_tail = v16_first(v16_exp_nonpositive(v16_min(zero, v16_add(v16_load_f32(x + full, tail), shift))), tail);
         sum = v16_add(sum, e_tail);
     }
-    const v16 inv = v16_set1(1.0f / v16_reduce(sum));
+    const float total = v16_reduce(sum);
+    const v16 inv = v16_set1(1.0f / total);
     for (int i = 0; i < full; i += 16) v16_store(x + i, v16_mul(v16_load_f32(x + i, 16), inv), 16);
     if (tail) v16_store(x + full, v16_mul(e_tail, inv), tail);
+    *max_out = max;
+    *sum_out = total;
+}
+
+/* e^x for x <= 0 by simd.h's polynomial, one lane of it: softmax's exp */
+static float exp_nonpositive(float x) {
+    float lanes[16];
+    v16_store(lanes, v16_exp_nonpositive(v16_set1(x)), 16);
+    return lanes[0];
+}
+
+void softmax_merge(float *out, float *max, float *sum, const float *out_c, float max_c, float sum_c, int width) {
+    const float m = max_c > *max ? max_c : *max;
+    const float a = *sum * exp_nonpositive(*max - m), b = sum_c * exp_nonpositive(max_c - m);
+    const float total = a + b, wa = a / total, wb = b / total;
+    const v16 va = v16_set1(wa), vb = v16_set1(wb);
+    int d = 0;
+    for (; d + 16 <= width; d += 16)
+        v16_store(out + d, v16_add(v16_mul(va, v16_load_f32(out + d, 16)), v16_mul(vb, v16_load_f32(out_c + d, 16))),
+                  16);
+    for (; d < width; d++) out[d] = wa * out[d] + wb * out_c[d];
+    *max = m;
+    *sum = total;
 }
 
 /* silu(a) = a sigmoid(a), sigmoid(a) = e^min(a,0) / (1 + e^-|a|): both exponents <= 0 */

@@ -147,6 +147,15 @@ void rmsnorm(float *out, const float *x, Mat w, int n, float eps);
 /* In place: e^(x - max) by simd.h's polynomial exp (the same bits on every path), divided
  * by their sum in the canonical 16-lane order. */
 void softmax(float *x, int n);
+/* softmax, also giving the max it subtracted and the sum it divided by: what merging the
+ * softmaxes of a long context's chunks needs (softmax_merge). */
+void softmax_stats(float *x, int n, float *max, float *sum);
+/* Folds one chunk of keys into the attention over the chunks before it, in chunk order:
+ * out (width) and its (*max, *sum) were the earlier chunks' weighted sum, normalized, and
+ * their softmax's statistics; out_c, max_c, sum_c this chunk's. With M the larger max,
+ * a = sum e^(max - M), b = sum_c e^(max_c - M): out = a/(a+b) out + b/(a+b) out_c, each
+ * element alone (the same bits on every path). */
+void softmax_merge(float *out, float *max, float *sum, const float *out_c, float max_c, float sum_c, int width);
 /* h1[i] = silu(h1[i]) * h3[i], with simd.h's exp (the same bits on every path) */
 void swiglu(float *h1, const float *h3, int n);
 /* out[i] = row r of w, widened to fp32 */

@@ -30,11 +30,12 @@ static void use_cache(Fixture *f, DType dtype, int window, int sinks) {
     assert_int_equal(kv_init(&f->cache, &f->pool, window ? 1 << 16 : f->m.cfg.max_seq_len), 0);
 }
 
-/* n_heads, n_kv_heads: 0 keeps test_config's */
-static Fixture *load_shape(Variant v, int latent, int n_heads, int n_kv_heads) {
+/* n_heads, n_kv_heads, context: 0 keeps test_config's */
+static Fixture *load_shape_context(Variant v, int latent, int n_heads, int n_kv_heads, int context) {
     Fixture *f = calloc(1, sizeof *f);
     Config c = test_config(v, latent, 320, DTYPE_BF16);
     if (n_heads) c.n_heads = n_heads, c.n_kv_heads = n_kv_heads;
+    if (context) c.max_seq_len = context;
     const char *path = temp_path("attn.bin");
     /* the vocabulary must match the tokenizer: read it from the tokenizer itself */
     char err[256];
@@ -49,6 +50,9 @@ static Fixture *load_shape(Variant v, int latent, int n_heads, int n_kv_heads) {
     return f;
 }
 
+static Fixture *load_shape(Variant v, int latent, int n_heads, int n_kv_heads) {
+    return load_shape_context(v, latent, n_heads, n_kv_heads, 0);
+}
 static Fixture *load_variant(Variant v, int latent) { return load_shape(v, latent, 0, 0); }
 
 static void free_fixture(Fixture *f) {
@@ -180,16 +184,17 @@ static void attention_on_thread(void *arg, Worker *wk) {
 /* Layer 0's attention for T tokens of input xb at the cache's next positions, as the
  * forward pass runs it (model.c advances the cache once every layer has run), on a team
  * of three threads: every output must be its one-thread specification's bits. */
-static void attention_pass(Fixture *f, const float *xb, int T, MlaForm form) {
+static void attention_pass_on(int threads, Fixture *f, const float *xb, int T, MlaForm form) {
     KVCache *caches[64];
     int pos[64];
     for (int t = 0; t < T; t++) caches[t] = &f->cache, pos[t] = f->cache.len + t;
     assert_int_equal(kv_reserve(&f->cache, f->cache.len + T), 0);
     const TokenSlots slots = {T, caches, pos};
     AttentionRun run = {f, &slots, xb, form};
-    run_on_team(3, attention_on_thread, &run);
+    run_on_team(threads, attention_on_thread, &run);
     f->cache.len += T;
 }
+static void attention_pass(Fixture *f, const float *xb, int T, MlaForm form) { attention_pass_on(3, f, xb, T, form); }
 
 static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_kv_heads) {
     Fixture *f = load_shape(v, latent, n_heads, n_kv_heads);
@@ -307,6 +312,58 @@ static void test_head_groups(void **state) {
     check_shape(VARIANT_MLA, 16, MLA_ABSORBED, 20, 0);
 }
 
+/* A context longer than a chunk (ATTN_CHUNK_KEYS): 64-token passes whose queries cross a
+ * chunk's end (an item runs all of a token's chunks), then one token a pass across the next
+ * (each chunk an item, merged after), on teams of 1, 2, 3 and 5 threads. Every (query, head)
+ * equals its specification bit for bit, whichever way its chunks ran, and the
+ * double-precision reference within tolerance; with a window longer than a chunk too. */
+static void check_long_context(Variant v, int latent, MlaForm form, DType dtype, int window, int sinks) {
+    const int N = 2 * ATTN_CHUNK_KEYS + 40, prefilled = 7 * 64, teams[] = {1, 2, 3, 5};
+    Fixture *f = load_shape_context(v, latent, 0, 0, N);
+    use_cache(f, dtype, window, sinks);
+    const Layer layer0 = {&f->m.cfg, &f->m.w.layers[0], &f->m.rope, 0};
+    const Config *c = &f->m.cfg;
+    const int D = c->dim, H = c->n_heads, hd = c->head_dim, qw = config_query_width(c);
+    float *xb = malloc(sizeof(float) * N * D), one[64];
+    random_input(xb, N * D, 91 + v);
+    double *ref = dtype == DTYPE_F32 ? reference_attention(&f->m, xb, N, window, sinks) : NULL;
+    int passes = 0;
+    for (int t = 0; t < N; passes++) {
+        /* a window fills in passes, then slides one token a pass */
+        const int n = t < prefilled && (!window || t + 64 <= window) ? 64 : 1;
+        attention_pass_on(teams[passes % 4], f, xb + (size_t)t * D, n, form);
+        for (int u = 0; u < n; u++)
+            for (int h = 0; h < H; h++) {
+                attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)u * H + h) * qw, t + u, form,
+                                          one);
+                const float *got = f->s.heads + ((size_t)u * H + h) * hd;
+                if (memcmp(one, got, sizeof(float) * hd) != 0)
+                    fail_msg("%s (absorb %d, dtype %d, window %d): position %d head %d (a pass of %d on %d threads) "
+                             "differs from attention_query_reference",
+                             variant_name(c), form == MLA_ABSORBED, (int)dtype, window, t + u, h, n,
+                             teams[passes % 4]);
+                for (int e = 0; ref && e < hd; e++)
+                    if (fabs(got[e] - ref[((size_t)(t + u) * H + h) * hd + e]) > 1e-4)
+                        fail_msg("%s (window %d): position %d head %d: |C - reference| = %g", variant_name(c), window,
+                                 t + u, h, fabs(got[e] - ref[((size_t)(t + u) * H + h) * hd + e]));
+            }
+        t += n;
+    }
+    free(ref);
+    free(xb);
+    free_fixture(f);
+}
+
+static void test_long_context_chunks(void **state) {
+    check_long_context(VARIANT_MHA, 0, MLA_EXPANDED, DTYPE_F32, 0, 0);
+    check_long_context(VARIANT_GQA, 0, MLA_EXPANDED, DTYPE_F32, 0, 0);
+    check_long_context(VARIANT_MQA, 0, MLA_EXPANDED, DTYPE_BF16, 0, 0);
+    check_long_context(VARIANT_MLA, 16, MLA_ABSORBED, DTYPE_F32, 0, 0);
+    check_long_context(VARIANT_MLA, 16, MLA_EXPANDED, DTYPE_I8, 0, 0);
+    check_long_context(VARIANT_GQA, 0, MLA_EXPANDED, DTYPE_F32, ATTN_CHUNK_KEYS + 60, 4);
+    check_long_context(VARIANT_MLA, 32, MLA_ABSORBED, DTYPE_F32, ATTN_CHUNK_KEYS + 60, 0);
+}
+
 /* The whole model: logits of a T-token pass equal, bit for bit, those of a prefill
  * followed by cached single-token steps. */
 static void check_forward_cached_equals_uncached(Variant v, int latent) {
@@ -363,6 +420,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_mla_absorbed),
         cmocka_unit_test(test_head_groups),
         cmocka_unit_test(test_forward_cache_invariance),
+        cmocka_unit_test(test_long_context_chunks),
     };
     return cmocka_run_group_tests_name("attention", tests, NULL, NULL);
 }
