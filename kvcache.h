@@ -28,6 +28,7 @@
 #define KVCACHE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "config.h"
 
@@ -112,6 +113,12 @@ static inline int kv_tokens_per_pass(const KVCache *c, int count) {
     const int room = c->pool->window - c->len;
     return room <= 1 ? 1 : room < count ? room : count;
 }
+
+/* Fills positions [len, n) of every layer with entries generated from seed (uniform in
+ * [-1, 1), the same for a given seed, position and row), as if a prefill had computed
+ * them: decoding at a long context without computing it (--fill). Reserved beforehand;
+ * no window. */
+void kv_fill_generated(KVCache *cache, int n, uint64_t seed);
 
 /* One stored row: its elements (pool dtype) and, for int8, its scales. */
 typedef struct {

@@ -65,6 +65,9 @@ static void check_limits(const Model *m, const Options *o) {
     if (o->window > ctx) die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o->window, ctx);
     if (o->window && o->window <= o->window_sinks)
         die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o->window, o->window_sinks);
+    if (o->fill && (long)o->fill + 1 > ctx)
+        die(EXIT_USAGE, "--fill %d is out of range (1..%d: the prompt needs a position of the %d-token context)",
+            o->fill, ctx - 1, ctx);
     if (o->mla_given && m->cfg.variant != VARIANT_MLA)
         die(EXIT_USAGE, "--mla chooses an MLA model's form: %s has no latent attention", variant_name(&m->cfg));
     if (o->dump_path && (o->batch > 1 || o->prompts_path))

@@ -30,6 +30,8 @@ void cli_usage(FILE *f) {
           "                        with seed s+i (continuous batching)\n"
           "      --kv-dtype fp32|bf16|int8  precision of the cached keys and values (default fp32)\n"
           "      --window W        with --kv: keep W positions a sequence, so -n may exceed the context\n"
+          "      --fill N          with --kv: start every sequence at position N, over a cache of generated\n"
+          "                        entries that no pass computed (the step time at a long context)\n"
           "      --window-policy ring|sinks  overwrite the oldest position (ring, default), or keep the\n"
           "                        first 4 for good and slide the rest (sinks)\n"
           "      --threads N       threads, 1..256 (default: OMP_NUM_THREADS, else all cores)\n"
@@ -101,7 +103,8 @@ enum {
     OPT_PPL,
     OPT_INFO,
     OPT_VERSION,
-    OPT_TOP_P
+    OPT_TOP_P,
+    OPT_FILL
 };
 
 static const struct option LONG_OPTIONS[] = {
@@ -120,6 +123,7 @@ static const struct option LONG_OPTIONS[] = {
     {"kv-dtype", required_argument, NULL, OPT_KV_DTYPE},
     {"window", required_argument, NULL, OPT_WINDOW},
     {"window-policy", required_argument, NULL, OPT_WINDOW_POLICY},
+    {"fill", required_argument, NULL, OPT_FILL},
     {"threads", required_argument, NULL, OPT_THREADS},
     {"log", required_argument, NULL, OPT_LOG},
     {"dump-logits", required_argument, NULL, OPT_DUMP_LOGITS},
@@ -286,6 +290,9 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case OPT_WINDOW:
             if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n;
             break;
+        case OPT_FILL:
+            if (!(rc = parse_long(flag, v, 1, 1L << 24, &n, err, errlen))) o->fill = (int)n;
+            break;
         case OPT_WINDOW_POLICY:
             policy_given = 1;
             if (!strcmp(v, "ring"))
@@ -323,6 +330,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     if (o->prompts_path && o->prompt_given)
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
+    if (o->fill && (!o->kv || o->window || o->info || o->check_kv || o->check_batch || o->ppl_path))
+        return errmsg(err, errlen, 2,
+                      "--fill starts a generation with --kv over generated entries: it takes no %s",
+                      !o->kv ? "run without --kv" : o->window ? "--window" : o->info ? "--info" : o->check_kv ? "--check-kv" : o->check_batch ? "--check-batch" : "--ppl");
     if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
         return errmsg(err, errlen, 2,
                       "--window needs --kv: without the cache every step recomputes the whole sequence");

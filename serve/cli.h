@@ -43,6 +43,7 @@ typedef struct {
     DType kv_dtype;           /* of the cached elements: fp32, bf16 or int8 */
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */
     int window_sinks;         /* of them, the first positions kept for good (--window-policy sinks) */
+    int fill;                 /* --fill: positions of generated cache entries every sequence starts after */
     int prompt_given;         /* -p or -f was on the command line */
     int mla_given;        /* --mla was on the command line (refused for a model without MLA) */
     int threads_note;         /* -t above 2: say that -t is the temperature here and threads are --threads */

@@ -61,11 +61,12 @@ static const char *stop_name(StopReason r) {
 }
 
 /* The text of tokens[1 ..) (after BOS) as stdout shows it: sanitized, in a new buffer. */
-static char *sequence_text(const Model *m, const Request *r, size_t *len) {
-    const size_t n = spm_decode(m->tokenizer, r->tokens + 1, r->n_tokens - 1, NULL, 0);
+static char *sequence_text(const Model *m, const Request *r, int fill, size_t *len) {
+    const int *tokens = r->tokens + fill + 1, count = r->n_tokens - fill - 1; /* after the fill and BOS */
+    const size_t n = spm_decode(m->tokenizer, tokens, count, NULL, 0);
     char *raw = malloc(n + 1), *text = NULL;
     if (raw) {
-        spm_decode(m->tokenizer, r->tokens + 1, r->n_tokens - 1, raw, n + 1);
+        spm_decode(m->tokenizer, tokens, count, raw, n + 1);
         *len = utf8_sanitize(NULL, 0, raw, n);
         if ((text = malloc(*len + 1))) utf8_sanitize(text, *len + 1, raw, n);
     }
@@ -77,14 +78,14 @@ static char *sequence_text(const Model *m, const Request *r, size_t *len) {
 /* A whole sequence: a JSON line, or its text under a header line. */
 static void print_sequence(const Generation *g, const Request *r) {
     size_t len;
-    char *text = sequence_text(g->model, r, &len);
+    char *text = sequence_text(g->model, r, g->o->fill, &len);
     if (g->o->json) {
         const char *prompt = g->list->texts[r->index];
         printf("{\"type\": \"sequence\", \"index\": %d, \"prompt\": ", r->index);
         json_string(stdout, prompt, strlen(prompt));
         printf(", \"seed\": %llu, \"text\": ", (unsigned long long)r->seed);
         json_string(stdout, text, len);
-        printf(", \"prompt_tokens\": %d, \"tokens\": [", r->n_prompt);
+        printf(", \"prompt_tokens\": %d, \"fill\": %d, \"tokens\": [", r->n_prompt - g->o->fill, g->o->fill);
         for (int i = r->n_prompt; i < r->n_tokens; i++) printf(i > r->n_prompt ? ", %d" : "%d", r->tokens[i]);
         printf("], \"generated\": %d, \"stop\": \"%s\", \"first_token_ms\": %.3f, \"prefill_ms\": %.3f, "
                "\"decode_ms_per_token\": %.4f, \"preemptions\": %d}\n",
@@ -369,6 +370,7 @@ static void warm_up(const Model *m, KVPool *pool, const Options *o, const Reques
     const double t0 = now_ms();
     Scheduler sch;
     scheduler_open(&sch, m, pool, o, 1);
+    sch.fill = 0; /* the generated entries are the timed run's: the warm-up computes the prompt */
     const int n = pool->window && first->n_prompt > pool->window ? pool->window : first->n_prompt;
     Request r = {.tokens = first->tokens, .n_prompt = n, .cap_tokens = first->cap_tokens, .score = 1};
     scheduler_add(&sch, &r);
@@ -461,7 +463,8 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     warm_up(m, pool, o, &list.requests[0], &g);
 
     scheduler_open(&sch, m, pool, o, o->batch);
-    for (int i = 0; i < list.n; i++) scheduler_add(&sch, &list.requests[i]);
+    for (int i = 0; i < list.n; i++)
+        if (scheduler_add(&sch, &list.requests[i]) != 0) die(1, "out of memory");
     StepResult st;
     int rc = 0;
     while (!interrupted_by && (rc = scheduler_step(&sch, &st)) > 0) report_step(&g, &st);

@@ -38,13 +38,15 @@ static double nll_standard_error(const NllSum *t) {
     return sqrt((double)t->stories / (t->stories - 1) * (spread > 0.0 ? spread : 0.0)) / (double)t->count;
 }
 
-/* A story's tokens ids[0 .. n) scored: without a window in windows of the context, each from
- * an empty cache, as train/model.py story_windows() does (the baseline past the context:
- * restart); with one, through the windowed cache, each position seeing what the window
- * keeps. Each window is a scored request; position p's logits predict ids[p + 1]. */
+/* A story's tokens ids[0 .. n) scored: without a window in windows of the context (at most
+ * a pass's SCHEDULER_PASS_TOKENS, whose rows of logits a step holds), each from an empty
+ * cache, as train/model.py story_windows() does (the baseline past the context: restart);
+ * with one, through the windowed cache, each position seeing what the window keeps. Each
+ * window is a scored request; position p's logits predict ids[p + 1]. */
 static void score_story(Scheduler *sch, const int *ids, int n, NllSum *sum) {
     const Model *m = sch->model;
-    const int ctx = m->cfg.max_seq_len, V = m->cfg.vocab_size;
+    const int ctx = m->cfg.max_seq_len < SCHEDULER_PASS_TOKENS ? m->cfg.max_seq_len : SCHEDULER_PASS_TOKENS;
+    const int V = m->cfg.vocab_size;
     const int span = sch->pool->window ? n - 1 : ctx; /* inputs a request */
     for (int start = 0; start < n - 1; start += span) {
         const int len = n - 1 - start < span ? n - 1 - start : span;

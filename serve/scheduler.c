@@ -8,7 +8,8 @@
 
 struct SchedulerRun {
     Scheduler *sch;
-    RunState state; /* the model's scratch: max_tokens = context + slots */
+    RunState state;   /* the model's scratch: max_tokens = prompt_budget + slots */
+    int prompt_budget; /* prompt tokens a pass computes: the context, at most SCHEDULER_PASS_TOKENS */
     Team *team;
     Request *queue, *queue_tail; /* waiting, in order; a preempted one goes back to the front */
     Request **running;           /* (max_batch) in the order of admission */
@@ -32,6 +33,7 @@ struct SchedulerRun {
     int n_sample;
     Request **finished; /* (max_batch) */
     int rc;             /* of the step's passes: 0, or model.h's error */
+    int more;           /* the group being run has another pass (without the cache) */
     double start;       /* the first step's start */
 };
 
@@ -110,13 +112,14 @@ static void end_request(Request *r) {
 static int admit(SchedulerRun *run) {
     Scheduler *sch = run->sch;
     const int first_new = run->n_running;
-    int budget = sch->model->cfg.max_seq_len; /* prompt tokens computed in one step */
+    int budget = run->prompt_budget; /* prompt tokens computed in one step */
     while (run->n_running < sch->max_batch && run->queue) {
         Request *r = run->queue;
         Request *source = NULL;
         int shared = 0, pending = 0;
-        /* a window's slots are never shared, and a scored request computes all its positions */
-        for (int i = 0; i < run->n_running && sch->kv && !sch->pool->window && !r->score; i++) {
+        /* a window's slots are never shared, a scored request computes all its positions, and
+         * generated entries are each sequence's own */
+        for (int i = 0; i < run->n_running && sch->kv && !sch->pool->window && !r->score && !sch->fill; i++) {
             Request *q = run->running[i];
             const int common = min_int(common_prefix(r, q), r->n_tokens - 1);
             if (i >= first_new) { /* computed this step */
@@ -131,13 +134,17 @@ static int admit(SchedulerRun *run) {
             r->waited = 1;
             break;
         }
-        const int compute = r->n_tokens - shared;
+        const int compute = r->n_tokens - shared - sch->fill; /* a fill shares nothing, and is not computed */
         if (sch->kv && run->n_running > first_new && compute > budget) break;
         if (start_request(sch, r) != 0) return -1;
         if (source) kv_share_prefix(&r->cache, &source->cache, shared);
         if (sch->kv && kv_blocks_needed(&r->cache, r->n_tokens) + blocks_for_running(run) > sch->pool->n_free) {
             kv_reset(&r->cache);
             break;
+        }
+        if (sch->fill && r->cache.len == 0) {
+            if (kv_reserve(&r->cache, sch->fill) != 0) return -1; /* counted in the blocks needed */
+            kv_fill_generated(&r->cache, sch->fill, r->seed);
         }
         queue_pop(run);
         run->running[run->n_running++] = r;
@@ -172,18 +179,23 @@ static int reserve_or_preempt(SchedulerRun *run) {
 
 /* ---- the passes of a step ---- */
 
-/* Lays out pass p's tokens: with the cache, every running sequence's new tokens (with a
- * window, at most what it takes without sliding); without, each of the pass's sequences
- * whole, on an emptied cache. A row of logits for each sequence that samples, and for each
- * scored position. Counts the step's tokens and its prompt tokens as it goes. */
-static void lay_out_pass(SchedulerRun *run, int p) {
+/* Lays out the next pass of group p: with the cache, every running sequence's new tokens
+ * (with a window, at most what it takes without sliding); without, each of the group's
+ * sequences whole, on a cache emptied before the group. Prompt tokens (more than one a
+ * sequence) take at most prompt_budget in all; the rest of a prompt comes in the next
+ * pass, or with the cache the next step. A row of logits for each sequence that samples,
+ * and for each scored position. Counts the step's tokens and its prompt tokens as it goes.
+ * Returns 1 while the group has tokens left to compute (without the cache). */
+static int lay_out_pass(SchedulerRun *run, int p) {
     const Scheduler *sch = run->sch;
-    int T = 0, n_logits = 0;
+    int T = 0, n_logits = 0, budget = run->prompt_budget, left = 0;
     run->row0 = run->n_rows;
     for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) {
         Request *r = run->running[i];
-        if (!sch->kv) kv_reset(&r->cache);
-        const int from = r->cache.len, count = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
+        const int from = r->cache.len, want = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
+        const int count = want > 1 ? min_int(want, budget) : want;
+        if (count > 1) budget -= count;
+        left |= from + count < r->n_tokens;
         run->computed_prompt[i] = r->generated == 0;
         if (r->generated == 0 || (sch->kv && count > 1)) run->prefill_tokens += count; /* prompt, or a recompute */
         run->n_tokens += count;
@@ -201,10 +213,12 @@ static void lay_out_pass(SchedulerRun *run, int p) {
      * computes at least one row of logits */
     run->batch = (Batch){T, run->ids, run->caches, n_logits ? n_logits : 1, run->logit_tokens};
     if (!n_logits) run->logit_tokens[0] = T - 1;
+    return !sch->kv && left;
 }
 
-/* Groups the running sequences into passes: with the cache, all in one; without, whole
- * sequences while the pass's tokens and rows and the pool's blocks allow. */
+/* Groups the running sequences: with the cache, all in one pass; without, whole sequences
+ * while a pass's tokens and rows and the pool's blocks allow (a sequence longer than a
+ * pass alone, in several). */
 static void plan_passes(SchedulerRun *run) {
     const Scheduler *sch = run->sch;
     run->n_passes = 0;
@@ -212,36 +226,39 @@ static void plan_passes(SchedulerRun *run) {
     for (int i = 0; i < run->n_running; i++) {
         const Request *r = run->running[i];
         const int t = r->n_tokens, b = kv_blocks_for(t), w = r->score ? t : 1;
-        if (i == 0 || (!sch->kv && (tokens + t > run->state.max_tokens || blocks + b > sch->pool->n_blocks ||
-                                    rows + w > run->state.max_tokens))) {
+        if (i == 0 || (!sch->kv && (tokens + t > run->prompt_budget || blocks + b > sch->pool->n_blocks ||
+                                    rows + w > run->prompt_budget))) {
             run->pass_first[run->n_passes++] = i;
-            tokens = blocks = 0;
+            tokens = blocks = rows = 0;
         }
         tokens += t, blocks += b, rows += w;
     }
     run->pass_first[run->n_passes] = run->n_running;
 }
 
-/* A step as thread wk->thread of the team runs it: each pass (thread 0 lays it out and
- * finishes it, every thread computes it), then every thread samples its share of the
- * sequences. */
+/* A step as thread wk->thread of the team runs it: each group's passes (thread 0 lays
+ * each out and finishes it, every thread computes it), then every thread samples its
+ * share of the sequences. */
 static void step_share(SchedulerRun *run, Worker *wk) {
     const Scheduler *sch = run->sch;
     const int V = sch->model->cfg.vocab_size;
     for (int p = 0; p < run->n_passes; p++) {
-        if (team_alone(wk)) {
-            lay_out_pass(run, p);
-            run->rc = model_prepare(sch->model, &run->state, &run->batch);
+        if (team_alone(wk) && !sch->kv)
+            for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
+        for (int more = 1; more;) {
+            if (team_alone(wk) && run->rc == 0) { /* an earlier pass's error ends the step */
+                run->more = lay_out_pass(run, p);
+                run->rc = model_prepare(sch->model, &run->state, &run->batch);
+            }
+            team_barrier(wk);
+            if (run->rc != 0) return;
+            more = run->more;
+            float *logits = run->logits + (size_t)run->row0 * V;
+            model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
+            if (team_alone(wk)) run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
         }
-        team_barrier(wk);
-        if (run->rc != 0) return;
-        float *logits = run->logits + (size_t)run->row0 * V;
-        model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
-        if (team_alone(wk)) {
-            run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
-            if (!sch->kv)
-                for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
-        }
+        if (team_alone(wk) && !sch->kv)
+            for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
     }
     const int S = run->n_sample;
     Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4, S));
@@ -363,7 +380,8 @@ int scheduler_init(Scheduler *sch) {
     if (!run) return -1;
     run->sch = sch;
     sch->run = run;
-    const int T = c->max_seq_len + sch->max_batch, B = sch->max_batch;
+    run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
+    const int T = run->prompt_budget + sch->max_batch, B = sch->max_batch;
     run->running = malloc((size_t)B * sizeof *run->running);
     run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
     run->pass_first = malloc((size_t)(B + 1) * sizeof *run->pass_first);
@@ -387,7 +405,21 @@ int scheduler_init(Scheduler *sch) {
     return 0;
 }
 
-void scheduler_add(Scheduler *sch, Request *r) {
+/* The fill's positions go before the prompt, as tokens no pass reads (0). */
+static int prepend_fill(Request *r, int fill) {
+    int *tokens = malloc((size_t)(fill + r->cap_tokens) * sizeof(int));
+    if (!tokens) return -1;
+    memset(tokens, 0, (size_t)fill * sizeof(int));
+    memcpy(tokens + fill, r->tokens, (size_t)r->n_prompt * sizeof(int));
+    free(r->tokens);
+    r->tokens = tokens;
+    r->cap_tokens += fill;
+    r->n_prompt += fill;
+    return 0;
+}
+
+int scheduler_add(Scheduler *sch, Request *r) {
+    if (sch->fill && prepend_fill(r, sch->fill) != 0) return -1;
     r->n_tokens = r->n_prompt;
     r->generated = 0;
     r->stop = STOP_NONE;
@@ -395,6 +427,7 @@ void scheduler_add(Scheduler *sch, Request *r) {
     r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
     r->decode_steps = r->preemptions = 0;
     queue_push_back(sch->run, r);
+    return 0;
 }
 
 void scheduler_free(Scheduler *sch) {

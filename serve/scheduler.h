@@ -30,7 +30,10 @@
  * sequence continues with exactly the bits it would have had.
  *
  * Without the cache (kv = 0), each step recomputes every sequence over its whole length
- * on a cache emptied before and after, as many sequences a pass as the pass holds.
+ * on a cache emptied before and after, as many sequences a pass as the pass holds (a
+ * sequence longer than a pass in several).
+ *
+ * A long prompt is computed SCHEDULER_PASS_TOKENS tokens a step, through the cache.
  *
  * With a window (kvcache.h), sequences share no blocks and run past the context; a
  * sequence computes at most what its window holds in one step (a long prompt takes
@@ -77,6 +80,12 @@ struct Request {
     int preemptions;
 };
 
+/* The prompt tokens one pass computes at most (a sequence's prompt, or its recompute
+ * without the cache, longer than that takes several passes), besides one token for each
+ * sequence that decodes: it bounds the passes' scratch, rows of activations and logits,
+ * whatever the context. */
+enum { SCHEDULER_PASS_TOKENS = 2048 };
+
 /* A row of a step's logits: the prediction after position pos of a request's tokens, and
  * the token sampled from it (-1: a scored position). */
 typedef struct {
@@ -114,6 +123,8 @@ typedef struct {
     int top_k;
     float top_p;
     float temperature;
+    int fill; /* every request starts at this position, over a cache of generated entries
+               * (kvcache.h's kv_fill_generated) that no pass computed: --fill */
     /* results */
     int steps;
     double total_ms; /* from the first step to the last */
@@ -125,9 +136,10 @@ typedef struct {
  * team. Returns -1 when out of memory, when a thread cannot be started, or when the pool
  * cannot hold one sequence of the full context. */
 int scheduler_init(Scheduler *sch);
-/* Queues r: its tokens, cap_tokens and n_prompt must be set (cap_tokens > n_prompt); the
- * rest of it is initialized here. r must live until scheduler_free. */
-void scheduler_add(Scheduler *sch, Request *r);
+/* Queues r: its tokens (malloc'd), cap_tokens and n_prompt must be set (cap_tokens >
+ * n_prompt); the rest of it is initialized here (with a fill, its tokens are moved behind
+ * the fill's). r must live until scheduler_free. Returns -1 when out of memory. */
+int scheduler_add(Scheduler *sch, Request *r);
 /* Runs one step. Returns 1 and fills *out; 0 when no request is left; -1 when out of
  * memory; MODEL_ERR_NONFINITE (model.h) when a forward pass gives logits that are not
  * finite (nothing is sampled from them). */

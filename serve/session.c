@@ -121,7 +121,8 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options 
                        .ignore_eos = o->ignore_eos,
                        .top_k = o->top_k,
                        .top_p = o->top_p,
-                       .temperature = o->temperature};
+                       .temperature = o->temperature,
+                       .fill = o->fill};
     if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);
 }
 

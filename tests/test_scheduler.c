@@ -214,6 +214,115 @@ static void test_scored_request_reports_every_position(void **state) {
     kv_pool_free(&pool);
 }
 
+/* A model of the same shape with a context of two passes' prompt budgets and more. */
+static void load_long_model(Model *m, int context) {
+    Config c = model.cfg;
+    c.max_seq_len = context;
+    char err[256];
+    const char *path = temp_path("sched-long.bin");
+    assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 78), 0);
+    assert_int_equal(model_load(m, path, err, sizeof err), 0);
+}
+
+/* The tokens and the rows of logits a run of one request sampled from, in order. */
+typedef struct {
+    int steps, step_tokens[16], n_rows;
+    float *logits; /* (n_rows, vocab) */
+} Rows;
+
+static Rows run_collecting(Scheduler *sch, Request *r) {
+    const int V = sch->model->cfg.vocab_size;
+    Rows out = {0};
+    out.logits = malloc((size_t)(sch->max_new + 1) * V * sizeof(float));
+    assert_int_equal(scheduler_init(sch), 0);
+    assert_int_equal(scheduler_add(sch, r), 0);
+    StepResult st;
+    int rc;
+    while ((rc = scheduler_step(sch, &st)) > 0) {
+        assert_true(out.steps < 16);
+        out.step_tokens[out.steps++] = st.n_tokens;
+        for (int k = 0; k < st.n_rows; k++)
+            memcpy(out.logits + (size_t)out.n_rows++ * V, st.logits + (size_t)k * V, (size_t)V * sizeof(float));
+    }
+    assert_int_equal(rc, 0);
+    scheduler_free(sch);
+    return out;
+}
+
+/* A prompt longer than two passes' budget: with the cache it takes three steps of at most
+ * SCHEDULER_PASS_TOKENS prompt tokens; without, each step recomputes it in three passes.
+ * Every row of logits is the same bits either way. */
+static void test_long_prompt_in_passes(void **state) {
+    (void)state;
+    const int P = SCHEDULER_PASS_TOKENS, n = 2 * P + 40;
+    Model long_model;
+    load_long_model(&long_model, 2 * P + 64);
+    KVPool pool;
+    assert_int_equal(kv_pool_init(&pool, &long_model.cfg, DTYPE_F32, kv_blocks_for(long_model.cfg.max_seq_len)), 0);
+    Rows runs[2];
+    Request rs[2];
+    for (int kv = 0; kv < 2; kv++) {
+        rs[kv] = request(0, n);
+        for (int i = 1; i < n; i++) rs[kv].tokens[i] = 3 + (i * 7) % 300;
+        Scheduler sch = greedy(&pool, 1, 3);
+        sch.model = &long_model;
+        sch.kv = kv;
+        runs[kv] = run_collecting(&sch, &rs[kv]);
+    }
+    const int expect_kv[] = {P, P, 40, 1, 1};
+    assert_int_equal(runs[1].steps, 5);
+    for (int i = 0; i < 5; i++) assert_int_equal(runs[1].step_tokens[i], expect_kv[i]);
+    assert_int_equal(runs[0].steps, 3);
+    assert_int_equal(runs[0].step_tokens[0], n);
+    assert_int_equal(runs[0].n_rows, 3);
+    assert_int_equal(runs[1].n_rows, 3);
+    assert_memory_equal(runs[0].logits, runs[1].logits, 3 * (size_t)long_model.cfg.vocab_size * sizeof(float));
+    assert_memory_equal(rs[0].tokens, rs[1].tokens, (size_t)rs[0].n_tokens * sizeof(int));
+    for (int kv = 0; kv < 2; kv++) free(runs[kv].logits), free(rs[kv].tokens);
+    kv_pool_free(&pool);
+    model_free(&long_model);
+}
+
+/* Two requests over 2056 generated positions each in a pool of one full context: they fit
+ * side by side until their growth runs the pool out, and the second is preempted; resumed,
+ * its entries are generated again and its tokens are those of its run alone. The fill
+ * comes before the prompt, and only the prompt is computed. */
+static void test_fill_is_regenerated_after_preemption(void **state) {
+    (void)state;
+    const int fill = 2056, context = 2 * SCHEDULER_PASS_TOKENS + 64;
+    Model long_model;
+    load_long_model(&long_model, context);
+    KVPool pool;
+    assert_int_equal(kv_pool_init(&pool, &long_model.cfg, DTYPE_BF16, kv_blocks_for(context)), 0);
+    Request rs[2] = {request(0, 1), request(1, 1)};
+    rs[1].seed = 5;
+    Scheduler sch = greedy(&pool, 2, 30);
+    sch.model = &long_model;
+    sch.fill = fill;
+    const Trace tr = run_all(&sch, rs, 2);
+    assert_int_equal(tr.step_tokens[0], 2); /* the prompts alone, not the fill */
+    assert_int_equal(sch.preemptions, 1);
+    assert_int_equal(rs[1].preemptions, 1);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(rs[i].n_prompt, fill + 1);
+        assert_int_equal(rs[i].generated, 30);
+        Request alone = request(i, 1);
+        alone.seed = rs[i].seed;
+        KVPool roomy;
+        assert_int_equal(kv_pool_init(&roomy, &long_model.cfg, DTYPE_BF16, kv_blocks_for(context)), 0);
+        Scheduler solo = greedy(&roomy, 1, 30);
+        solo.model = &long_model;
+        solo.fill = fill;
+        run_all(&solo, &alone, 1);
+        assert_memory_equal(alone.tokens, rs[i].tokens, (size_t)rs[i].n_tokens * sizeof(int));
+        free(alone.tokens);
+        free(rs[i].tokens);
+        kv_pool_free(&roomy);
+    }
+    kv_pool_free(&pool);
+    model_free(&long_model);
+}
+
 int main(int argc, char **argv) {
     g_tokenizer_path = argc > 1 ? argv[1] : NULL;
     const struct CMUnitTest tests[] = {
@@ -222,6 +331,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_preemption_exactly_when_the_pool_runs_out),
         cmocka_unit_test(test_admission_waits_for_room),
         cmocka_unit_test(test_scored_request_reports_every_position),
+        cmocka_unit_test(test_long_prompt_in_passes),
+        cmocka_unit_test(test_fill_is_regenerated_after_preemption),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
