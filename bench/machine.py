@@ -96,6 +96,23 @@ def mem_total():
     return None
 
 
+def mem_available():
+    """MemAvailable from /proc/meminfo, bytes (MemTotal when the kernel does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return mem_total() or 0
+
+
+def machine_name_for_scale(threads):
+    """The report's machine name, as the latency tables name it (without the kernels' suffix)."""
+    return machine_slug(cpu_model(), physical_cores(), threads)
+
+
 def cpu_jiffies():
     """(busy, steal) seconds of all CPUs since boot, from /proc/stat."""
     try:

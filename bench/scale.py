@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""bench/scale.py: the posts' claim at their scale. One ~1B shape (tinyllama-1.1b) in its MHA,
+GQA, MQA and MLA twins, generated weights (--shape), bf16 cache; the cached decode step at
+contexts 512 to 32k reached through --fill (no prefill), at batch 1 and at a larger batch where
+the cache fits in memory. For each cell: the median step over the timed runs, the bytes it reads
+(the weights once, every sequence's cache once), its FLOPs, the floor (bytes / the probe's
+bandwidth, FLOPs / its peak), the share of the floor reached; and for each variant the context
+where the cache's bytes pass the weights' (by the formula, and measured: the intercept over the
+slope of the step time against the context).
+
+    /usr/bin/python3 bench/scale.py [--threads N] [--reps R] [--contexts 512,2048,8192,32768]
+                                    [--batch 4] [--steps 8] [--out DIR]
+
+`make bench` runs it after the latency tables (bench/bench.mk: BENCH_SCALE=0 leaves it out);
+`make bench-scale` runs it alone. Writes DIR/<machine>-scale.md, .csv and .png."""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench.common import BenchError, ROOT, log, rel
+from bench.engine import engine_json
+from bench.machine import logical_cpus, machine_name_for_scale, mem_available
+
+SHAPE = "tinyllama-1.1b"
+TWINS = (("MHA", "kv_heads=32"), ("GQA", ""), ("MQA", "kv_heads=1"), ("MLA", "latent=256"))
+CONTEXTS = (512, 2048, 8192, 32768)
+BATCH, STEPS, REPS = 4, 8, 3
+SEED = 1
+
+
+def spec(twin):
+    return SHAPE + ("," + twin if twin else "")
+
+
+def info(shape, ctx, batch):
+    """./run --info for the shape: parameters, weight bytes, cache bytes a token (bf16)."""
+    return engine_json(["--shape", shape, "-c", ctx, "--info", "--kv", "--kv-dtype", "bf16", "--batch", batch],
+                       f"--info of {shape}", "info")[-1]
+
+
+def step_ms(shape, ctx, fill, batch, steps, threads):
+    """The median decode step of one run: `batch` sequences at position `fill` on."""
+    out = engine_json(["--shape", shape, "-c", ctx, "--kv", "--kv-dtype", "bf16", "--fill", fill, "-n", steps,
+                       "-k", "1", "--ignore-eos", "--batch", batch, "--threads", threads, "-s", SEED, "-q"],
+                      f"{shape} at {fill}", "summary")[-1]
+    return out["step_ms_median"], out.get("disturbed", False)
+
+
+def attention_flops(c, positions):
+    """Multiply-adds of the attention at these positions, x2: scores and the weighted sum."""
+    if c.get("kv_latent"):
+        width = c["kv_latent"] + c["rope_dim"]
+        per_key = c["heads"] * (width + c["kv_latent"])
+    else:
+        per_key = c["heads"] * 2 * c["head_dim"]
+    return 2 * c["layers"] * per_key * sum(p + 1 for p in positions)
+
+
+def fit_line(xs, ys):
+    """Least squares y = a + b x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def measure(args, bandwidth, peak_flops):
+    rows, disturbed = [], False
+    max_ctx = max(args.contexts)
+    infos = {name: info(spec(twin), max_ctx + args.steps + 1, 1) for name, twin in TWINS}
+    avail = mem_available()
+    for batch in (1, args.batch):
+        for ctx in args.contexts:
+            for rep in range(args.reps + 1):   # a warm-up round first; variants alternate within a round
+                for name, twin in TWINS:
+                    i = infos[name]
+                    need = i["weight_bytes"] + batch * i["kv_bytes_per_token"] * (ctx + args.steps + 16)
+                    if need > 0.85 * avail:
+                        if rep == 0:
+                            log(f"scale: {name} batch {batch} at {ctx}: needs {need / 2**30:.1f} GiB of "
+                                f"{avail / 2**30:.1f} available: left out")
+                        continue
+                    ms, dist = step_ms(spec(twin), max_ctx + args.steps + 1, ctx, batch, args.steps, args.threads)
+                    disturbed |= dist and rep > 0
+                    if rep == 0:
+                        continue
+                    rows.append(dict(variant=name, batch=batch, context=ctx, rep=rep, step_ms=ms))
+                    log(f"scale: {name} batch {batch} context {ctx}: median step {ms:.2f} ms")
+    cells = []
+    for batch in (1, args.batch):
+        for ctx in args.contexts:
+            for name, _ in TWINS:
+                got = [r["step_ms"] for r in rows if (r["variant"], r["batch"], r["context"]) == (name, batch, ctx)]
+                if not got:
+                    continue
+                i = infos[name]
+                positions = [ctx + args.steps // 2] * batch
+                cache_bytes = i["kv_bytes_per_token"] * sum(p + 1 for p in positions)
+                nbytes = i["weight_bytes"] + cache_bytes
+                flops = 2 * i["parameters"] * batch + attention_flops(i, positions)
+                ms = statistics.median(got)
+                floor_ms = max(nbytes / bandwidth, flops / peak_flops) * 1e3
+                cells.append(dict(variant=name, batch=batch, context=ctx, step_ms=ms, spread=max(got) - min(got),
+                                  weight_bytes=i["weight_bytes"], cache_bytes=cache_bytes, flops=flops,
+                                  floor_ms=floor_ms, share=floor_ms / ms))
+    return infos, cells, disturbed
+
+
+def crossovers(infos, cells):
+    """Per variant: the context where a token's cache bytes times the context equal the weights'
+    (formula), and where the measured batch-1 step's context term equals its constant term."""
+    out = {}
+    for name, _ in TWINS:
+        i = infos[name]
+        formula = i["weight_bytes"] / i["kv_bytes_per_token"]
+        pts = [(c["context"], c["step_ms"]) for c in cells if c["variant"] == name and c["batch"] == 1]
+        measured = None
+        if len(pts) >= 2:
+            a, b = fit_line([p[0] for p in pts], [p[1] for p in pts])
+            measured = a / b if b > 0 else None
+        out[name] = (formula, measured)
+    return out
+
+
+def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"{machine}-scale")
+    lines = [f"# The posts' scale: {SHAPE} twins, cached decode step against the context", "",
+             f"Machine: {machine}; {args.threads} threads; bandwidth {bandwidth / 1e9:.1f} GB/s and peak "
+             f"{peak_flops / 1e9:.0f} GFLOP/s (build/roofline); bf16 weights (generated, `--shape`) and bf16 cache; "
+             f"{args.reps} timed runs a cell after a warm-up, each the median of {args.steps} decode steps after "
+             f"`--fill`; figures are medians over the runs.", ""]
+    if disturbed:
+        lines += ["**Disturbed:** some runs saw steps over 3x their median (another process wanted the cores).", ""]
+    lines += ["| variant | KV bytes/token | weights, bytes | cache passes weights at (formula) | measured |",
+              "|---|---:|---:|---:|---:|"]
+    for name, _ in TWINS:
+        f, m = cross[name]
+        lines.append(f"| {name} | {infos[name]['kv_bytes_per_token']:,} | {infos[name]['weight_bytes']:,} | "
+                     f"{f:,.0f} | {'-' if m is None else f'{m:,.0f}'} |")
+    lines += ["", "| variant | batch | context | step, ms | spread | weights, MB | cache, MB | floor, ms | "
+              "share of floor |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        lines.append(f"| {c['variant']} | {c['batch']} | {c['context']:,} | {c['step_ms']:.2f} | {c['spread']:.2f} | "
+                     f"{c['weight_bytes'] / 1e6:,.0f} | {c['cache_bytes'] / 1e6:,.0f} | {c['floor_ms']:.2f} | "
+                     f"{c['share'] * 100:.0f}% |")
+    ratio = {}
+    for ctx in args.contexts:
+        by = {c["variant"]: c["step_ms"] for c in cells if c["batch"] == 1 and c["context"] == ctx}
+        if "MHA" in by and "GQA" in by:
+            ratio[ctx] = by["MHA"] / by["GQA"]
+    if ratio:
+        lines += ["", "MHA step / GQA step at batch 1: " +
+                  ", ".join(f"{r:.2f}x at {ctx:,}" for ctx, r in ratio.items()) + "."]
+    with open(base + ".md.tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(base + ".md.tmp", base + ".md")
+    with open(base + ".csv.tmp", "w") as f:
+        f.write("variant,batch,context,step_ms,spread_ms,weight_bytes,cache_bytes,flops,floor_ms,share\n")
+        for c in cells:
+            f.write(f"{c['variant']},{c['batch']},{c['context']},{c['step_ms']:.4f},{c['spread']:.4f},"
+                    f"{c['weight_bytes']},{c['cache_bytes']},{c['flops']},{c['floor_ms']:.4f},{c['share']:.4f}\n")
+    os.replace(base + ".csv.tmp", base + ".csv")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("scale: no matplotlib: no plot")
+        return base
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, _ in TWINS:
+        pts = [(c["context"], c["step_ms"]) for c in cells if c["variant"] == name and c["batch"] == 1]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (positions in the cache)")
+    ax.set_ylabel("cached decode step, ms (batch 1)")
+    ax.set_title(f"{SHAPE} twins, bf16 cache, {machine}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=110)
+    plt.close(fig)
+    return base
+
+
+def number_list(text):
+    return tuple(int(x) for x in text.split(","))
+
+
+def main(argv=None):
+    from bench.roofline import roofline
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=logical_cpus())
+    ap.add_argument("--reps", type=int, default=REPS)
+    ap.add_argument("--contexts", type=number_list, default=CONTEXTS)
+    ap.add_argument("--batch", type=int, default=BATCH, help="the larger batch (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="decode steps a run (default %(default)s)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = ap.parse_args(argv)
+    if not os.path.exists(os.path.join(ROOT, "build", "roofline")):
+        raise SystemExit("bench/scale.py: build/roofline is missing: run make build/roofline")
+    roof = roofline(args)
+    bandwidth = float(roof["bandwidth_best_GBps"]) * 1e9
+    peak = float(roof["peak_best_GFLOPs"]) * 1e9
+    t0 = time.time()
+    try:
+        infos, cells, disturbed = measure(args, bandwidth, peak)
+    except BenchError as e:
+        raise SystemExit(f"bench/scale.py: {e}")
+    machine = machine_name_for_scale(args.threads)
+    base = write(args, machine, bandwidth, peak, infos, cells, crossovers(infos, cells), disturbed)
+    log(f"scale: {rel(base)}.md in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
