@@ -157,7 +157,7 @@ def refuse_other_run(ck, cfg, args, last_path):
     diff = [f"{k} {saved.get(k)} (last.pt) vs {v}" for k, v in cfg.__dict__.items() if saved.get(k) != v]
     if diff:
         sys.exit(f"train.py: --resume: {last_path} holds another model config ({', '.join(diff)}); "
-                 "resume with the options it started with (--small, --ctx, --dropout)")
+                 "resume with the options it started with (--small, --ctx, --dropout, the shape's)")
     per_step = args.batch_size * args.ctx
     if ck["step"] > 0 and ck["tokens"] != ck["step"] * per_step:
         sys.exit(f"train.py: --resume: the run's steps are {ck['tokens'] // ck['step']} tokens, not "
@@ -236,6 +236,14 @@ def main():
     ap.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last.pt")
     ap.add_argument("--force", action="store_true", help="start afresh in an OUT that holds an earlier run")
     ap.add_argument("--small", action="store_true", help="tiny model for smoke tests")
+    shape = ap.add_argument_group("the model's shape, for a model other than the protocol's (a speculative "
+                                  "decoding draft, for one); default: the variant's")
+    shape.add_argument("--layers", type=int, help="layers (default 4)")
+    shape.add_argument("--dim", type=int, help="model width (default 512)")
+    shape.add_argument("--heads", type=int, help="query heads (default 16)")
+    shape.add_argument("--head-dim", type=int, help="width of a head (default 32)")
+    shape.add_argument("--kv-heads", type=int, help="KV heads of mha/gqa/mqa (default: the variant's)")
+    shape.add_argument("--hidden", type=int, help="FFN width (default 1344)")
     args = ap.parse_args()
     stop = Stop()
     out = args.out or os.path.join(ROOT, "out", args.variant)
@@ -270,6 +278,21 @@ def main():
     overrides = dict(dropout=args.dropout, max_seq_len=args.ctx)
     if args.small:
         overrides.update(dim=64, n_layers=2, hidden_dim=96)
+    for flag, field in (("layers", "n_layers"), ("dim", "dim"), ("heads", "n_heads"), ("head_dim", "head_dim"),
+                        ("kv_heads", "n_kv_heads"), ("hidden", "hidden_dim")):
+        value = getattr(args, flag)
+        if value is not None:
+            if value < 1:
+                sys.exit(f"train.py: --{flag.replace('_', '-')} must be at least 1, not {value}")
+            overrides[field] = value
+    if args.kv_heads is not None and args.variant.startswith("mla"):
+        sys.exit("train.py: --kv-heads is for mha, gqa and mqa: MLA caches a latent")
+    heads = overrides.get("n_heads", 16)
+    kv_heads = overrides.get("n_kv_heads", VARIANTS[args.variant][0])
+    if args.heads is not None and args.kv_heads is None and args.variant == "mha":
+        overrides["n_kv_heads"] = kv_heads = heads
+    if kv_heads and heads % kv_heads:
+        sys.exit(f"train.py: {heads} query heads cannot be shared among {kv_heads} KV heads")
     cfg = Config.for_variant(args.variant, **overrides)
     model = Transformer(cfg)
     n_params = sum(p.numel() for p in model.parameters())
