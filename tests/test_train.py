@@ -536,3 +536,28 @@ def test_report_refuses_a_damaged_or_missing_best_pt(finished, last_pt_bytes, tm
     p = run_py("report.py", *args)
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
     assert p.stderr.startswith(f"report: {run / 'best.pt'} is missing; ") and "train/train.py" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--layers", "0"], ("--layers must be at least 1",)),
+    (["--heads", "6", "--kv-heads", "4"], ("6 query heads", "4 KV heads")),
+])
+def test_shape_flags_refuse_what_cannot_be_built(data, tmp_path, flags, words):
+    p = run_py("train.py", "--variant", "gqa", *TINY, *flags, "--data", data, "--out", tmp_path / "o")
+    assert_one_line_error(p, *words)
+    assert not (tmp_path / "o").exists()
+
+
+def test_shape_flags_build_the_model_they_name(data, tmp_path):
+    """A 1-layer model of width 32 with 2 heads of 16 and one KV head (GQA flags, MQA-shaped):
+    its last.pt holds exactly that config."""
+    out = tmp_path / "o"
+    p = run_py("train.py", "--variant", "gqa", "--steps", "1", "--batch-size", "2", "--ctx", "32",
+               "--layers", "1", "--dim", "32", "--heads", "2", "--head-dim", "16", "--kv-heads", "1",
+               "--hidden", "48", "--data", data, "--out", out)
+    assert p.returncode == 0, p.stderr
+    sys.path.insert(0, os.path.join(ROOT, "train"))
+    import checkpoint
+    cfg = checkpoint.load(str(out / "last.pt"))["config"]
+    assert (cfg["n_layers"], cfg["dim"], cfg["n_heads"], cfg["head_dim"], cfg["n_kv_heads"], cfg["hidden_dim"]) == \
+        (1, 32, 2, 16, 1, 48)
