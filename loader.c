@@ -18,9 +18,6 @@
 #define HEADER_SIZE 128
 #define RESERVED_OFFSET 104 /* the header's last 24 bytes, zero in version 1 */
 #define FORMAT_VERSION 1
-#define MAX_DIM 65536
-/* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
-#define MAX_ROPE_ENTRIES (1L << 22)
 
 static uint32_t rd_u32(const unsigned char *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -85,71 +82,68 @@ size_t model_param_count(const Config *c) {
     return (size_t)n;
 }
 
-/* Checks the header's numbers; everything later relies on them. */
-static int check_config(const Config *c, char *err, size_t errlen) {
+int config_check(const Config *c, const char *what, char *err, size_t errlen) {
     const struct {
         const char *name;
-        int v;
+        int v, max;
     } dims[] = {
-        {"dim", c->dim},
-        {"n_layers", c->n_layers},
-        {"n_heads", c->n_heads},
-        {"head_dim", c->head_dim},
-        {"hidden_dim", c->hidden_dim},
-        {"vocab_size", c->vocab_size},
-        {"max_seq_len", c->max_seq_len},
+        {"dim", c->dim, MAX_DIM},
+        {"n_layers", c->n_layers, MAX_LAYERS},
+        {"n_heads", c->n_heads, MAX_DIM},
+        {"head_dim", c->head_dim, MAX_DIM},
+        {"hidden_dim", c->hidden_dim, MAX_DIM},
+        {"vocab_size", c->vocab_size, MAX_VOCAB},
+        {"max_seq_len", c->max_seq_len, MAX_SEQ_LEN},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
-        if (dims[i].v <= 0 || dims[i].v > MAX_DIM)
-            return errmsg(err, errlen, -1, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v,
-                          MAX_DIM);
-    if (c->n_layers > 256) return errmsg(err, errlen, -1, "checkpoint: n_layers = %d is absurd", c->n_layers);
-    if (c->max_seq_len > MAX_SEQ_LEN)
-        return errmsg(err, errlen, -1, "checkpoint: max_seq_len = %d is over %d", c->max_seq_len, MAX_SEQ_LEN);
+        if (dims[i].v <= 0 || dims[i].v > dims[i].max)
+            return errmsg(err, errlen, -1, "%s: %s = %d is out of range (1..%d)", what, dims[i].name, dims[i].v,
+                          dims[i].max);
     if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
-        return errmsg(err, errlen, -1, "checkpoint: n_heads * head_dim = %ld is absurd",
-                      (long)c->n_heads * c->head_dim);
+        return errmsg(err, errlen, -1, "%s: n_heads * head_dim = %ld is absurd", what, (long)c->n_heads * c->head_dim);
     if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
         c->n_kv_heads > MAX_DIM)
-        return errmsg(err, errlen, -1, "checkpoint: n_kv_heads, kv_latent or rope_dim is out of range");
+        return errmsg(err, errlen, -1, "%s: n_kv_heads, kv_latent or rope_dim is out of range", what);
     switch (c->variant) {
     case VARIANT_MHA:
         if (c->n_kv_heads != c->n_heads)
-            return errmsg(err, errlen, -1, "checkpoint: an MHA model needs n_kv_heads == n_heads (%d != %d)",
+            return errmsg(err, errlen, -1, "%s: an MHA model needs n_kv_heads == n_heads (%d != %d)", what,
                           c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_GQA:
         if (c->n_kv_heads <= 1 || c->n_kv_heads >= c->n_heads || c->n_heads % c->n_kv_heads != 0)
             return errmsg(err, errlen, -1,
-                          "checkpoint: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)",
+                          "%s: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)", what,
                           c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_MQA:
         if (c->n_kv_heads != 1)
-            return errmsg(err, errlen, -1, "checkpoint: an MQA model needs n_kv_heads == 1 (got %d)", c->n_kv_heads);
+            return errmsg(err, errlen, -1, "%s: an MQA model needs n_kv_heads == 1 (got %d)", what, c->n_kv_heads);
         break;
     case VARIANT_MLA:
         if (c->n_kv_heads != 0 || c->kv_latent <= 0 || c->rope_dim <= 0 || c->rope_dim % 2 != 0)
             return errmsg(err, errlen, -1,
-                          "checkpoint: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0");
+                          "%s: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0", what);
         break;
-    default: return errmsg(err, errlen, -1, "checkpoint: unknown variant %d", (int)c->variant);
+    default: return errmsg(err, errlen, -1, "%s: unknown variant %d", what, (int)c->variant);
     }
     if (c->variant != VARIANT_MLA && (c->kv_latent != 0 || c->rope_dim != 0))
-        return errmsg(err, errlen, -1, "checkpoint: kv_latent and rope_dim must be 0 for %s", variant_name(c));
+        return errmsg(err, errlen, -1, "%s: kv_latent and rope_dim must be 0 for %s", what, variant_name(c));
     if (c->head_dim % 2 != 0)
-        return errmsg(err, errlen, -1, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
+        return errmsg(err, errlen, -1, "%s: head_dim = %d is odd (RoPE rotates pairs)", what, c->head_dim);
     if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f))
-        return errmsg(err, errlen, -1, "checkpoint: rope_theta is not a sane number");
+        return errmsg(err, errlen, -1, "%s: rope_theta is not a sane number (over 1, under 1e9)", what);
     if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f))
-        return errmsg(err, errlen, -1, "checkpoint: norm_eps is not in (0, 1)");
+        return errmsg(err, errlen, -1, "%s: norm_eps is not in (0, 1)", what);
     long rope_entries = (long)c->max_seq_len * (config_rope_width(c) / 2);
     if (rope_entries > MAX_ROPE_ENTRIES)
-        return errmsg(err, errlen, -1,
-                      "checkpoint: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)", rope_entries,
-                      MAX_ROPE_ENTRIES);
+        return errmsg(err, errlen, -1, "%s: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)",
+                      what, rope_entries, (long)MAX_ROPE_ENTRIES);
+    if (c->window < 0 || c->window > c->max_seq_len)
+        return errmsg(err, errlen, -1, "%s: window = %d is out of range (0..%d, the context; 0: none)", what,
+                      c->window, c->max_seq_len);
     if (c->bos_id < 0 || c->bos_id >= c->vocab_size || c->eos_id < 0 || c->eos_id >= c->vocab_size)
-        return errmsg(err, errlen, -1, "checkpoint: bos_id or eos_id is outside the vocabulary");
+        return errmsg(err, errlen, -1, "%s: bos_id or eos_id is outside the vocabulary", what);
     return 0;
 }
 
@@ -168,36 +162,37 @@ static int parse_header(Config *c, const unsigned char *h, char *err, size_t err
                           h[i]);
     c->variant = (Variant)variant;
     c->dtype = (DType)dtype;
-    /* the u32 fields from offset 16 on, in order, and the least value each may take */
+    /* the u32 fields from offset 16 on, in order, and the least and most each may take */
     const struct {
         int *field;
         const char *name;
-        int min;
+        int min, max;
     } dims[] = {
-        {&c->dim, "dim", 1},
-        {&c->n_layers, "n_layers", 1},
-        {&c->n_heads, "n_heads", 1},
-        {&c->head_dim, "head_dim", 1},
-        {&c->n_kv_heads, "n_kv_heads", 0},
-        {&c->kv_latent, "kv_latent", 0},
-        {&c->rope_dim, "rope_dim", 0},
-        {&c->hidden_dim, "hidden_dim", 1},
-        {&c->vocab_size, "vocab_size", 1},
-        {&c->max_seq_len, "max_seq_len", 1},
+        {&c->dim, "dim", 1, MAX_DIM},
+        {&c->n_layers, "n_layers", 1, MAX_DIM},
+        {&c->n_heads, "n_heads", 1, MAX_DIM},
+        {&c->head_dim, "head_dim", 1, MAX_DIM},
+        {&c->n_kv_heads, "n_kv_heads", 0, MAX_DIM},
+        {&c->kv_latent, "kv_latent", 0, MAX_DIM},
+        {&c->rope_dim, "rope_dim", 0, MAX_DIM},
+        {&c->hidden_dim, "hidden_dim", 1, MAX_DIM},
+        {&c->vocab_size, "vocab_size", 1, MAX_VOCAB},
+        {&c->max_seq_len, "max_seq_len", 1, MAX_SEQ_LEN},
     };
     for (int i = 0; i < 10; i++) {
         uint32_t v = rd_u32(h + 16 + 4 * i);
-        if (v > (uint32_t)MAX_DIM) /* here, while the file's own number is at hand for the message */
+        if (v > (uint32_t)dims[i].max) /* here, while the file's own number is at hand for the message */
             return errmsg(err, errlen, -1, "checkpoint: %s = %u is out of range (%d..%d)", dims[i].name, v, dims[i].min,
-                          MAX_DIM);
+                          dims[i].max);
         *dims[i].field = (int)v;
     }
     c->rope_theta = rd_f32(h + 56);
     c->norm_eps = rd_f32(h + 60);
     uint32_t bos = rd_u32(h + 64), eos = rd_u32(h + 68);
-    c->bos_id = bos > (uint32_t)MAX_DIM ? -1 : (int)bos;
-    c->eos_id = eos > (uint32_t)MAX_DIM ? -1 : (int)eos;
-    return check_config(c, err, errlen);
+    c->bos_id = bos > (uint32_t)MAX_VOCAB ? -1 : (int)bos;
+    c->eos_id = eos > (uint32_t)MAX_VOCAB ? -1 : (int)eos;
+    c->window = 0; /* version 1 has no sliding window */
+    return config_check(c, "checkpoint", err, errlen);
 }
 
 /* Copies element (r, c) of a packed matrix to dst, in its dtype. */
@@ -258,11 +253,14 @@ static void *alloc_weights(size_t w_size) {
     return p;
 }
 
-/* Reading the weights tensor by tensor: each is read into `rowmajor`, checked, and packed
- * into the heap copy. The first failure stops the walk's work and keeps its message. */
+/* Filling the weights tensor by tensor: each is read from the file (checked) or generated
+ * into `rowmajor`, then packed into the heap copy, so that loaded and generated weights
+ * take the one packing path. The first failure stops the walk's work and keeps its message. */
 typedef struct {
-    int fd;
+    int fd; /* -1: generated from `seed` */
     const char *path;
+    uint64_t seed;
+    int tensor;    /* index of the next tensor in file order */
     size_t offset; /* in the file, of the next tensor */
     char *dst;     /* in the heap copy */
     DType dt;
@@ -273,7 +271,49 @@ typedef struct {
     int failed;
 } PackCursor;
 
-/* Visitor: the next tensor of the file goes, checked and packed, into the heap copy. */
+/* splitmix64's finalizer: a counter in, 64 well-mixed bits out */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* bf16 of a finite float, rounded to nearest even (the exporter's rounding) */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* std 0.02, an ordinary initialization: RMSNorm's output has unit scale, so a row of
+ * dim weights gives projections and logits of order 0.02 * sqrt(dim) */
+#define GENERATED_STD 0.02f
+
+/* Tensor `index` of a generated model, row-major in dst (bf16): a norm's gains are 1; a
+ * matrix's element i is the sum of two uniform 16-bit draws, centred (a triangular,
+ * normal-ish distribution of std GENERATED_STD), the draws being 16-bit parts of
+ * mix64(key + counter) with a counter from the tensor and the element. The values depend
+ * on the seed, the tensor and the element only: not on threads, ISA or packing. */
+static void generate_tensor(uint16_t *dst, const TensorRef *t, uint64_t seed, int index) {
+    const size_t n = (size_t)t->rows * (size_t)t->cols;
+    if (t->rows == 1) { /* a norm's gains (every vector of a model is one) */
+        for (size_t i = 0; i < n; i++) dst[i] = bf16_of(1.0f);
+        return;
+    }
+    /* triangular on (-b, b) has std b / sqrt(6) */
+    const float scale = GENERATED_STD * 2.449489743f / 65536.0f;
+    const uint64_t key = mix64(seed ^ 0x5348415045ull) + ((uint64_t)index << 40) * 0x9E3779B97F4A7C15ull;
+    size_t i = 0;
+    for (uint64_t counter = 0; i < n; counter++) {
+        const uint64_t h = mix64(key + counter * 0x9E3779B97F4A7C15ull);
+        const int a = (int)(h & 0xFFFF) + (int)(h >> 16 & 0xFFFF) - 65535;
+        const int b = (int)(h >> 32 & 0xFFFF) + (int)(h >> 48) - 65535;
+        dst[i++] = bf16_of((float)a * scale);
+        if (i < n) dst[i++] = bf16_of((float)b * scale);
+    }
+}
+
+/* Visitor: the next tensor, read and checked or generated, goes packed into the heap copy. */
 static void pack_tensor(void *ctx, const TensorRef *t) {
     PackCursor *cur = ctx;
     const size_t n = (size_t)t->rows * (size_t)t->cols, bytes = n * dtype_size(cur->dt);
@@ -286,7 +326,9 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
             return;
         }
     }
-    if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
+    if (cur->fd < 0) {
+        generate_tensor((uint16_t *)cur->rowmajor, t, cur->seed, cur->tensor);
+    } else if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
         cur->failed = errno
                           ? errmsg(cur->err, cur->errlen, 1, "cannot read checkpoint %s: %s", msg_path(cur->path).s,
                                    strerror(errno))
@@ -294,7 +336,7 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
                                    "checkpoint %s shrank while it was being read (truncated?)", msg_path(cur->path).s);
         return;
     }
-    const long bad = first_nonfinite(cur->rowmajor, n, cur->dt);
+    const long bad = cur->fd < 0 ? -1 : first_nonfinite(cur->rowmajor, n, cur->dt);
     if (bad >= 0) {
         const int row = (int)(bad / t->cols), col = (int)(bad % t->cols);
         const char *what = cur->dt == DTYPE_BF16 ? ((const uint16_t *)cur->rowmajor)[bad] & 0x7Fu ? "NaN" : "infinite"
@@ -312,46 +354,87 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
     *t->mat = (Mat){cur->dst, t->rows, t->cols, cur->dt};
     cur->offset += bytes;
     cur->dst += bytes;
+    cur->tensor++;
+}
+
+/* The weights of m->cfg packed into fresh storage by the cursor (from a file or generated),
+ * the RoPE tables for its context, and MLA's derived matrices. 0, or -1 with the cursor's
+ * message (or none when out of memory: the caller says so). */
+static int fill_weights(Model *m, PackCursor *cur) {
+    const Config *c = &m->cfg;
+    m->weights = alloc_weights(model_param_count(c) * dtype_size(c->dtype));
+    m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
+    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) return -1;
+    cur->dst = m->weights;
+    cur->dt = c->dtype;
+    model_walk_tensors(c, &m->w, pack_tensor, cur);
+    free(cur->rowmajor);
+    cur->rowmajor = NULL;
+    if (cur->failed) return -1;
+    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) return -1;
+    return 0;
+}
+
+/* Reads and checks the header of an open checkpoint of `size` bytes into c, with its
+ * sections' offsets; 0 or -1 with the message. */
+static int read_header(int fd, const char *path, size_t size, Config *c, uint64_t *tok_off, uint64_t *tok_size,
+                       uint64_t *w_off, char *err, size_t errlen) {
+    unsigned char h[HEADER_SIZE];
+    if (size < HEADER_SIZE)
+        return errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header",
+                      msg_path(path).s, size, HEADER_SIZE);
+    if (read_at(fd, h, HEADER_SIZE, 0) != 0) {
+        if (errno) return errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
+        return errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
+    }
+    if (parse_header(c, h, err, errlen) != 0) return -1;
+    *tok_off = rd_u64(h + 72), *tok_size = rd_u64(h + 80), *w_off = rd_u64(h + 88);
+    const uint64_t w_size = rd_u64(h + 96);
+    if (*tok_off < HEADER_SIZE || *tok_off > size || *tok_size == 0 || *tok_size > size - *tok_off)
+        return errmsg(err, errlen, -1,
+                      "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
+                      (unsigned long long)*tok_off, (unsigned long long)*tok_size, size);
+    if (*w_off % 64 != 0 || *w_off < *tok_off + *tok_size || *w_off > size || w_size != size - *w_off)
+        return errmsg(err, errlen, -1,
+                      "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should "
+                      "(truncated?)",
+                      (unsigned long long)*w_off, (unsigned long long)w_size, size);
+    const uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
+    if (w_size != expect)
+        return errmsg(err, errlen, -1, "checkpoint: weights hold %llu bytes but the dimensions imply %llu",
+                      (unsigned long long)w_size, (unsigned long long)expect);
+    return 0;
+}
+
+int model_read_config(Config *c, const char *path, char *err, size_t errlen) {
+    size_t size;
+    uint64_t tok_off, tok_size, w_off;
+    memset(c, 0, sizeof *c);
+    const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
+    if (fd < 0) return -1;
+    const int rc = read_header(fd, path, size, c, &tok_off, &tok_size, &w_off, err, errlen);
+    close(fd);
+    return rc;
 }
 
 /* The file is read with pread, never mapped: a mapped file that shrinks under the reader
  * kills it with SIGBUS, while a read just comes up short. */
-int model_load(Model *m, const char *path, char *err, size_t errlen) {
+int model_load_with_context(Model *m, const char *path, int ctx, char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
     size_t size;
     const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
     if (fd < 0) return -1;
-    unsigned char h[HEADER_SIZE];
     char *tokenizer = NULL;
     PackCursor cur = {.fd = fd, .path = path, .err = err, .errlen = errlen};
-    if (size < HEADER_SIZE) {
-        errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header",
-               msg_path(path).s, size, HEADER_SIZE);
-        goto bad;
-    }
-    if (read_at(fd, h, HEADER_SIZE, 0) != 0) goto unreadable;
     Config *c = &m->cfg;
-    if (parse_header(c, h, err, errlen) != 0) goto bad;
-
-    uint64_t tok_off = rd_u64(h + 72), tok_size = rd_u64(h + 80), w_off = rd_u64(h + 88), w_size = rd_u64(h + 96);
-    if (tok_off < HEADER_SIZE || tok_off > size || tok_size == 0 || tok_size > size - tok_off) {
-        errmsg(err, errlen, -1, "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
-               (unsigned long long)tok_off, (unsigned long long)tok_size, size);
+    uint64_t tok_off = 0, tok_size = 0, w_off = 0;
+    if (read_header(fd, path, size, c, &tok_off, &tok_size, &w_off, err, errlen) != 0) goto bad;
+    if (ctx < 0 || ctx > c->max_seq_len) {
+        errmsg(err, errlen, -1, "a context of %d is more than the %d positions %s was trained for", ctx,
+               c->max_seq_len, msg_path(path).s);
         goto bad;
     }
-    if (w_off % 64 != 0 || w_off < tok_off + tok_size || w_off > size || w_size != size - w_off) {
-        errmsg(err, errlen, -1,
-               "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should "
-               "(truncated?)",
-               (unsigned long long)w_off, (unsigned long long)w_size, size);
-        goto bad;
-    }
-    uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
-    if (w_size != expect) {
-        errmsg(err, errlen, -1, "checkpoint: weights hold %llu bytes but the dimensions imply %llu",
-               (unsigned long long)w_size, (unsigned long long)expect);
-        goto bad;
-    }
+    if (ctx > 0) c->max_seq_len = ctx;
 
     if (!(tokenizer = malloc((size_t)tok_size))) goto out_of_memory;
     if (read_at(fd, tokenizer, (size_t)tok_size, (size_t)tok_off) != 0) goto unreadable;
@@ -372,18 +455,11 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
                c->bos_id, c->eos_id);
         goto bad;
     }
-
-    m->weights = alloc_weights((size_t)w_size);
-    m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
-    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) goto out_of_memory;
     cur.offset = (size_t)w_off;
-    cur.dst = m->weights;
-    cur.dt = c->dtype;
-    model_walk_tensors(c, &m->w, pack_tensor, &cur);
-    free(cur.rowmajor);
-    cur.rowmajor = NULL;
-    if (cur.failed) goto bad;
-    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) goto out_of_memory;
+    if (fill_weights(m, &cur) != 0) {
+        if (cur.failed) goto bad;
+        goto out_of_memory;
+    }
     close(fd);
     return 0;
 unreadable:
@@ -400,6 +476,33 @@ bad:
     close(fd);
     model_free(m);
     return -1;
+}
+
+int model_load(Model *m, const char *path, char *err, size_t errlen) {
+    return model_load_with_context(m, path, 0, err, errlen);
+}
+
+int model_generate(Model *m, const Config *c, uint64_t seed, char *err, size_t errlen) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *c;
+    if (c->dtype != DTYPE_BF16) return errmsg(err, errlen, -1, "generated weights are bf16 only");
+    if (config_check(c, "--shape", err, errlen) != 0) return -1;
+    PackCursor cur = {.fd = -1, .path = "the generated weights", .seed = seed, .err = err, .errlen = errlen};
+    if (fill_weights(m, &cur) != 0) {
+        if (!cur.failed) errmsg(err, errlen, -1, "out of memory generating the weights");
+        free(cur.rowmajor);
+        model_free(m);
+        return -1;
+    }
+    return 0;
+}
+
+size_t model_bytes_for(const Config *c) {
+    const size_t es = dtype_size(c->dtype);
+    size_t bytes = model_param_count(c) * es;
+    if (c->variant == VARIANT_MLA) bytes += 2 * (size_t)c->n_layers * c->n_heads * c->kv_latent * c->head_dim * es;
+    bytes += 2 * (size_t)c->max_seq_len * (size_t)(config_rope_width(c) / 2) * sizeof(float);
+    return bytes;
 }
 
 void model_free(Model *m) {
