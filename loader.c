@@ -3,6 +3,7 @@
 #include "loader.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +14,7 @@
 #include "attention.h"
 #include "kernels/errmsg.h"
 #include "kernels/fileio.h"
+#include "kernels/threads.h"
 #include "tokenizer/spm_c.h"
 
 #define HEADER_SIZE 128
@@ -70,6 +72,7 @@ void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *
 #undef VISIT
 
 static void count_elements(void *ctx, const TensorRef *t) { *(uint64_t *)ctx += (uint64_t)t->rows * (uint64_t)t->cols; }
+static void count_tensors(void *ctx, const TensorRef *t) { (void)t, ++*(int *)ctx; }
 
 size_t model_param_count(const Config *c) {
     uint64_t n = 0;
@@ -253,14 +256,11 @@ static void *alloc_weights(size_t w_size) {
     return p;
 }
 
-/* Filling the weights tensor by tensor: each is read from the file (checked) or generated
- * into `rowmajor`, then packed into the heap copy, so that loaded and generated weights
- * take the one packing path. The first failure stops the walk's work and keeps its message. */
+/* Reading the weights tensor by tensor: each is read into `rowmajor`, checked, and packed
+ * into the heap copy. The first failure stops the walk's work and keeps its message. */
 typedef struct {
-    int fd; /* -1: generated from `seed` */
+    int fd;
     const char *path;
-    uint64_t seed;
-    int tensor;    /* index of the next tensor in file order */
     size_t offset; /* in the file, of the next tensor */
     char *dst;     /* in the heap copy */
     DType dt;
@@ -270,6 +270,9 @@ typedef struct {
     size_t errlen;
     int failed;
 } PackCursor;
+
+/* 2^64 / the golden ratio: consecutive counters land far apart */
+#define GOLDEN 0x9E3779B97F4A7C15ull
 
 /* splitmix64's finalizer: a counter in, 64 well-mixed bits out */
 static inline uint64_t mix64(uint64_t z) {
@@ -285,34 +288,6 @@ static inline uint16_t bf16_of(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* std 0.02, an ordinary initialization: RMSNorm's output has unit scale, so a row of
- * dim weights gives projections and logits of order 0.02 * sqrt(dim) */
-#define GENERATED_STD 0.02f
-
-/* Tensor `index` of a generated model, row-major in dst (bf16): a norm's gains are 1; a
- * matrix's element i is the sum of two uniform 16-bit draws, centred (a triangular,
- * normal-ish distribution of std GENERATED_STD), the draws being 16-bit parts of
- * mix64(key + counter) with a counter from the tensor and the element. The values depend
- * on the seed, the tensor and the element only: not on threads, ISA or packing. */
-static void generate_tensor(uint16_t *dst, const TensorRef *t, uint64_t seed, int index) {
-    const size_t n = (size_t)t->rows * (size_t)t->cols;
-    if (t->rows == 1) { /* a norm's gains (every vector of a model is one) */
-        for (size_t i = 0; i < n; i++) dst[i] = bf16_of(1.0f);
-        return;
-    }
-    /* triangular on (-b, b) has std b / sqrt(6) */
-    const float scale = GENERATED_STD * 2.449489743f / 65536.0f;
-    const uint64_t key = mix64(seed ^ 0x5348415045ull) + ((uint64_t)index << 40) * 0x9E3779B97F4A7C15ull;
-    size_t i = 0;
-    for (uint64_t counter = 0; i < n; counter++) {
-        const uint64_t h = mix64(key + counter * 0x9E3779B97F4A7C15ull);
-        const int a = (int)(h & 0xFFFF) + (int)(h >> 16 & 0xFFFF) - 65535;
-        const int b = (int)(h >> 32 & 0xFFFF) + (int)(h >> 48) - 65535;
-        dst[i++] = bf16_of((float)a * scale);
-        if (i < n) dst[i++] = bf16_of((float)b * scale);
-    }
-}
-
 /* Visitor: the next tensor, read and checked or generated, goes packed into the heap copy. */
 static void pack_tensor(void *ctx, const TensorRef *t) {
     PackCursor *cur = ctx;
@@ -326,9 +301,7 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
             return;
         }
     }
-    if (cur->fd < 0) {
-        generate_tensor((uint16_t *)cur->rowmajor, t, cur->seed, cur->tensor);
-    } else if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
+    if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
         cur->failed = errno
                           ? errmsg(cur->err, cur->errlen, 1, "cannot read checkpoint %s: %s", msg_path(cur->path).s,
                                    strerror(errno))
@@ -336,7 +309,7 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
                                    "checkpoint %s shrank while it was being read (truncated?)", msg_path(cur->path).s);
         return;
     }
-    const long bad = cur->fd < 0 ? -1 : first_nonfinite(cur->rowmajor, n, cur->dt);
+    const long bad = first_nonfinite(cur->rowmajor, n, cur->dt);
     if (bad >= 0) {
         const int row = (int)(bad / t->cols), col = (int)(bad % t->cols);
         const char *what = cur->dt == DTYPE_BF16 ? ((const uint16_t *)cur->rowmajor)[bad] & 0x7Fu ? "NaN" : "infinite"
@@ -354,24 +327,138 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
     *t->mat = (Mat){cur->dst, t->rows, t->cols, cur->dt};
     cur->offset += bytes;
     cur->dst += bytes;
-    cur->tensor++;
 }
 
-/* The weights of m->cfg packed into fresh storage by the cursor (from a file or generated),
- * the RoPE tables for its context, and MLA's derived matrices. 0, or -1 with the cursor's
- * message (or none when out of memory: the caller says so). */
-static int fill_weights(Model *m, PackCursor *cur) {
+/* Storage for the weights of m->cfg and its RoPE tables; 0 or -1 when out of memory. */
+static int alloc_model(Model *m) {
     const Config *c = &m->cfg;
     m->weights = alloc_weights(model_param_count(c) * dtype_size(c->dtype));
     m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
-    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) return -1;
-    cur->dst = m->weights;
-    cur->dt = c->dtype;
-    model_walk_tensors(c, &m->w, pack_tensor, cur);
-    free(cur->rowmajor);
-    cur->rowmajor = NULL;
-    if (cur->failed) return -1;
-    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) return -1;
+    return m->weights && m->w.layers && rope_tables_init(&m->rope, c) == 0 ? 0 : -1;
+}
+
+/* ---- generated weights ---- */
+
+/* The tensors of a generated model, each with its place in the heap copy, and the work of
+ * filling them in items of at most GEN_BLOCK_ROWS rows. */
+enum { GEN_BLOCK_ROWS = 64 };
+typedef struct {
+    TensorRef t;
+    char *dst;   /* the packed tensor */
+    long first;  /* its first item */
+} GenTensor;
+typedef struct {
+    GenTensor *tensors;
+    int n_tensors, max_cols;
+    long n_items;
+    uint64_t key;
+    float scale;          /* of a centred sum of two bytes, -255..255 */
+    char *scratch;        /* (threads, GEN_BLOCK_ROWS * max_cols) bf16 rows, one block a thread */
+    char *next;           /* walk_generated: where the next tensor goes */
+} Generator;
+
+/* Visitor: the next tensor's place and items. */
+static void place_tensor(void *ctx, const TensorRef *t) {
+    Generator *g = ctx;
+    GenTensor *gt = &g->tensors[g->n_tensors++];
+    gt->t = *t;
+    gt->dst = g->next;
+    gt->first = g->n_items;
+    g->n_items += (t->rows + GEN_BLOCK_ROWS - 1) / GEN_BLOCK_ROWS;
+    if (t->cols > g->max_cols) g->max_cols = t->cols;
+    g->next += (size_t)t->rows * (size_t)t->cols * sizeof(uint16_t);
+    *t->mat = (Mat){gt->dst, t->rows, t->cols, DTYPE_BF16};
+}
+
+/* Element i's value from its 16 bits: two bytes whose centred sum is scaled (bf16). */
+static inline uint16_t generated_value(unsigned bits, float scale) {
+    return bf16_of((float)((int)(bits & 0xFF) + (int)(bits >> 8 & 0xFF) - 255) * scale);
+}
+
+/* Rows [r0, r1) of tensor `index`, row-major, into dst: a norm's gains are 1; a matrix's
+ * element i (row-major in the tensor) takes 16 bits of mix64(key + tensor + i / 4), lane
+ * i % 4, as two bytes whose centred sum is scaled. The values depend on the seed, the
+ * tensor and the element only: not on the threads, the ISA or the packing. */
+static void generate_rows(const Generator *g, int index, const TensorRef *t, int r0, int r1, uint16_t *dst) {
+    const size_t i0 = (size_t)r0 * (size_t)t->cols, i1 = (size_t)r1 * (size_t)t->cols;
+    if (t->rows == 1) { /* every vector of a model is a norm's gains */
+        for (size_t i = i0; i < i1; i++) dst[i - i0] = 0x3F80; /* bf16 1.0 */
+        return;
+    }
+    const uint64_t key = g->key + (uint64_t)index * 0xD1B54A32D192ED03ull;
+    const float scale = g->scale;
+    size_t i = i0;
+    for (; i < i1 && (i & 3); i++) /* up to a whole quad */
+        dst[i - i0] = generated_value((unsigned)(mix64(key + (i >> 2) * GOLDEN) >> (16 * (i & 3))), scale);
+    uint16_t *out = dst + (i - i0);
+    const size_t quads = (i1 - i) / 4, q0 = i >> 2;
+    for (size_t q = 0; q < quads; q++) { /* the bulk, four values a hash, in a loop that vectorizes */
+        const uint64_t h = mix64(key + (q0 + q) * GOLDEN);
+        for (int lane = 0; lane < 4; lane++) out[4 * q + lane] = generated_value((unsigned)(h >> (16 * lane)), scale);
+    }
+    for (i += 4 * quads; i < i1; i++)
+        dst[i - i0] = generated_value((unsigned)(mix64(key + (i >> 2) * GOLDEN) >> (16 * (i & 3))), scale);
+}
+
+/* One thread's share of the items: each block of rows generated into its scratch, then
+ * packed into place by mat_pack_rows (model_load's mat_pack, a block at a time). */
+static void generate_share(Generator *g, Worker *w) {
+    uint16_t *rows = (uint16_t *)(g->scratch + (size_t)w->thread * GEN_BLOCK_ROWS * g->max_cols * sizeof(uint16_t));
+    Share sh = share_begin(w, g->n_items, SHARE_SPLIT, PARALLEL_TAKE_OVER);
+    int k = 0;
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long item = lo; item < hi; item++) {
+            while (k > 0 && g->tensors[k].first > item) k--; /* items come in order within a run */
+            while (k + 1 < g->n_tensors && g->tensors[k + 1].first <= item) k++;
+            const GenTensor *gt = &g->tensors[k];
+            const int r0 = (int)(item - gt->first) * GEN_BLOCK_ROWS,
+                      r1 = r0 + GEN_BLOCK_ROWS < gt->t.rows ? r0 + GEN_BLOCK_ROWS : gt->t.rows;
+            generate_rows(g, k, &gt->t, r0, r1, rows);
+            mat_pack_rows(gt->dst, rows, gt->t.rows, gt->t.cols, DTYPE_BF16, r0, r1);
+        }
+    share_end(&sh);
+}
+
+static void generate_member(void *arg, Worker *w) {
+    while (team_wait(w)) {
+        generate_share(arg, w);
+        team_barrier(w);
+    }
+}
+
+/* The weights of m->cfg (bf16) generated from seed into m->weights, on the thread team;
+ * 0, or -1 when out of memory. */
+static int generate_weights(Model *m, uint64_t seed) {
+    const Config *c = &m->cfg;
+    Generator g = {.key = mix64(seed ^ 0x5348415045ull), .next = m->weights};
+    /* triangular on -255..255 (two bytes summed, centred) has std sqrt(2 (256^2 - 1) / 12);
+     * scaled to std 0.02, an ordinary initialization: RMSNorm's output has unit scale, so
+     * projections and logits stay of order 0.02 * sqrt(width) */
+    g.scale = 0.02f / sqrtf(2.0f * (256.0f * 256.0f - 1.0f) / 12.0f);
+    int n_tensors = 0;
+    model_walk_tensors(c, &m->w, count_tensors, &n_tensors);
+    const int threads = threads_count();
+    if (!(g.tensors = malloc((size_t)n_tensors * sizeof *g.tensors))) return -1;
+    model_walk_tensors(c, &m->w, place_tensor, &g);
+    g.scratch = malloc((size_t)threads * GEN_BLOCK_ROWS * (size_t)g.max_cols * sizeof(uint16_t));
+    Team *team = g.scratch && threads > 1 ? team_open(threads, generate_member, &g) : NULL;
+    if (!g.scratch || (threads > 1 && !team)) {
+        free(g.scratch);
+        free(g.tensors);
+        return -1;
+    }
+    if (team) {
+        Worker *lead = team_leader(team);
+        team_post(team);
+        generate_share(&g, lead);
+        team_barrier(lead);
+        team_close(team);
+    } else {
+        Worker alone = worker_alone();
+        generate_share(&g, &alone);
+    }
+    free(g.scratch);
+    free(g.tensors);
     return 0;
 }
 
@@ -455,11 +542,15 @@ int model_load_with_context(Model *m, const char *path, int ctx, char *err, size
                c->bos_id, c->eos_id);
         goto bad;
     }
+    if (alloc_model(m) != 0) goto out_of_memory;
     cur.offset = (size_t)w_off;
-    if (fill_weights(m, &cur) != 0) {
-        if (cur.failed) goto bad;
-        goto out_of_memory;
-    }
+    cur.dst = m->weights;
+    cur.dt = c->dtype;
+    model_walk_tensors(c, &m->w, pack_tensor, &cur);
+    free(cur.rowmajor);
+    cur.rowmajor = NULL;
+    if (cur.failed) goto bad;
+    if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) goto out_of_memory;
     close(fd);
     return 0;
 unreadable:
@@ -487,12 +578,10 @@ int model_generate(Model *m, const Config *c, uint64_t seed, char *err, size_t e
     m->cfg = *c;
     if (c->dtype != DTYPE_BF16) return errmsg(err, errlen, -1, "generated weights are bf16 only");
     if (config_check(c, "--shape", err, errlen) != 0) return -1;
-    PackCursor cur = {.fd = -1, .path = "the generated weights", .seed = seed, .err = err, .errlen = errlen};
-    if (fill_weights(m, &cur) != 0) {
-        if (!cur.failed) errmsg(err, errlen, -1, "out of memory generating the weights");
-        free(cur.rowmajor);
+    if (alloc_model(m) != 0 || generate_weights(m, seed) != 0 ||
+        (c->variant == VARIANT_MLA && derive_absorbed(m) != 0)) {
         model_free(m);
-        return -1;
+        return errmsg(err, errlen, -1, "out of memory generating the weights (or no thread could be started)");
     }
     return 0;
 }
