@@ -114,17 +114,18 @@ static int pool_blocks(const Config *c, const Options *o) {
     return (int)blocks;
 }
 
-/* Refuses, before anything big is allocated, a run whose weights and pool exceed the
- * memory this machine has free. */
+/* Refuses, before anything big is allocated, a run whose weights, pool and scratch exceed
+ * the memory this machine has free. */
 static void check_memory(const Config *c, const Options *o, int blocks) {
-    const double weights = (double)model_bytes_for(c), pool = (double)blocks * (double)kv_block_bytes_for(c, o->kv_dtype);
+    const double weights = (double)model_bytes_for(c), pool = (double)blocks * (double)kv_block_bytes_for(c, o->kv_dtype),
+                 scratch = (double)scheduler_scratch_bytes(c, o->batch);
     double available, total;
-    if (machine_memory(&available, &total) != 0 || weights + pool <= available) return;
+    if (machine_memory(&available, &total) != 0 || weights + pool + scratch <= available) return;
     const double gib = 1024.0 * 1024.0 * 1024.0;
     die(1,
-        "not enough memory: the weights (%.2f GiB) and the KV cache pool (%.2f GiB) need %.2f GiB, and this "
-        "machine has %.2f GiB available (%.2f GiB in all); see --info",
-        weights / gib, pool / gib, (weights + pool) / gib, available / gib, total / gib);
+        "not enough memory: the weights (%.2f GiB), the KV cache pool (%.2f GiB) and the scratch of a pass of the "
+        "whole context (%.2f GiB) need %.2f GiB, and this machine has %.2f GiB available (%.2f GiB in all); see --info",
+        weights / gib, pool / gib, scratch / gib, (weights + pool + scratch) / gib, available / gib, total / gib);
 }
 
 int main(int argc, char **argv) {

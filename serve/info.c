@@ -14,11 +14,13 @@ typedef struct {
     size_t per_token;            /* KV bytes a token, by the formula */
     size_t per_token_allocated;  /* in the pool's blocks */
     size_t block_bytes, pool_bytes;
+    size_t scratch_bytes;        /* the scheduler's, about */
+    size_t needed;               /* model_bytes + pool_bytes + scratch_bytes */
     int kept;                     /* positions a sequence keeps: the context, or the window */
     size_t kv_full, kv_batch;     /* one sequence's, the batch's, by the formula */
     size_t kv_contiguous;         /* the batch's full caches in the pool's layout */
     double available, total;      /* this machine's memory; -1 when unknown */
-    int fits;                     /* model_bytes + pool_bytes <= available */
+    int fits;                     /* needed <= available */
 } InfoFigures;
 
 static InfoFigures figures_of(const Config *c, const Options *o, int pool_blocks) {
@@ -32,8 +34,10 @@ static InfoFigures figures_of(const Config *c, const Options *o, int pool_blocks
     f.kv_full = f.per_token * (size_t)f.kept;
     f.kv_batch = f.kv_full * (size_t)o->batch;
     f.kv_contiguous = f.per_token_allocated * (size_t)f.kept * (size_t)o->batch;
+    f.scratch_bytes = scheduler_scratch_bytes(c, o->batch);
+    f.needed = f.model_bytes + f.pool_bytes + f.scratch_bytes;
     if (machine_memory(&f.available, &f.total) != 0) f.available = f.total = -1.0;
-    f.fits = f.available >= 0 && (double)f.model_bytes + (double)f.pool_bytes <= f.available;
+    f.fits = f.available >= 0 && (double)f.needed <= f.available;
     return f;
 }
 
@@ -47,12 +51,12 @@ static void info_json(const Config *c, const Options *o, int pool_blocks, const 
            "\"model_bytes\": %zu, \"kv_bytes_per_token\": %zu, \"kv_bytes_full\": %zu, \"kv_bytes_batch\": %zu, "
            "\"kv_bytes_per_token_allocated\": %zu, \"kv_pool_blocks\": %d, \"kv_block_tokens\": %d, "
            "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"batch\": %d, \"kv_bytes_contiguous\": %zu, "
-           "\"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
+           "\"scratch_bytes\": %zu, \"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
            c->dtype == DTYPE_BF16 ? "bf16" : "fp32", c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
            c->kv_latent, config_rope_width(c), c->hidden_dim, c->vocab_size, (double)c->rope_theta, c->window,
            o->window_from_model ? "true" : "false", f->params, f->weight_bytes, f->model_bytes, f->per_token,
            f->kv_full, f->kv_batch, f->per_token_allocated, pool_blocks, KV_BLOCK_TOKENS, f->block_bytes,
-           f->pool_bytes, o->batch, f->kv_contiguous, f->model_bytes + f->pool_bytes, kernels_simd_name());
+           f->pool_bytes, o->batch, f->kv_contiguous, f->scratch_bytes, f->needed, kernels_simd_name());
     if (f->available < 0)
         fputs(", \"memory_available_bytes\": null, \"memory_total_bytes\": null, \"fits_in_memory\": null", stdout);
     else
@@ -107,12 +111,13 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
            pool_blocks, KV_BLOCK_TOKENS, f.block_bytes, f.pool_bytes, o->window ? "window" : "context", batch,
            batch > 1 ? "s" : "", f.kv_contiguous);
     if (f.available >= 0)
-        printf("memory         weights and pool need %.2f GiB; this machine has %.2f GiB available of %.2f GiB: %s\n",
-               (double)(f.model_bytes + f.pool_bytes) / gib, f.available / gib, f.total / gib,
+        printf("memory         weights, pool and scratch (%.2f GiB) need %.2f GiB; this machine has %.2f GiB "
+               "available of %.2f GiB: %s\n",
+               f.scratch_bytes / gib, f.needed / gib, f.available / gib, f.total / gib,
                f.fits ? "it fits" : "it does not fit");
     else
-        printf("memory         weights and pool need %.2f GiB; this machine's memory is unknown\n",
-               (double)(f.model_bytes + f.pool_bytes) / gib);
+        printf("memory         weights, pool and scratch need %.2f GiB; this machine's memory is unknown\n",
+               f.needed / gib);
     printf("kernels        %s\n", kernels_simd_name());
     return 0;
 }

@@ -175,6 +175,17 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
            o->window ? o->window_sinks : 0, threads_count(), (unsigned long long)o->seed);
 }
 
+size_t scheduler_scratch_bytes(const Config *c, int max_batch) {
+    const size_t T = (size_t)c->max_seq_len + (size_t)max_batch, qw = (size_t)config_query_width(c);
+    const size_t H = (size_t)c->n_heads, kv = (size_t)c->n_kv_heads * c->head_dim, lat = (size_t)c->kv_latent,
+                 lr = lat + (size_t)c->rope_dim;
+    /* a token's floats: its logits, the residual and normed streams, the heads' output, the
+     * FFN's two hidden rows, attention's query, keys, values and MLA's latent rows */
+    const size_t floats = (size_t)c->vocab_size + 2 * (size_t)c->dim + H * (size_t)c->head_dim +
+                          2 * (size_t)c->hidden_dim + H * qw + 2 * kv + 2 * lr + H * lr + H * lat;
+    return T * floats * sizeof(float);
+}
+
 int machine_memory(double *available, double *total) {
     FILE *f = fopen("/proc/meminfo", "r");
     char line[256];
