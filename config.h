@@ -13,8 +13,10 @@
 
 #include "kernels/kernels.h"
 
-/* the longest context a checkpoint may have */
-enum { MAX_SEQ_LEN = 8192 };
+/* The longest context a model may have, and the most entries each RoPE table may hold
+ * (max_seq_len x rotated width / 2): a head_dim of 128 at the longest context, so the
+ * two tables stay within 64 MiB whatever the shape. */
+enum { MAX_SEQ_LEN = 131072, MAX_ROPE_ENTRIES = MAX_SEQ_LEN * 64 };
 
 typedef enum { VARIANT_MHA = 0, VARIANT_GQA = 1, VARIANT_MQA = 2, VARIANT_MLA = 3 } Variant;
 
@@ -34,6 +36,7 @@ typedef struct {
     int hidden_dim; /* FFN */
     int vocab_size;
     int max_seq_len;
+    int window; /* the model's sliding window (0: none); the default of --window */
     float rope_theta;
     float norm_eps;
     int bos_id, eos_id;

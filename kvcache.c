@@ -27,6 +27,13 @@ size_t kv_block_bytes_for(const Config *c, DType dtype) {
     return (size_t)c->n_layers * layer_bytes(c, dtype, &offset);
 }
 
+size_t kv_bytes_per_token_for(const Config *c, DType dtype) {
+    int rows, width, split, n_scales;
+    row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    const size_t row_bytes = (size_t)width * dtype_size(dtype) + (size_t)n_scales * sizeof(float);
+    return (size_t)c->n_layers * (size_t)(rows / KV_BLOCK_TOKENS) * row_bytes;
+}
+
 int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks) {
     memset(pool, 0, sizeof *pool);
     int rows;

@@ -63,6 +63,12 @@ typedef struct {
 
 /* Bytes of one block for model c with elements in dtype. */
 size_t kv_block_bytes_for(const Config *c, DType dtype);
+/* Bytes a token's keys and values take in every layer, by the formula (no block padding):
+ * 2 * n_layers * n_kv_heads * (head_dim * size + 4 for int8's scale), or for MLA
+ * n_layers * ((kv_latent + rope_dim) * size + 8 for int8's two scales). A pool's bytes per
+ * token (kv_bytes_per_token) are kv_block_bytes_for / KV_BLOCK_TOKENS, this rounded up so
+ * that each layer of a block starts on a cache line. */
+size_t kv_bytes_per_token_for(const Config *c, DType dtype);
 /* A pool of n_blocks blocks for model c. Returns -1 when out of memory. */
 int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks);
 void kv_pool_free(KVPool *pool);

@@ -3,6 +3,7 @@
 #include "loader.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,14 +14,12 @@
 #include "attention.h"
 #include "kernels/errmsg.h"
 #include "kernels/fileio.h"
+#include "kernels/threads.h"
 #include "tokenizer/spm_c.h"
 
 #define HEADER_SIZE 128
 #define RESERVED_OFFSET 104 /* the header's last 24 bytes, zero in version 1 */
 #define FORMAT_VERSION 1
-#define MAX_DIM 65536
-/* entries of each RoPE table, max_seq_len x rotated width / 2, computed at load time */
-#define MAX_ROPE_ENTRIES (1L << 22)
 
 static uint32_t rd_u32(const unsigned char *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -73,6 +72,7 @@ void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *
 #undef VISIT
 
 static void count_elements(void *ctx, const TensorRef *t) { *(uint64_t *)ctx += (uint64_t)t->rows * (uint64_t)t->cols; }
+static void count_tensors(void *ctx, const TensorRef *t) { (void)t, ++*(int *)ctx; }
 
 size_t model_param_count(const Config *c) {
     uint64_t n = 0;
@@ -85,71 +85,68 @@ size_t model_param_count(const Config *c) {
     return (size_t)n;
 }
 
-/* Checks the header's numbers; everything later relies on them. */
-static int check_config(const Config *c, char *err, size_t errlen) {
+int config_check(const Config *c, const char *what, char *err, size_t errlen) {
     const struct {
         const char *name;
-        int v;
+        int v, max;
     } dims[] = {
-        {"dim", c->dim},
-        {"n_layers", c->n_layers},
-        {"n_heads", c->n_heads},
-        {"head_dim", c->head_dim},
-        {"hidden_dim", c->hidden_dim},
-        {"vocab_size", c->vocab_size},
-        {"max_seq_len", c->max_seq_len},
+        {"dim", c->dim, MAX_DIM},
+        {"n_layers", c->n_layers, MAX_LAYERS},
+        {"n_heads", c->n_heads, MAX_DIM},
+        {"head_dim", c->head_dim, MAX_DIM},
+        {"hidden_dim", c->hidden_dim, MAX_DIM},
+        {"vocab_size", c->vocab_size, MAX_VOCAB},
+        {"max_seq_len", c->max_seq_len, MAX_SEQ_LEN},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
-        if (dims[i].v <= 0 || dims[i].v > MAX_DIM)
-            return errmsg(err, errlen, -1, "checkpoint: %s = %d is out of range (1..%d)", dims[i].name, dims[i].v,
-                          MAX_DIM);
-    if (c->n_layers > 256) return errmsg(err, errlen, -1, "checkpoint: n_layers = %d is absurd", c->n_layers);
-    if (c->max_seq_len > MAX_SEQ_LEN)
-        return errmsg(err, errlen, -1, "checkpoint: max_seq_len = %d is over %d", c->max_seq_len, MAX_SEQ_LEN);
+        if (dims[i].v <= 0 || dims[i].v > dims[i].max)
+            return errmsg(err, errlen, -1, "%s: %s = %d is out of range (1..%d)", what, dims[i].name, dims[i].v,
+                          dims[i].max);
     if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
-        return errmsg(err, errlen, -1, "checkpoint: n_heads * head_dim = %ld is absurd",
-                      (long)c->n_heads * c->head_dim);
+        return errmsg(err, errlen, -1, "%s: n_heads * head_dim = %ld is absurd", what, (long)c->n_heads * c->head_dim);
     if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
         c->n_kv_heads > MAX_DIM)
-        return errmsg(err, errlen, -1, "checkpoint: n_kv_heads, kv_latent or rope_dim is out of range");
+        return errmsg(err, errlen, -1, "%s: n_kv_heads, kv_latent or rope_dim is out of range", what);
     switch (c->variant) {
     case VARIANT_MHA:
         if (c->n_kv_heads != c->n_heads)
-            return errmsg(err, errlen, -1, "checkpoint: an MHA model needs n_kv_heads == n_heads (%d != %d)",
+            return errmsg(err, errlen, -1, "%s: an MHA model needs n_kv_heads == n_heads (%d != %d)", what,
                           c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_GQA:
         if (c->n_kv_heads <= 1 || c->n_kv_heads >= c->n_heads || c->n_heads % c->n_kv_heads != 0)
             return errmsg(err, errlen, -1,
-                          "checkpoint: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)",
+                          "%s: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)", what,
                           c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_MQA:
         if (c->n_kv_heads != 1)
-            return errmsg(err, errlen, -1, "checkpoint: an MQA model needs n_kv_heads == 1 (got %d)", c->n_kv_heads);
+            return errmsg(err, errlen, -1, "%s: an MQA model needs n_kv_heads == 1 (got %d)", what, c->n_kv_heads);
         break;
     case VARIANT_MLA:
         if (c->n_kv_heads != 0 || c->kv_latent <= 0 || c->rope_dim <= 0 || c->rope_dim % 2 != 0)
             return errmsg(err, errlen, -1,
-                          "checkpoint: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0");
+                          "%s: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0", what);
         break;
-    default: return errmsg(err, errlen, -1, "checkpoint: unknown variant %d", (int)c->variant);
+    default: return errmsg(err, errlen, -1, "%s: unknown variant %d", what, (int)c->variant);
     }
     if (c->variant != VARIANT_MLA && (c->kv_latent != 0 || c->rope_dim != 0))
-        return errmsg(err, errlen, -1, "checkpoint: kv_latent and rope_dim must be 0 for %s", variant_name(c));
+        return errmsg(err, errlen, -1, "%s: kv_latent and rope_dim must be 0 for %s", what, variant_name(c));
     if (c->head_dim % 2 != 0)
-        return errmsg(err, errlen, -1, "checkpoint: head_dim = %d is odd (RoPE rotates pairs)", c->head_dim);
+        return errmsg(err, errlen, -1, "%s: head_dim = %d is odd (RoPE rotates pairs)", what, c->head_dim);
     if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f))
-        return errmsg(err, errlen, -1, "checkpoint: rope_theta is not a sane number");
+        return errmsg(err, errlen, -1, "%s: rope_theta is not a sane number (over 1, under 1e9)", what);
     if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f))
-        return errmsg(err, errlen, -1, "checkpoint: norm_eps is not in (0, 1)");
+        return errmsg(err, errlen, -1, "%s: norm_eps is not in (0, 1)", what);
     long rope_entries = (long)c->max_seq_len * (config_rope_width(c) / 2);
     if (rope_entries > MAX_ROPE_ENTRIES)
-        return errmsg(err, errlen, -1,
-                      "checkpoint: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)", rope_entries,
-                      MAX_ROPE_ENTRIES);
+        return errmsg(err, errlen, -1, "%s: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)",
+                      what, rope_entries, (long)MAX_ROPE_ENTRIES);
+    if (c->window < 0 || c->window > c->max_seq_len)
+        return errmsg(err, errlen, -1, "%s: window = %d is out of range (0..%d, the context; 0: none)", what,
+                      c->window, c->max_seq_len);
     if (c->bos_id < 0 || c->bos_id >= c->vocab_size || c->eos_id < 0 || c->eos_id >= c->vocab_size)
-        return errmsg(err, errlen, -1, "checkpoint: bos_id or eos_id is outside the vocabulary");
+        return errmsg(err, errlen, -1, "%s: bos_id or eos_id is outside the vocabulary", what);
     return 0;
 }
 
@@ -168,36 +165,37 @@ static int parse_header(Config *c, const unsigned char *h, char *err, size_t err
                           h[i]);
     c->variant = (Variant)variant;
     c->dtype = (DType)dtype;
-    /* the u32 fields from offset 16 on, in order, and the least value each may take */
+    /* the u32 fields from offset 16 on, in order, and the least and most each may take */
     const struct {
         int *field;
         const char *name;
-        int min;
+        int min, max;
     } dims[] = {
-        {&c->dim, "dim", 1},
-        {&c->n_layers, "n_layers", 1},
-        {&c->n_heads, "n_heads", 1},
-        {&c->head_dim, "head_dim", 1},
-        {&c->n_kv_heads, "n_kv_heads", 0},
-        {&c->kv_latent, "kv_latent", 0},
-        {&c->rope_dim, "rope_dim", 0},
-        {&c->hidden_dim, "hidden_dim", 1},
-        {&c->vocab_size, "vocab_size", 1},
-        {&c->max_seq_len, "max_seq_len", 1},
+        {&c->dim, "dim", 1, MAX_DIM},
+        {&c->n_layers, "n_layers", 1, MAX_DIM},
+        {&c->n_heads, "n_heads", 1, MAX_DIM},
+        {&c->head_dim, "head_dim", 1, MAX_DIM},
+        {&c->n_kv_heads, "n_kv_heads", 0, MAX_DIM},
+        {&c->kv_latent, "kv_latent", 0, MAX_DIM},
+        {&c->rope_dim, "rope_dim", 0, MAX_DIM},
+        {&c->hidden_dim, "hidden_dim", 1, MAX_DIM},
+        {&c->vocab_size, "vocab_size", 1, MAX_VOCAB},
+        {&c->max_seq_len, "max_seq_len", 1, MAX_SEQ_LEN},
     };
     for (int i = 0; i < 10; i++) {
         uint32_t v = rd_u32(h + 16 + 4 * i);
-        if (v > (uint32_t)MAX_DIM) /* here, while the file's own number is at hand for the message */
+        if (v > (uint32_t)dims[i].max) /* here, while the file's own number is at hand for the message */
             return errmsg(err, errlen, -1, "checkpoint: %s = %u is out of range (%d..%d)", dims[i].name, v, dims[i].min,
-                          MAX_DIM);
+                          dims[i].max);
         *dims[i].field = (int)v;
     }
     c->rope_theta = rd_f32(h + 56);
     c->norm_eps = rd_f32(h + 60);
     uint32_t bos = rd_u32(h + 64), eos = rd_u32(h + 68);
-    c->bos_id = bos > (uint32_t)MAX_DIM ? -1 : (int)bos;
-    c->eos_id = eos > (uint32_t)MAX_DIM ? -1 : (int)eos;
-    return check_config(c, err, errlen);
+    c->bos_id = bos > (uint32_t)MAX_VOCAB ? -1 : (int)bos;
+    c->eos_id = eos > (uint32_t)MAX_VOCAB ? -1 : (int)eos;
+    c->window = 0; /* version 1 has no sliding window */
+    return config_check(c, "checkpoint", err, errlen);
 }
 
 /* Copies element (r, c) of a packed matrix to dst, in its dtype. */
@@ -273,7 +271,24 @@ typedef struct {
     int failed;
 } PackCursor;
 
-/* Visitor: the next tensor of the file goes, checked and packed, into the heap copy. */
+/* 2^64 / the golden ratio: consecutive counters land far apart */
+#define GOLDEN 0x9E3779B97F4A7C15ull
+
+/* splitmix64's finalizer: a counter in, 64 well-mixed bits out */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* bf16 of a finite float, rounded to nearest even (the exporter's rounding) */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Visitor: the next tensor, read and checked or generated, goes packed into the heap copy. */
 static void pack_tensor(void *ctx, const TensorRef *t) {
     PackCursor *cur = ctx;
     const size_t n = (size_t)t->rows * (size_t)t->cols, bytes = n * dtype_size(cur->dt);
@@ -314,44 +329,199 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
     cur->dst += bytes;
 }
 
+/* Storage for the weights of m->cfg and its RoPE tables; 0 or -1 when out of memory. */
+static int alloc_model(Model *m) {
+    const Config *c = &m->cfg;
+    m->weights = alloc_weights(model_param_count(c) * dtype_size(c->dtype));
+    m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
+    return m->weights && m->w.layers && rope_tables_init(&m->rope, c) == 0 ? 0 : -1;
+}
+
+/* ---- generated weights ---- */
+
+/* The tensors of a generated model, each with its place in the heap copy, and the work of
+ * filling them in items of at most GEN_BLOCK_ROWS rows. */
+enum { GEN_BLOCK_ROWS = 64 };
+typedef struct {
+    TensorRef t;
+    char *dst;   /* the packed tensor */
+    long first;  /* its first item */
+} GenTensor;
+typedef struct {
+    GenTensor *tensors;
+    int n_tensors, max_cols;
+    long n_items;
+    uint64_t key;
+    float scale;          /* of a centred sum of two bytes, -255..255 */
+    char *scratch;        /* (threads, GEN_BLOCK_ROWS * max_cols) bf16 rows, one block a thread */
+    char *next;           /* walk_generated: where the next tensor goes */
+} Generator;
+
+/* Visitor: the next tensor's place and items. */
+static void place_tensor(void *ctx, const TensorRef *t) {
+    Generator *g = ctx;
+    GenTensor *gt = &g->tensors[g->n_tensors++];
+    gt->t = *t;
+    gt->dst = g->next;
+    gt->first = g->n_items;
+    g->n_items += (t->rows + GEN_BLOCK_ROWS - 1) / GEN_BLOCK_ROWS;
+    if (t->cols > g->max_cols) g->max_cols = t->cols;
+    g->next += (size_t)t->rows * (size_t)t->cols * sizeof(uint16_t);
+    *t->mat = (Mat){gt->dst, t->rows, t->cols, DTYPE_BF16};
+}
+
+/* Element i's value from its 16 bits: two bytes whose centred sum is scaled (bf16). */
+static inline uint16_t generated_value(unsigned bits, float scale) {
+    return bf16_of((float)((int)(bits & 0xFF) + (int)(bits >> 8 & 0xFF) - 255) * scale);
+}
+
+/* Rows [r0, r1) of tensor `index`, row-major, into dst: a norm's gains are 1; a matrix's
+ * element i (row-major in the tensor) takes 16 bits of mix64(key + tensor + i / 4), lane
+ * i % 4, as two bytes whose centred sum is scaled. The values depend on the seed, the
+ * tensor and the element only: not on the threads, the ISA or the packing. */
+static void generate_rows(const Generator *g, int index, const TensorRef *t, int r0, int r1, uint16_t *dst) {
+    const size_t i0 = (size_t)r0 * (size_t)t->cols, i1 = (size_t)r1 * (size_t)t->cols;
+    if (t->rows == 1) { /* every vector of a model is a norm's gains */
+        for (size_t i = i0; i < i1; i++) dst[i - i0] = 0x3F80; /* bf16 1.0 */
+        return;
+    }
+    const uint64_t key = g->key + (uint64_t)index * 0xD1B54A32D192ED03ull;
+    const float scale = g->scale;
+    size_t i = i0;
+    for (; i < i1 && (i & 3); i++) /* up to a whole quad */
+        dst[i - i0] = generated_value((unsigned)(mix64(key + (i >> 2) * GOLDEN) >> (16 * (i & 3))), scale);
+    uint16_t *out = dst + (i - i0);
+    const size_t quads = (i1 - i) / 4, q0 = i >> 2;
+    for (size_t q = 0; q < quads; q++) { /* the bulk, four values a hash, in a loop that vectorizes */
+        const uint64_t h = mix64(key + (q0 + q) * GOLDEN);
+        for (int lane = 0; lane < 4; lane++) out[4 * q + lane] = generated_value((unsigned)(h >> (16 * lane)), scale);
+    }
+    for (i += 4 * quads; i < i1; i++)
+        dst[i - i0] = generated_value((unsigned)(mix64(key + (i >> 2) * GOLDEN) >> (16 * (i & 3))), scale);
+}
+
+/* One thread's share of the items: each block of rows generated into its scratch, then
+ * packed into place by mat_pack_rows (model_load's mat_pack, a block at a time). */
+static void generate_share(Generator *g, Worker *w) {
+    uint16_t *rows = (uint16_t *)(g->scratch + (size_t)w->thread * GEN_BLOCK_ROWS * g->max_cols * sizeof(uint16_t));
+    Share sh = share_begin(w, g->n_items, SHARE_SPLIT, PARALLEL_TAKE_OVER);
+    int k = 0;
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long item = lo; item < hi; item++) {
+            while (k > 0 && g->tensors[k].first > item) k--; /* items come in order within a run */
+            while (k + 1 < g->n_tensors && g->tensors[k + 1].first <= item) k++;
+            const GenTensor *gt = &g->tensors[k];
+            const int r0 = (int)(item - gt->first) * GEN_BLOCK_ROWS,
+                      r1 = r0 + GEN_BLOCK_ROWS < gt->t.rows ? r0 + GEN_BLOCK_ROWS : gt->t.rows;
+            generate_rows(g, k, &gt->t, r0, r1, rows);
+            mat_pack_rows(gt->dst, rows, gt->t.rows, gt->t.cols, DTYPE_BF16, r0, r1);
+        }
+    share_end(&sh);
+}
+
+static void generate_member(void *arg, Worker *w) {
+    while (team_wait(w)) {
+        generate_share(arg, w);
+        team_barrier(w);
+    }
+}
+
+/* The weights of m->cfg (bf16) generated from seed into m->weights, on the thread team;
+ * 0, or -1 when out of memory. */
+static int generate_weights(Model *m, uint64_t seed) {
+    const Config *c = &m->cfg;
+    Generator g = {.key = mix64(seed ^ 0x5348415045ull), .next = m->weights};
+    /* triangular on -255..255 (two bytes summed, centred) has std sqrt(2 (256^2 - 1) / 12);
+     * scaled to std 0.02, an ordinary initialization: RMSNorm's output has unit scale, so
+     * projections and logits stay of order 0.02 * sqrt(width) */
+    g.scale = 0.02f / sqrtf(2.0f * (256.0f * 256.0f - 1.0f) / 12.0f);
+    int n_tensors = 0;
+    model_walk_tensors(c, &m->w, count_tensors, &n_tensors);
+    const int threads = threads_count();
+    if (!(g.tensors = malloc((size_t)n_tensors * sizeof *g.tensors))) return -1;
+    model_walk_tensors(c, &m->w, place_tensor, &g);
+    g.scratch = malloc((size_t)threads * GEN_BLOCK_ROWS * (size_t)g.max_cols * sizeof(uint16_t));
+    Team *team = g.scratch && threads > 1 ? team_open(threads, generate_member, &g) : NULL;
+    if (!g.scratch || (threads > 1 && !team)) {
+        free(g.scratch);
+        free(g.tensors);
+        return -1;
+    }
+    if (team) {
+        Worker *lead = team_leader(team);
+        team_post(team);
+        generate_share(&g, lead);
+        team_barrier(lead);
+        team_close(team);
+    } else {
+        Worker alone = worker_alone();
+        generate_share(&g, &alone);
+    }
+    free(g.scratch);
+    free(g.tensors);
+    return 0;
+}
+
+/* Reads and checks the header of an open checkpoint of `size` bytes into c, with its
+ * sections' offsets; 0 or -1 with the message. */
+static int read_header(int fd, const char *path, size_t size, Config *c, uint64_t *tok_off, uint64_t *tok_size,
+                       uint64_t *w_off, char *err, size_t errlen) {
+    unsigned char h[HEADER_SIZE];
+    if (size < HEADER_SIZE)
+        return errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header",
+                      msg_path(path).s, size, HEADER_SIZE);
+    if (read_at(fd, h, HEADER_SIZE, 0) != 0) {
+        if (errno) return errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
+        return errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
+    }
+    if (parse_header(c, h, err, errlen) != 0) return -1;
+    *tok_off = rd_u64(h + 72), *tok_size = rd_u64(h + 80), *w_off = rd_u64(h + 88);
+    const uint64_t w_size = rd_u64(h + 96);
+    if (*tok_off < HEADER_SIZE || *tok_off > size || *tok_size == 0 || *tok_size > size - *tok_off)
+        return errmsg(err, errlen, -1,
+                      "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
+                      (unsigned long long)*tok_off, (unsigned long long)*tok_size, size);
+    if (*w_off % 64 != 0 || *w_off < *tok_off + *tok_size || *w_off > size || w_size != size - *w_off)
+        return errmsg(err, errlen, -1,
+                      "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should "
+                      "(truncated?)",
+                      (unsigned long long)*w_off, (unsigned long long)w_size, size);
+    const uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
+    if (w_size != expect)
+        return errmsg(err, errlen, -1, "checkpoint: weights hold %llu bytes but the dimensions imply %llu",
+                      (unsigned long long)w_size, (unsigned long long)expect);
+    return 0;
+}
+
+int model_read_config(Config *c, const char *path, char *err, size_t errlen) {
+    size_t size;
+    uint64_t tok_off, tok_size, w_off;
+    memset(c, 0, sizeof *c);
+    const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
+    if (fd < 0) return -1;
+    const int rc = read_header(fd, path, size, c, &tok_off, &tok_size, &w_off, err, errlen);
+    close(fd);
+    return rc;
+}
+
 /* The file is read with pread, never mapped: a mapped file that shrinks under the reader
  * kills it with SIGBUS, while a read just comes up short. */
-int model_load(Model *m, const char *path, char *err, size_t errlen) {
+int model_load_with_context(Model *m, const char *path, int ctx, char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
     size_t size;
     const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
     if (fd < 0) return -1;
-    unsigned char h[HEADER_SIZE];
     char *tokenizer = NULL;
     PackCursor cur = {.fd = fd, .path = path, .err = err, .errlen = errlen};
-    if (size < HEADER_SIZE) {
-        errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header",
-               msg_path(path).s, size, HEADER_SIZE);
-        goto bad;
-    }
-    if (read_at(fd, h, HEADER_SIZE, 0) != 0) goto unreadable;
     Config *c = &m->cfg;
-    if (parse_header(c, h, err, errlen) != 0) goto bad;
-
-    uint64_t tok_off = rd_u64(h + 72), tok_size = rd_u64(h + 80), w_off = rd_u64(h + 88), w_size = rd_u64(h + 96);
-    if (tok_off < HEADER_SIZE || tok_off > size || tok_size == 0 || tok_size > size - tok_off) {
-        errmsg(err, errlen, -1, "checkpoint: the tokenizer (offset %llu, %llu bytes) lies outside the file (%zu bytes)",
-               (unsigned long long)tok_off, (unsigned long long)tok_size, size);
+    uint64_t tok_off = 0, tok_size = 0, w_off = 0;
+    if (read_header(fd, path, size, c, &tok_off, &tok_size, &w_off, err, errlen) != 0) goto bad;
+    if (ctx < 0 || ctx > c->max_seq_len) {
+        errmsg(err, errlen, -1, "a context of %d is more than the %d positions %s was trained for", ctx,
+               c->max_seq_len, msg_path(path).s);
         goto bad;
     }
-    if (w_off % 64 != 0 || w_off < tok_off + tok_size || w_off > size || w_size != size - w_off) {
-        errmsg(err, errlen, -1,
-               "checkpoint: the weights (offset %llu, %llu bytes) do not end the %zu-byte file as they should "
-               "(truncated?)",
-               (unsigned long long)w_off, (unsigned long long)w_size, size);
-        goto bad;
-    }
-    uint64_t expect = (uint64_t)model_param_count(c) * dtype_size(c->dtype);
-    if (w_size != expect) {
-        errmsg(err, errlen, -1, "checkpoint: weights hold %llu bytes but the dimensions imply %llu",
-               (unsigned long long)w_size, (unsigned long long)expect);
-        goto bad;
-    }
+    if (ctx > 0) c->max_seq_len = ctx;
 
     if (!(tokenizer = malloc((size_t)tok_size))) goto out_of_memory;
     if (read_at(fd, tokenizer, (size_t)tok_size, (size_t)tok_off) != 0) goto unreadable;
@@ -372,10 +542,7 @@ int model_load(Model *m, const char *path, char *err, size_t errlen) {
                c->bos_id, c->eos_id);
         goto bad;
     }
-
-    m->weights = alloc_weights((size_t)w_size);
-    m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
-    if (!m->weights || !m->w.layers || rope_tables_init(&m->rope, c) != 0) goto out_of_memory;
+    if (alloc_model(m) != 0) goto out_of_memory;
     cur.offset = (size_t)w_off;
     cur.dst = m->weights;
     cur.dt = c->dtype;
@@ -400,6 +567,31 @@ bad:
     close(fd);
     model_free(m);
     return -1;
+}
+
+int model_load(Model *m, const char *path, char *err, size_t errlen) {
+    return model_load_with_context(m, path, 0, err, errlen);
+}
+
+int model_generate(Model *m, const Config *c, uint64_t seed, char *err, size_t errlen) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *c;
+    if (c->dtype != DTYPE_BF16) return errmsg(err, errlen, -1, "generated weights are bf16 only");
+    if (config_check(c, "--shape", err, errlen) != 0) return -1;
+    if (alloc_model(m) != 0 || generate_weights(m, seed) != 0 ||
+        (c->variant == VARIANT_MLA && derive_absorbed(m) != 0)) {
+        model_free(m);
+        return errmsg(err, errlen, -1, "out of memory generating the weights (or no thread could be started)");
+    }
+    return 0;
+}
+
+size_t model_bytes_for(const Config *c) {
+    const size_t es = dtype_size(c->dtype);
+    size_t bytes = model_param_count(c) * es;
+    if (c->variant == VARIANT_MLA) bytes += 2 * (size_t)c->n_layers * c->n_heads * c->kv_latent * c->head_dim * es;
+    bytes += 2 * (size_t)c->max_seq_len * (size_t)(config_rope_width(c) / 2) * sizeof(float);
+    return bytes;
 }
 
 void model_free(Model *m) {

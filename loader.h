@@ -10,9 +10,28 @@
 
 #include "model.h"
 
+/* The limits of a model's numbers, for checkpoints and --shape alike. */
+enum { MAX_DIM = 65536, MAX_LAYERS = 256, MAX_VOCAB = 262144 };
+
 /* On failure returns -1 and writes one sentence into err. */
 int model_load(Model *m, const char *path, char *err, size_t errlen);
+/* The same, with the context cut to ctx positions (0: the trained context; never more than
+ * it), before the RoPE tables are sized. */
+int model_load_with_context(Model *m, const char *path, int ctx, char *err, size_t errlen);
+/* A checkpoint's checked configuration from its header and section sizes alone: no
+ * tokenizer, no weights are read (--info, and -c's check before loading). */
+int model_read_config(Config *c, const char *path, char *err, size_t errlen);
+/* Checks a configuration against the limits above, the variant's head counts and the RoPE
+ * tables' bound; `what` starts the message ("checkpoint", "--shape"). 0 or -1. */
+int config_check(const Config *c, const char *what, char *err, size_t errlen);
+/* A model of shape c (bf16, checked by config_check) whose weights are generated from seed
+ * (loader.c's generate_tensor: deterministic, norms of 1, matrices of std 0.02), packed as
+ * model_load packs a file's, MLA's absorbed matrices derived alike; no tokenizer (NULL). */
+int model_generate(Model *m, const Config *c, uint64_t seed, char *err, size_t errlen);
 void model_free(Model *m);
+/* Bytes a model of shape c takes once loaded: its weights, MLA's derived matrices, the
+ * RoPE tables (the rest is small). */
+size_t model_bytes_for(const Config *c);
 
 /* "mha", "gqa", "mqa", "mla64", "mla128", ... */
 const char *variant_name(const Config *c);

@@ -24,6 +24,8 @@
 #include "serve/session.h"
 #include "serve/textfile.h"
 #include "serve/version.h"
+#include "shape.h"
+#include "kernels/errmsg.h"
 
 /* ---- the standard streams and the prompt ---- */
 
@@ -54,11 +56,33 @@ static char *read_prompt(const char *path) {
  * SIGSEGV: its large scratch is on the heap, but the libraries' own frames take several KB. */
 enum { MIN_STACK_BYTES = 32 << 10 };
 
-/* The limits that depend on the checkpoint: -k, -n, --window. */
-static void check_limits(const Model *m, const Options *o) {
-    const int ctx = m->cfg.max_seq_len;
-    if (o->top_k > m->cfg.vocab_size)
-        die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o->top_k, m->cfg.vocab_size);
+/* The model's shape: --shape's, or the checkpoint's header (nothing else of it is read
+ * yet), with -c's context; a window as long as the context slides nothing, so it goes. */
+static Config model_config(const Options *o) {
+    Config c;
+    char err[512];
+    if (o->shape) {
+        if (shape_parse(&c, o->shape, err, sizeof err) != 0) die(EXIT_USAGE, "%s", err);
+    } else if (model_read_config(&c, o->checkpoint, err, sizeof err) != 0) {
+        die(1, "%s", err);
+    }
+    if (o->ctx_size) {
+        if (!o->shape && o->ctx_size > c.max_seq_len)
+            die(EXIT_USAGE, "-c %d is more than the %d positions %s was trained for: at most %d", o->ctx_size,
+                c.max_seq_len, msg_path(o->checkpoint).s, c.max_seq_len);
+        c.max_seq_len = o->ctx_size;
+        if (c.window >= c.max_seq_len) c.window = 0;
+        if (config_check(&c, "-c", err, sizeof err) != 0) die(EXIT_USAGE, "%s", err);
+    }
+    return c;
+}
+
+/* The limits that depend on the model: -k, -n, --window, and what a model without a
+ * tokenizer cannot do. */
+static void check_limits(const Config *c, const Options *o) {
+    const int ctx = c->max_seq_len;
+    if (o->top_k > c->vocab_size)
+        die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o->top_k, c->vocab_size);
     if (o->steps > ctx && (!o->window || o->check_kv))
         die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o->steps, ctx,
             o->check_kv ? "" : "; more with --window");
@@ -68,30 +92,43 @@ static void check_limits(const Model *m, const Options *o) {
     if (o->fill && (long)o->fill + 1 > ctx)
         die(EXIT_USAGE, "--fill %d is out of range (1..%d: the prompt needs a position of the %d-token context)",
             o->fill, ctx - 1, ctx);
-    if (o->mla_given && m->cfg.variant != VARIANT_MLA)
-        die(EXIT_USAGE, "--mla chooses an MLA model's form: %s has no latent attention", variant_name(&m->cfg));
+    if (o->mla_given && c->variant != VARIANT_MLA)
+        die(EXIT_USAGE, "--mla chooses an MLA model's form: %s has no latent attention", variant_name(c));
     if (o->dump_path && (o->batch > 1 || o->prompts_path))
         die(EXIT_USAGE, "--dump-logits writes one sequence's logits: it takes no --batch or --prompts");
+    if (o->shape && o->ppl_path)
+        die(EXIT_USAGE, "--ppl scores text, and generated weights (--shape) have no tokenizer to read it with");
 }
 
-/* The KV cache pool: --kv-mem MiB, or the full contexts (or windows) of the batch (one
- * without the cache, whose passes empty it after them). */
-static void open_pool(KVPool *pool, const Model *m, const Options *o) {
-    const size_t block_bytes = kv_block_bytes_for(&m->cfg, o->kv_dtype);
-    const int one_sequence = kv_blocks_for(o->window ? o->window : m->cfg.max_seq_len);
+/* Blocks of the KV cache pool: --kv-mem MiB, or the full contexts (or windows) of the batch
+ * (one without the cache, whose passes empty it after them). */
+static int pool_blocks(const Config *c, const Options *o) {
+    const size_t block_bytes = kv_block_bytes_for(c, o->kv_dtype);
+    const int one_sequence = kv_blocks_for(o->window ? o->window : c->max_seq_len);
     const double blocks = o->kv_mem_mb > 0.0f ? floor((double)o->kv_mem_mb * 1048576.0 / (double)block_bytes)
                                               : (double)(o->kv ? o->batch : 1) * one_sequence;
     if (blocks < one_sequence)
         die(EXIT_USAGE,
             "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d",
             (double)o->kv_mem_mb, blocks, block_bytes, o->window ? "window" : "context",
-            o->window ? o->window : m->cfg.max_seq_len, one_sequence);
+            o->window ? o->window : c->max_seq_len, one_sequence);
     if (blocks > INT_MAX)
         die(EXIT_USAGE, "--kv-mem %g MB is more blocks than this program counts", (double)o->kv_mem_mb);
-    if (kv_pool_init(pool, &m->cfg, o->kv_dtype, (int)blocks) != 0)
-        die(1, "out of memory: the KV cache pool of %.0f blocks takes %.0f bytes", blocks,
-            blocks * (double)block_bytes);
-    if (o->window) kv_pool_set_window(pool, o->window, o->window_sinks);
+    return (int)blocks;
+}
+
+/* Refuses, before anything big is allocated, a run whose weights, pool and scratch exceed
+ * the memory this machine has free. */
+static void check_memory(const Config *c, const Options *o, int blocks) {
+    const double weights = (double)model_bytes_for(c), pool = (double)blocks * (double)kv_block_bytes_for(c, o->kv_dtype),
+                 scratch = (double)scheduler_scratch_bytes(c, o->batch);
+    double available, total;
+    if (machine_memory(&available, &total) != 0 || weights + pool + scratch <= available) return;
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    die(1,
+        "not enough memory: the weights (%.2f GiB), the KV cache pool (%.2f GiB) and the scratch of a pass of the "
+        "whole context (%.2f GiB) need %.2f GiB, and this machine has %.2f GiB available (%.2f GiB in all); see --info",
+        weights / gib, pool / gib, scratch / gib, (weights + pool + scratch) / gib, available / gib, total / gib);
 }
 
 int main(int argc, char **argv) {
@@ -130,17 +167,33 @@ int main(int argc, char **argv) {
         die(EXIT_USAGE, "%s", usage_err);
     free(usage_err);
 
+    const Config cfg = model_config(&o);
+    /* the model's own sliding window, where a run with a cache would take --window */
+    if (!o.window && cfg.window && (o.kv || o.ppl_path || o.info || o.check_kv))
+        o.window = cfg.window, o.window_sinks = 0, o.window_from_model = 1;
+    check_limits(&cfg, &o);
+    const int blocks = pool_blocks(&cfg, &o);
+    if (o.info) { /* from the shape alone: no weights, no pool */
+        const int status = mode_info(&cfg, &o, blocks);
+        free(prompt_text);
+        close_written(stdout, "standard output");
+        return status;
+    }
+    check_memory(&cfg, &o, blocks);
     Model m;
     char err[512];
-    if (model_load(&m, o.checkpoint, err, sizeof err) != 0) die(1, "%s", err);
-    check_limits(&m, &o);
+    if (o.shape ? model_generate(&m, &cfg, o.seed, err, sizeof err) != 0
+                : model_load_with_context(&m, o.checkpoint, cfg.max_seq_len, err, sizeof err) != 0)
+        die(1, "%s", err);
+    m.cfg.window = cfg.window;
     KVPool pool;
-    open_pool(&pool, &m, &o);
+    if (kv_pool_init(&pool, &m.cfg, o.kv_dtype, blocks) != 0)
+        die(1, "out of memory: the KV cache pool of %d blocks takes %.0f bytes", blocks,
+            (double)blocks * (double)kv_block_bytes_for(&m.cfg, o.kv_dtype));
+    if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks);
 
     int status;
-    if (o.info)
-        status = mode_info(&m, &pool, &o);
-    else if (o.check_kv)
+    if (o.check_kv)
         status = mode_check_kv(&m, &pool, &o);
     else if (o.ppl_path)
         status = mode_ppl(&m, &pool, &o);

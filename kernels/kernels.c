@@ -38,18 +38,26 @@ size_t mat_packed_offset(int rows, int cols, DType dt, int r, int c) {
     return run_offset(rows, cols, r, c0, cw) + (size_t)chunk_position(dt, rows, cw, c - c0);
 }
 
-void mat_pack(void *dst, const void *src, int rows, int cols, DType dt) {
-    size_t es = dtype_size(dt);
-    int cc = mat_chunk_cols(dt);
-    for (int r = 0; r < rows; r++)
+void mat_pack_rows(void *dst, const void *src_rows, int rows, int cols, DType dt, int r0, int r1) {
+    const size_t es = dtype_size(dt);
+    const int cc = mat_chunk_cols(dt), paired = chunks_paired(dt, rows);
+    for (int r = r0; r < r1; r++) {
+        const char *row = (const char *)src_rows + (size_t)(r - r0) * (size_t)cols * es;
         for (int c0 = 0; c0 < cols; c0 += cc) {
-            int cw = chunk_width(cols, c0, cc);
+            const int cw = chunk_width(cols, c0, cc);
             char *run = (char *)dst + run_offset(rows, cols, r, c0, cw) * es;
-            const char *row = (const char *)src + ((size_t)r * (size_t)cols + (size_t)c0) * es;
-            for (int i = 0; i < cw; i++)
-                memcpy(run + (size_t)chunk_position(dt, rows, cw, i) * es, row + (size_t)i * es, es);
+            if (paired && cw == 32) { /* chunk_position's pairs (c0 + l, c0 + 16 + l) */
+                const bf16 *from = (const bf16 *)(row + (size_t)c0 * es);
+                bf16 *to = (bf16 *)run;
+                for (int l = 0; l < 16; l++) to[2 * l] = from[l], to[2 * l + 1] = from[16 + l];
+            } else { /* plain: chunk_position(i) == i */
+                memcpy(run, row + (size_t)c0 * es, (size_t)cw * es);
+            }
         }
+    }
 }
+
+void mat_pack(void *dst, const void *src, int rows, int cols, DType dt) { mat_pack_rows(dst, src, rows, cols, dt, 0, rows); }
 
 void mat_pack_blocks(void *dst, const void *src, int blocks, int n, int cols, DType dt) {
     size_t block_bytes = (size_t)n * (size_t)cols * dtype_size(dt);

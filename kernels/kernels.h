@@ -64,6 +64,10 @@ int mat_chunk_cols(DType dt);
 size_t mat_packed_offset(int rows, int cols, DType dt, int r, int c);
 /* Packs a row-major rows x cols matrix src into dst (the same size; not in place). */
 void mat_pack(void *dst, const void *src, int rows, int cols, DType dt);
+/* Packs rows [r0, r1) of a rows x cols matrix, given row-major in src_rows ((r1 - r0) x
+ * cols), into their places in dst, the whole packed matrix: mat_pack is all its rows at
+ * once, and threads may pack disjoint row ranges of one matrix side by side. */
+void mat_pack_rows(void *dst, const void *src_rows, int rows, int cols, DType dt, int r0, int r1);
 
 size_t dtype_size(DType dt);
 const char *kernels_simd_name(void); /* "avx512", "avx2" or "portable" */

@@ -12,9 +12,14 @@
 
 void cli_usage(FILE *f) {
     fputs("Usage: run CHECKPOINT [options]\n"
+          "       run --shape SPEC [options]\n"
           "Generates a TinyStories continuation of a prompt, logging the latency of every step.\n"
           "Values follow a flag as the next argument or after '=' (--top-k=40); -- ends the flags.\n"
           "\n"
+          "      --shape SPEC      no checkpoint: a model of weights generated from the seed, of a preset\n"
+          "                        shape, key=value,... or both (llama2-7b,kv_heads=1; docs/SHAPES.md); its\n"
+          "                        prompt is token ids (-p \"1 2 3\") and its output ids that mean nothing\n"
+          "  -c, --ctx-size N      the context: a checkpoint's trained one or less; --shape's up to 131072\n"
           "  -p, --prompt PROMPT   prompt text; - reads it from standard input (default: empty, BOS only)\n"
           "  -f, --file FILE       read the prompt from a UTF-8 text file (trailing line breaks dropped)\n"
           "  -n, --n-predict N     tokens to generate, 1..context (default: until EOS or the context is full)\n"
@@ -104,10 +109,13 @@ enum {
     OPT_INFO,
     OPT_VERSION,
     OPT_TOP_P,
-    OPT_FILL
+    OPT_FILL,
+    OPT_SHAPE
 };
 
 static const struct option LONG_OPTIONS[] = {
+    {"shape", required_argument, NULL, OPT_SHAPE},
+    {"ctx-size", required_argument, NULL, 'c'},
     {"prompt", required_argument, NULL, 'p'},
     {"file", required_argument, NULL, 'f'},
     {"n-predict", required_argument, NULL, 'n'},
@@ -142,7 +150,7 @@ static const struct option LONG_OPTIONS[] = {
 
 /* "-": non-options come back in order (code 1), so argv is never reordered; ":": a
  * missing value is reported as ':', and getopt prints nothing. */
-static const char SHORT_OPTIONS[] = "-:p:f:n:k:t:s:vqh";
+static const char SHORT_OPTIONS[] = "-:p:f:n:k:t:s:c:vqh";
 
 /* The long options whose names start with arg's name ("--name" or "--name=value"). */
 static int long_matches(const char *arg, const struct option **first) {
@@ -233,6 +241,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
                 o->checkpoint = v;
             else
                 rc = errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", v);
+            break;
+        case OPT_SHAPE: o->shape = v; break;
+        case 'c':
+            if (!(rc = parse_long(flag, v, 1, MAX_SEQ_LEN, &n, err, errlen))) o->ctx_size = (int)n;
             break;
         case 'p':
             prompt_flags |= 1;
@@ -341,7 +353,11 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
      * expanded one recomputes without it */
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;
     o->mla_given = mla_given;
-    if (!o->checkpoint) {
+    if (o->shape && o->checkpoint)
+        return errmsg(err, errlen, 2,
+                      "--shape generates a model's weights: it takes no checkpoint (got '%s'); give one or the other",
+                      o->checkpoint);
+    if (!o->checkpoint && !o->shape) {
         o->usage_on_error = 1;
         return errmsg(err, errlen, 2, "no checkpoint given");
     }

@@ -16,6 +16,8 @@
 
 typedef struct {
     const char *checkpoint;
+    const char *shape; /* --shape SPEC (shape.h): a model of generated weights instead of a checkpoint */
+    int ctx_size;      /* -c: the context, at most a checkpoint's trained one; 0 = the model's */
     const char *prompt;
     const char *prompt_path; /* -f FILE, or "-" for -p - (standard input): run.c reads it into prompt */
     int steps;               /* 0 = until EOS or the context is full */
@@ -42,6 +44,7 @@ typedef struct {
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
     DType kv_dtype;           /* of the cached elements: fp32, bf16 or int8 */
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */
+    int window_from_model;    /* window is the model's own (Config's window), no --window given */
     int window_sinks;         /* of them, the first positions kept for good (--window-policy sinks) */
     int fill;                 /* --fill: positions of generated cache entries every sequence starts after */
     int prompt_given;         /* -p or -f was on the command line */

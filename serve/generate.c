@@ -26,7 +26,8 @@ typedef struct {
     const RequestList *list;
     int serving; /* --prompts */
     FILE *log_csv, *dump;
-    SpmStream *stream; /* one sequence's text, printed as it comes */
+    SpmStream *stream; /* one sequence's text, printed as it comes (NULL: no tokenizer) */
+    char id_text[16];  /* without a tokenizer, a token's text is its id */
     int interrupted;   /* a signal ended the run: what is left prints as it is */
     int next_to_print; /* many sequences print whole, in order */
     double *step_ms;   /* (steps so far) */
@@ -60,9 +61,28 @@ static const char *stop_name(StopReason r) {
     return r == STOP_EOS ? "eos" : r == STOP_CONTEXT ? "context full" : r == STOP_STEPS ? "steps" : "interrupted";
 }
 
+/* The text a token adds to the streamed sequence: the tokenizer's, or without one its id. */
+static const char *token_text(Generation *g, int token) {
+    if (g->stream) return spm_stream_put(g->stream, token);
+    snprintf(g->id_text, sizeof g->id_text, "%d ", token);
+    return g->id_text;
+}
+static const char *stream_end(Generation *g) { return g->stream ? spm_stream_flush(g->stream) : ""; }
+
+/* Token ids, separated by spaces: the text of a model without a tokenizer. */
+static char *ids_text(const int *tokens, int n, size_t *len) {
+    char *text = malloc((size_t)n * 12 + 1);
+    if (!text) die(1, "out of memory");
+    *len = 0;
+    text[0] = '\0';
+    for (int i = 0; i < n; i++) *len += (size_t)sprintf(text + *len, i ? " %d" : "%d", tokens[i]);
+    return text;
+}
+
 /* The text of tokens[1 ..) (after BOS) as stdout shows it: sanitized, in a new buffer. */
 static char *sequence_text(const Model *m, const Request *r, int fill, size_t *len) {
     const int *tokens = r->tokens + fill + 1, count = r->n_tokens - fill - 1; /* after the fill and BOS */
+    if (!m->tokenizer) return ids_text(tokens, count, len);
     const size_t n = spm_decode(m->tokenizer, tokens, count, NULL, 0);
     char *raw = malloc(n + 1), *text = NULL;
     if (raw) {
@@ -121,7 +141,7 @@ static void report_step(Generation *g, const StepResult *st) {
         if (g->dump && fwrite(st->logits + (size_t)k * V, sizeof(float), (size_t)V, g->dump) != (size_t)V)
             die(1, "cannot write %s: %s", msg_path(g->o->dump_path).s, strerror(errno));
         const int kept = row->token != g->model->cfg.eos_id || g->o->ignore_eos;
-        if (streams_text(g) && kept) print_text(g, spm_stream_put(g->stream, row->token));
+        if (streams_text(g) && kept) print_text(g, token_text(g, row->token));
     }
     if (g->n_steps == g->cap_steps) {
         g->cap_steps = g->cap_steps ? 2 * g->cap_steps : 512;
@@ -152,7 +172,7 @@ static void report_step(Generation *g, const StepResult *st) {
     }
     if (st->n_finished == 0) return;
     if (streams_text(g)) {
-        print_text(g, spm_stream_flush(g->stream));
+        print_text(g, stream_end(g));
         if (g->mid_line || !g->one_terminal)
             print_text(g, "\n"); /* after a step line the terminal is at a line start */
     } else {
@@ -450,16 +470,19 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
                 (double)o->temperature);
     if ((o->batch > 1 || o->prompts_path) && !o->kv && !o->quiet)
         fprintf(stderr, "run: note: without --kv every step recomputes each sequence whole; --kv keeps a cache\n");
+    if (o->shape)
+        fprintf(stderr, "run: note: the weights are generated from the seed (--shape %s), not trained: the tokens "
+                        "mean nothing, and print as their ids\n",
+                o->shape);
     print_settings(m, o, list.n, o->batch);
     /* Step lines go to stderr when asked for, or when it is a terminal of its own: there
      * they do not cut the story up. In a file or pipe they would interleave with the story
      * whenever stdout goes to the same place (make demo > log 2>&1); --log records them. */
     g.step_lines = !o->quiet && (o->verbose || (isatty(STDERR_FILENO) && !g.one_terminal));
-    if (!(g.stream = spm_stream_new(m->tokenizer))) die(1, "out of memory");
+    if (m->tokenizer && !(g.stream = spm_stream_new(m->tokenizer))) die(1, "out of memory");
     catch_interrupts();
     if (streams_text(&g))
-        for (int i = 1; i < list.requests[0].n_prompt; i++)
-            print_text(&g, spm_stream_put(g.stream, list.requests[0].tokens[i]));
+        for (int i = 1; i < list.requests[0].n_prompt; i++) print_text(&g, token_text(&g, list.requests[0].tokens[i]));
     warm_up(m, pool, o, &list.requests[0], &g);
 
     scheduler_open(&sch, m, pool, o, o->batch);
@@ -470,7 +493,7 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     while (!interrupted_by && (rc = scheduler_step(&sch, &st)) > 0) report_step(&g, &st);
     if (!interrupted_by) check_model(rc < 0 ? rc : 0);
     if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) { /* the text so far, as it is */
-        print_text(&g, spm_stream_flush(g.stream));
+        print_text(&g, stream_end(&g));
         if (g.mid_line || !g.one_terminal) print_text(&g, "\n");
     } else if (g.interrupted) {
         print_finished(&g);
@@ -481,7 +504,7 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     if (o->json) print_summary_json(&g, &f);
     if (g.log_csv) close_written(g.log_csv, o->log_path);
     if (g.dump) close_written(g.dump, o->dump_path);
-    spm_stream_free(g.stream);
+    if (g.stream) spm_stream_free(g.stream);
     free(g.step_ms);
     scheduler_free(&sch);
     requests_free(&list);

@@ -16,7 +16,9 @@ int mode_check_batch(const Model *m, KVPool *pool, const Options *o);
 int mode_check_kv(const Model *m, KVPool *pool, const Options *o);
 /* --ppl FILE: mean NLL and perplexity of a text file of stories. */
 int mode_ppl(const Model *m, KVPool *pool, const Options *o);
-/* --info: the configuration, parameters and KV cache sizes. */
-int mode_info(const Model *m, const KVPool *pool, const Options *o);
+/* --info: the configuration, parameters, weight and KV cache bytes for the options' context,
+ * batch, dtype and a pool of pool_blocks blocks, and whether they fit in this machine's
+ * memory; from the shape alone, allocating nothing big (no weights, no pool). */
+int mode_info(const Config *c, const Options *o, int pool_blocks);
 
 #endif /* MODES_H */

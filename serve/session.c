@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels/errmsg.h"
 #include "loader.h"
@@ -49,8 +50,32 @@ const char *encode_error(int code) {
                                       : "cannot be encoded by the tokenizer";
 }
 
+/* BOS and the token ids of prompt ("1 2 3"), for a model without a tokenizer. */
+static int parse_token_ids(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where) {
+    const int V = m->cfg.vocab_size;
+    int n = 0;
+    tokens[n++] = m->cfg.bos_id;
+    for (const char *s = prompt;;) {
+        s += strspn(s, " \t,");
+        if (!*s) break;
+        char *end;
+        errno = 0;
+        const long id = strtol(s, &end, 10);
+        if (end == s || (*end && !strchr(" \t,", *end)) || errno == ERANGE || id < 0 || id >= V)
+            die(1,
+                "%sthe prompt is not token ids: generated weights (--shape) have no tokenizer, so a prompt is "
+                "numbers 0..%d separated by spaces, and '%.*s' is not one",
+                where, V - 1, (int)strcspn(s, " \t,") > 32 ? 32 : (int)strcspn(s, " \t,"), s);
+        if (n == max_tokens) break; /* longer than the context: refused below */
+        tokens[n++] = (int)id;
+        s = end;
+    }
+    return n;
+}
+
 int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where) {
-    int n = spm_encode(m->tokenizer, prompt, strlen(prompt), 1, tokens, max_tokens);
+    int n = m->tokenizer ? spm_encode(m->tokenizer, prompt, strlen(prompt), 1, tokens, max_tokens)
+                         : parse_token_ids(m, prompt, tokens, max_tokens, where);
     if (n < 0) die(1, "%sthe prompt %s", where, encode_error(n));
     if (n > m->cfg.max_seq_len)
         die(1, "%sthe prompt is %d tokens, longer than the context (%d tokens)", where, n, m->cfg.max_seq_len);
@@ -130,7 +155,17 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
     printf("{\"type\": \"%s\", \"version\": \"%s\", \"commit\": ", type, RUN_VERSION);
     json_text(stdout, build_commit());
     fputs(", \"checkpoint\": ", stdout);
-    json_text(stdout, o->checkpoint);
+    if (o->checkpoint)
+        json_text(stdout, o->checkpoint);
+    else
+        fputs("null", stdout);
+    fputs(", \"shape\": ", stdout);
+    if (o->shape)
+        json_text(stdout, o->shape);
+    else
+        fputs("null", stdout);
+    /* weights from the seed: whatever text they produce means nothing */
+    printf(", \"generated_weights\": %s, \"context\": %d", o->shape ? "true" : "false", m->cfg.max_seq_len);
     printf(", \"variant\": \"%s\", \"mode\": \"%s\", \"kv_dtype\": \"%s\", \"mla_form\": ", variant_name(&m->cfg), mode,
            kv_dtype_name(o->kv_dtype));
     if (m->cfg.variant == VARIANT_MLA && strcmp(type, "check-kv") != 0)
@@ -139,6 +174,36 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
         fputs("null", stdout); /* --check-kv names the form of each run it compares */
     printf(", \"window\": %d, \"window_sinks\": %d, \"threads\": %d, \"seed\": %llu", o->window,
            o->window ? o->window_sinks : 0, threads_count(), (unsigned long long)o->seed);
+}
+
+size_t scheduler_scratch_bytes(const Config *c, int max_batch) {
+    const size_t T = (size_t)c->max_seq_len + (size_t)max_batch, qw = (size_t)config_query_width(c);
+    const size_t H = (size_t)c->n_heads, kv = (size_t)c->n_kv_heads * c->head_dim, lat = (size_t)c->kv_latent,
+                 lr = lat + (size_t)c->rope_dim;
+    /* a token's floats: its logits, the residual and normed streams, the heads' output, the
+     * FFN's two hidden rows, attention's query, keys, values and MLA's latent rows */
+    const size_t floats = (size_t)c->vocab_size + 2 * (size_t)c->dim + H * (size_t)c->head_dim +
+                          2 * (size_t)c->hidden_dim + H * qw + 2 * kv + 2 * lr + H * lr + H * lat;
+    return T * floats * sizeof(float);
+}
+
+int machine_memory(double *available, double *total) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    long long avail_kb = -1, total_kb = -1;
+    while (f && fgets(line, sizeof line, f)) {
+        sscanf(line, "MemAvailable: %lld kB", &avail_kb);
+        sscanf(line, "MemTotal: %lld kB", &total_kb);
+    }
+    if (f) fclose(f);
+    if (avail_kb >= 0 && total_kb >= 0) {
+        *available = 1024.0 * (double)avail_kb, *total = 1024.0 * (double)total_kb;
+        return 0;
+    }
+    const long page = sysconf(_SC_PAGESIZE), pages = sysconf(_SC_PHYS_PAGES), free_pages = sysconf(_SC_AVPHYS_PAGES);
+    if (page <= 0 || pages <= 0 || free_pages < 0) return -1;
+    *available = (double)page * (double)free_pages, *total = (double)page * (double)pages;
+    return 0;
 }
 
 void json_field(const char *key, double value) {

@@ -24,7 +24,9 @@ void check_model(int rc);
 /* What a negative spm_encode result means, after "the prompt" or "story N". */
 const char *encode_error(int code);
 /* BOS and the prompt's tokens into tokens (max_tokens); `where` ("" or "FILE:LINE: ")
- * starts any error message. Dies when the prompt does not leave room to generate. */
+ * starts any error message. Dies when the prompt does not leave room to generate. A model
+ * without a tokenizer (--shape) reads the prompt as token ids, separated by spaces or
+ * commas, each below the vocabulary size. */
 int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where);
 
 /* The run's requests: B copies of the prompt (request i with seed + i), or a line each of
@@ -47,6 +49,12 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options 
  * and commit, the checkpoint, variant and cache settings, the threads and the seed. The
  * caller adds its figures (json_field, or its own printf) and closes it (json_end). */
 void json_begin(const char *type, const Model *m, const Options *o, const char *mode);
+/* About the bytes of the scheduler's scratch for a pass of a whole context: the logits and
+ * activations of max_seq_len + max_batch tokens (scheduler_init sizes its passes so). */
+size_t scheduler_scratch_bytes(const Config *c, int max_batch);
+/* The memory this machine has for a new allocation (MemAvailable) and in all (MemTotal),
+ * in bytes, from /proc/meminfo, or sysconf's pages where it cannot be read. 0 or -1. */
+int machine_memory(double *available, double *total);
 void json_field(const char *key, double value);
 void json_end(void);
 

@@ -192,6 +192,31 @@ static void test_help(void **state) {
     assert_int_equal(o.usage_on_error, 1);
 }
 
+/* --shape stands for the checkpoint; -c is the context, checked against the model later */
+static void test_shape_and_context(void **state) {
+    Options o;
+    char err[256];
+    char *a[] = {"run", "--shape", "llama2-7b,kv_heads=1", "-c", "32768", "--info"};
+    assert_int_equal(parse(&o, ARGC(a), a, err, sizeof err), 0);
+    assert_string_equal(o.shape, "llama2-7b,kv_heads=1");
+    assert_null(o.checkpoint);
+    assert_int_equal(o.ctx_size, 32768);
+    char *b[] = {"run", "m.bin", "--ctx-size=131072"};
+    assert_int_equal(parse(&o, ARGC(b), b, err, sizeof err), 0);
+    assert_int_equal(o.ctx_size, 131072);
+    assert_null(o.shape);
+    char *c[] = {"run", "m.bin", "--shape", "gqa"};
+    expect_usage_error(ARGC(c), c,
+                       "--shape generates a model's weights: it takes no checkpoint (got 'm.bin'); give one or the other");
+    char *d[] = {"run", "--shape", "gqa", "-c", "131073"};
+    expect_usage_error(ARGC(d), d, "-c 131073 is out of range (1..131072)");
+    char *e[] = {"run", "--shape", "gqa", "-c", "0"};
+    expect_usage_error(ARGC(e), e, "-c 0 is out of range (1..131072)");
+    char *f[] = {"run", "-c", "64"};
+    assert_int_equal(parse(&o, ARGC(f), f, err, sizeof err), 2);
+    assert_string_equal(err, "no checkpoint given");
+}
+
 static void test_messages(void **state) {
     char *a[] = {"run", "m.bin", "--bogus"};
     expect_usage_error(ARGC(a), a, "unknown flag --bogus (see -h)");
@@ -260,7 +285,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),       cmocka_unit_test(test_every_flag),    cmocka_unit_test(test_long_forms),
         cmocka_unit_test(test_prompt_sources), cmocka_unit_test(test_one_mode),      cmocka_unit_test(test_help),
-        cmocka_unit_test(test_messages),       cmocka_unit_test(test_small_buffers),
+        cmocka_unit_test(test_messages),       cmocka_unit_test(test_small_buffers), cmocka_unit_test(test_shape_and_context),
     };
     return cmocka_run_group_tests_name("cli", tests, NULL, NULL);
 }

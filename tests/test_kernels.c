@@ -60,6 +60,17 @@ static void test_mat_pack(void **state) {
             float *src = random_floats(rows * cols, 61 + i);
             uint16_t *src16 = random_bf16(rows * cols, 61 + i, 1.0f);
             Mat w = packed(bf16_weights ? (void *)src16 : (void *)src, rows, cols, dt);
+            { /* packed two rows at a time, in any order, it is the same bytes */
+                const size_t es = dtype_size(dt), bytes = (size_t)rows * cols * es;
+                const char *from = bf16_weights ? (const char *)src16 : (const char *)src;
+                char *by_rows = malloc(bytes);
+                for (int r0 = (rows - 1) / 2 * 2; r0 >= 0; r0 -= 2) {
+                    const int r1 = r0 + 2 < rows ? r0 + 2 : rows;
+                    mat_pack_rows(by_rows, from + (size_t)r0 * cols * es, rows, cols, dt, r0, r1);
+                }
+                assert_memory_equal(by_rows, w.data, bytes);
+                free(by_rows);
+            }
             char *hit = calloc((size_t)rows * cols, 1);
             float *row = malloc((size_t)cols * sizeof(float));
             for (int r = 0; r < rows; r++) {

@@ -231,7 +231,7 @@ static void test_bad_header_fields(void **state) {
     expect_field_refused(36, 16, "kv_latent"); /* a latent on a GQA model */
     expect_field_refused(44, 97, "weights");   /* hidden_dim */
     expect_field_refused(48, 0x7FFFFFFF, "vocab_size = 2147483647 is out of range");
-    expect_field_refused(52, 100000, "max_seq_len = 100000 is out of range");
+    expect_field_refused(52, 200000, "max_seq_len = 200000 is out of range (1..131072)");
     expect_field_refused(36, 70000, "kv_latent = 70000 is out of range (0..65536)");
     expect_field_refused(56, 0x7FC00000, "rope_theta"); /* NaN */
     { /* a valid 530 KB file (dim 1, context 8192, heads 4 x 16384) once made the loader fill two

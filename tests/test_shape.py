@@ -1,0 +1,194 @@
+"""--shape, -c and --info end to end: the posts' KV cache figures read from --info --json,
+--info sizing models far larger than the machine without allocating them, generated
+weights that run (deterministic from the seed, the same bits with and without the cache),
+token-id prompts and output, the model's own sliding window, and every bad input refused
+in one line with its exit code. The expected figures are the posts' arithmetic, worked out
+here, never copied from the program."""
+import os
+import resource
+import subprocess
+
+import pytest
+
+from conftest import RUN, json_one, generate_json, run, read_logits
+
+GIB = 1 << 30
+
+
+def one_line_error(args, code, needle):
+    """Exit code `code`, one line `run: ...` on stderr holding needle, nothing on stdout."""
+    p = run(args, check=False)
+    err = p.stderr.decode()
+    assert p.returncode == code, (args, p.returncode, err)
+    assert err.startswith("run: ") and err.count("\n") == 1, err
+    assert needle in err, err
+    assert p.stdout == b""
+    return err
+
+
+def llama_params(layers, dim, heads, kv_heads, head_dim, ffn, vocab):
+    """Parameters of our tied-embedding llama block (docs/FORMAT.md's tensor list)."""
+    attn = dim * heads * head_dim * 2 + dim * kv_heads * head_dim * 2
+    return vocab * dim + layers * (2 * dim + attn + 3 * dim * ffn) + dim
+
+
+# ---- the posts' figures ----
+
+def test_llama2_7b_kv_bytes():
+    _, info = json_one(["--shape", "llama2-7b", "--info", "--kv-dtype", "bf16"])
+    assert info["type"] == "info" and info["generated_weights"] is True and info["checkpoint"] is None
+    assert info["shape"] == "llama2-7b" and info["variant"] == "mha"
+    assert info["kv_bytes_per_token"] == 2 * 32 * 32 * 128 * 2 == 524288
+    assert info["kv_bytes_full"] == 524288 * 4096 and info["context"] == 4096
+    assert info["parameters"] == llama_params(32, 4096, 32, 32, 128, 11008, 32000)
+    assert info["weight_bytes"] == 2 * info["parameters"]
+
+
+def test_llama2_70b_and_its_mha_twin():
+    _, info = json_one(["--shape", "llama2-70b", "--info", "--kv-dtype", "bf16"])
+    assert info["variant"] == "gqa" and info["kv_heads"] == 8
+    assert info["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327680
+    assert info["parameters"] == llama_params(80, 8192, 64, 8, 128, 28672, 32000)
+    _, twin = json_one(["--shape", "llama2-70b,kv_heads=64", "--info", "--kv-dtype", "bf16", "-c", 32768])
+    assert twin["variant"] == "mha" and twin["context"] == 32768
+    assert twin["kv_bytes_full"] == 80 * GIB == 85899345920
+    _, batch = json_one(["--shape", "llama2-70b,kv_heads=64", "--info", "--kv-dtype", "bf16", "-c", 32768,
+                         "--kv", "--batch", 4])
+    assert batch["kv_bytes_batch"] == 4 * 80 * GIB and batch["kv_pool_bytes"] == 4 * 80 * GIB
+
+
+def test_info_by_dtype_and_variant():
+    for dtype, size, scale in (("fp32", 4, 0), ("bf16", 2, 0), ("int8", 1, 4)):
+        _, info = json_one(["--shape", "tinyllama-1.1b", "--info", "--kv-dtype", dtype])
+        assert info["kv_bytes_per_token"] == 2 * 22 * 4 * (64 * size + scale), (dtype, info)
+    _, mla = json_one(["--shape", "deepseek-v2-lite-attn", "--info", "--kv-dtype", "bf16"])
+    assert mla["variant"] == "mla512" and mla["kv_heads"] == 0 and mla["rope_dim"] == 64
+    assert mla["kv_bytes_per_token"] == 27 * (512 + 64) * 2
+    _, twin = json_one(["--shape", "tinyllama-1.1b,latent=256", "--info", "--kv-dtype", "bf16"])
+    assert twin["variant"] == "mla256" and twin["rope_dim"] == 32  # head_dim / 2 by default
+    assert twin["kv_bytes_per_token"] == 22 * (256 + 32) * 2
+
+
+def test_info_says_whether_it_fits():
+    _, info = json_one(["--shape", "llama2-70b", "--info"])
+    assert info["memory_needed_bytes"] == info["model_bytes"] + info["kv_pool_bytes"] + info["scratch_bytes"]
+    assert info["scratch_bytes"] >= 4097 * 32000 * 4  # at least the logits of a pass of the context
+    assert info["model_bytes"] >= info["weight_bytes"]
+    assert info["memory_total_bytes"] >= info["memory_available_bytes"] > 0
+    assert info["fits_in_memory"] == (info["memory_needed_bytes"] <= info["memory_available_bytes"])
+
+
+def test_info_allocates_nothing_big():
+    """A 70B model's --info runs in a 1 GiB address space: no weights, no pool, no scratch."""
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (GIB, GIB))
+    for shape in ("llama2-70b", "llama2-70b,kv_heads=64,ctx=131072", "deepseek-v2-lite-attn"):
+        p = subprocess.run([RUN, "--shape", shape, "--info", "--json", "--kv", "--batch", "256"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit, timeout=60)
+        assert p.returncode == 0, p.stderr.decode()
+
+
+def test_info_of_a_checkpoint_reads_its_header(small_checkpoints):
+    path, model = small_checkpoints["gqa"]
+    cfg = model.cfg
+    _, info = json_one([path, "--info", "--kv-dtype", "bf16"])
+    assert info["generated_weights"] is False and info["shape"] is None and info["checkpoint"] == path
+    assert info["kv_bytes_per_token"] == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+
+
+# ---- -c ----
+
+def test_ctx_size(small_checkpoints):
+    path, model = small_checkpoints["gqa"]
+    trained = model.cfg.max_seq_len
+    _, info = json_one([path, "--info", "-c", trained // 2])
+    assert info["context"] == trained // 2 and info["kv_bytes_full"] == info["kv_bytes_per_token"] * (trained // 2)
+    one_line_error([path, "-c", trained + 1, "--info"], 2, f"-c {trained + 1} is more than the {trained} positions")
+    # a shorter context runs, and -n is bounded by it
+    _, seqs, summary = generate_json([path, "-c", 32, "-n", 20, "-s", 1, "--kv"])
+    assert summary["context"] == 32 and len(seqs[0]["tokens"]) == 20
+    one_line_error([path, "-c", 32, "-n", 40], 2, "-n 40 is out of range (1..32, the context")
+    _, info = json_one(["--shape", "gqa", "--info", "-c", 131072])
+    assert info["context"] == 131072
+    one_line_error(["--shape", "gqa", "-c", 131073], 2, "-c 131073 is out of range (1..131072)")
+    one_line_error(["--shape", "gqa", "-c", 0], 2, "-c 0 is out of range")
+    one_line_error(["--shape", "llama2-7b,head_dim=256", "-c", 131072, "--info"], 2, "RoPE tables")
+
+
+# ---- the model's sliding window ----
+
+def test_model_window_is_the_default():
+    _, info = json_one(["--shape", "mistral-7b", "--info", "--kv"])
+    assert info["model_window"] == 4096 and info["window"] == 4096 and info["window_from_model"] is True
+    assert info["kv_bytes_full"] == 4096 * info["kv_bytes_per_token"] and info["context"] == 32768
+    _, info = json_one(["--shape", "mistral-7b", "--info", "--kv", "--window", 128])
+    assert info["window"] == 128 and info["window_from_model"] is False
+    _, info = json_one(["--shape", "mistral-7b", "--info", "--kv", "-c", 2048])  # the window spans it all
+    assert info["model_window"] == 0 and info["window"] == 0
+    _, info = json_one(["--shape", "gqa,window=64", "--info", "--kv"])
+    assert info["window"] == 64
+
+
+# ---- generated weights ----
+
+SMALL = "gqa,layers=2,vocab=512"
+
+
+def test_generated_weights_run(tmp_path):
+    a, b, c = (tmp_path / f"{n}.f32" for n in "abc")
+    _, seqs, summary = generate_json(["--shape", SMALL, "-s", 5, "-n", 8, "-p", "1 2 3", "--kv",
+                                      "--dump-logits", a])
+    assert summary["generated_weights"] is True and summary["checkpoint"] is None
+    (seq,) = seqs
+    assert seq["prompt_tokens"] == 4 and len(seq["tokens"]) == 8 and all(0 <= t < 512 for t in seq["tokens"])
+    assert seq["text"] == " ".join(str(t) for t in [1, 2, 3] + seq["tokens"])  # BOS dropped, as text drops it
+    _, again, _ = generate_json(["--shape", SMALL, "-s", 5, "-n", 8, "-p", "1 2 3", "--kv", "--dump-logits", b])
+    assert again[0]["tokens"] == seq["tokens"]
+    assert a.read_bytes() == b.read_bytes()  # the seed decides the weights and the sampling
+    generate_json(["--shape", SMALL, "-s", 6, "-n", 8, "-p", "1 2 3", "--kv", "--dump-logits", c])
+    assert read_logits(a, 512)[0].tolist() != read_logits(c, 512)[0].tolist()  # another seed, other weights
+    # the human output says what the tokens are
+    p = run(["--shape", SMALL, "-s", 5, "-n", 8, "-p", "1 2 3", "--kv"])
+    assert "generated from the seed" in p.stderr.decode() and "mean nothing" in p.stderr.decode()
+
+
+@pytest.mark.parametrize("shape", ["gqa,layers=2,vocab=512", "mqa,layers=2", "mla64,layers=2",
+                                   "tinyllama-1.1b,layers=1,dim=256,heads=4,kv_heads=2,ffn=512,vocab=1000"])
+def test_generated_weights_keep_the_bitwise_promise(shape):
+    code, check = json_one(["--shape", shape, "--check-kv", "-n", 12, "-p", "7 8 9"], check=False)
+    assert code == 0 and check["generated_weights"] is True, check
+    code, check = json_one(["--shape", shape, "--check-batch", "--batch", 3, "--kv", "-n", 6, "-s", 2], check=False)
+    assert code == 0, check
+
+
+def test_generated_weights_refuse_text():
+    one_line_error(["--shape", SMALL, "-p", "Once upon a time", "-n", 2], 1,
+                   "the prompt is not token ids: generated weights (--shape) have no tokenizer")
+    one_line_error(["--shape", SMALL, "-p", "1 512", "-n", 2], 1, "numbers 0..511")
+    one_line_error(["--shape", SMALL, "--ppl", "docs/prompts.txt"], 2, "--ppl scores text")
+
+
+def test_a_run_that_does_not_fit_is_refused():
+    with open("/proc/meminfo") as f:
+        available = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    if available > 200 * GIB:
+        pytest.skip("this machine holds a 70B model")
+    err = one_line_error(["--shape", "llama2-70b", "-n", 1], 1, "not enough memory: the weights (")
+    assert "GiB available" in err
+
+
+# ---- bad input ----
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--shape", "llama3-8b", "--info"], 2, "unknown preset 'llama3-8b' (presets: llama2-7b, "),
+    (["--shape", "llama2-7b,foo=1", "--info"], 2, "unknown key 'foo'"),
+    (["--shape", "llama2-7b,heads=0", "--info"], 2, "n_heads = 0 is out of range"),
+    (["--shape", "llama2-7b,layers=1000", "--info"], 2, "n_layers = 1000 is out of range (1..256)"),
+    (["--shape", "llama2-7b,kv_heads=5", "--info"], 2, "kv_heads = 5 does not divide heads = 32"),
+    (["--shape", "llama2-7b,ctx=200000", "--info"], 2, "max_seq_len = 200000 is out of range (1..131072)"),
+    (["--shape", "tinyllama-1.1b,latent=256,kv_heads=4", "--info"], 2, "MLA, which has no KV heads"),
+    (["--shape", "", "--info"], 2, "--shape needs a preset"),
+    (["weights/gqa.bin", "--shape", "gqa"], 2, "--shape generates a model's weights: it takes no checkpoint"),
+    (["--shape", "gqa", "-c", "abc"], 2, "-c needs an integer, got 'abc'"),
+])
+def test_bad_input(args, code, needle):
+    one_line_error(args, code, needle)
