@@ -353,6 +353,8 @@ static void print_summary_json(const Generation *g, const Figures *f) {
         {"steps", sch->steps},
         {"prefill_tokens", f->prefill_tokens},
         {"prefill_ms", f->prefill_ms},
+        {"fill", o->fill},
+        {"fill_ms", sch->fill_ms},
         {"decode_steps", f->decode_steps},
         {"decode_tokens", f->decode_tokens},
         {"decode_ms", f->decode_ms},

@@ -129,6 +129,7 @@ typedef struct {
     int steps;
     double total_ms; /* from the first step to the last */
     int preemptions;
+    double fill_ms; /* spent generating --fill entries, left out of every step's time */
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;
 
