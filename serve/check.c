@@ -5,18 +5,31 @@
 #include <string.h>
 
 #include "loader.h"
+#include "serve/check.h"
 #include "serve/json.h"
 #include "serve/modes.h"
 #include "serve/session.h"
 
 /* ---- --check-batch ---- */
 
-/* FNV-1a of a row of logits' bytes */
-static uint64_t hash_logits(const float *logits, int V) {
+uint64_t hash_logits(const float *logits, int vocab) {
     const unsigned char *bytes = (const unsigned char *)logits;
     uint64_t x = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < (size_t)V * sizeof(float); i++) x = (x ^ bytes[i]) * 0x100000001b3ull;
+    for (size_t i = 0; i < (size_t)vocab * sizeof(float); i++) x = (x ^ bytes[i]) * 0x100000001b3ull;
     return x;
+}
+
+BatchVerdict compare_hashed_runs(const HashedRun *a, const HashedRun *b) {
+    int same_tokens = 0;
+    while (same_tokens < a->n_tokens && same_tokens < b->n_tokens && a->tokens[same_tokens] == b->tokens[same_tokens])
+        same_tokens++;
+    int first_difference = -1;
+    const int steps = a->generated < b->generated ? a->generated : b->generated;
+    for (int s = 0; s < steps && first_difference < 0; s++)
+        if (a->step_hashes[s] != b->step_hashes[s]) first_difference = s;
+    if (first_difference < 0 && a->generated != b->generated) first_difference = steps;
+    const int identical = first_difference < 0 && a->n_tokens == b->n_tokens && same_tokens == a->n_tokens;
+    return (BatchVerdict){a->generated, same_tokens - a->n_prompt, identical, first_difference};
 }
 
 /* Runs the requests through max_batch slots to their ends; the hash of the logits of each
@@ -38,12 +51,6 @@ static void run_hashed(const Model *m, KVPool *pool, const Options *o, Request *
     scheduler_free(&sch);
 }
 
-/* What --check-batch found for one sequence: its steps, the tokens it generated alike, its
- * verdict, and the first step whose logits differ (-1: none). */
-typedef struct {
-    int steps, same_tokens, identical, first_difference;
-} BatchVerdict;
-
 int mode_check_batch(const Model *m, KVPool *pool, const Options *o) {
     if (pool->window && !o->steps) die(EXIT_USAGE, "--check-batch with --window needs -n: a window has no end");
     RequestList batch = requests_of(m, o);
@@ -60,18 +67,11 @@ int mode_check_batch(const Model *m, KVPool *pool, const Options *o) {
         if (!(b.tokens = malloc((size_t)b.cap_tokens * sizeof(int)))) die(1, "out of memory");
         memcpy(b.tokens, a->tokens, (size_t)a->n_prompt * sizeof(int));
         run_hashed(m, pool, o, &b, 1, 1, alone, stride);
-        int same_tokens = 0;
-        while (same_tokens < a->n_tokens && same_tokens < b.n_tokens && a->tokens[same_tokens] == b.tokens[same_tokens])
-            same_tokens++;
-        int first_difference = -1;
-        const int steps = a->generated < b.generated ? a->generated : b.generated;
-        for (int s = 0; s < steps && first_difference < 0; s++)
-            if (in_batch[(size_t)i * stride + s] != alone[(size_t)i * stride + s]) first_difference = s;
-        if (first_difference < 0 && a->generated != b.generated) first_difference = steps;
-        const int identical = first_difference < 0 && a->n_tokens == b.n_tokens && same_tokens == a->n_tokens;
-        verdicts[i] = (BatchVerdict){a->generated, same_tokens - a->n_prompt, identical, first_difference};
-        differ |= !identical;
-        n_identical += identical;
+        const HashedRun batched = {a->tokens, a->n_tokens, a->n_prompt, in_batch + (size_t)i * stride, a->generated},
+                        solo = {b.tokens, b.n_tokens, b.n_prompt, alone + (size_t)i * stride, b.generated};
+        verdicts[i] = compare_hashed_runs(&batched, &solo);
+        differ |= !verdicts[i].identical;
+        n_identical += verdicts[i].identical;
         free(b.tokens);
     }
     const char *what = o->prompts_path ? o->prompts_path : o->prompt;
@@ -108,12 +108,6 @@ int mode_check_batch(const Model *m, KVPool *pool, const Options *o) {
 
 /* ---- --check-kv ---- */
 
-/* A greedy run: its logits, step by step. */
-typedef struct {
-    float *logits; /* (steps, vocab) */
-    int steps;
-} GreedyRun;
-
 /* Greedy from the prompt, with the cache (kv) or without, in MLA form `form`, on pool. */
 static GreedyRun greedy_run(const Model *m, KVPool *pool, const Options *o, const int *prompt, int n_prompt, int kv,
                             MlaForm form) {
@@ -139,24 +133,11 @@ static GreedyRun greedy_run(const Model *m, KVPool *pool, const Options *o, cons
     return g;
 }
 
-/* Greedy with the cache against greedy without it, step by step while both runs have seen
- * the same tokens. */
-typedef struct {
-    char a[32], b[32]; /* the runs' names: kv[-form], no-kv[-form] */
-    int same_form;     /* the same arithmetic: the logits should be the same bits */
-    int steps;         /* compared */
-    int identical_tokens, divergent_step, token_a, token_b; /* -1: none */
-    int first_bitwise_difference;                           /* -1: none */
-    double max_abs_logit_diff;
-} KvComparison;
-
-/* The comparison fails on different tokens, and for the same form on different logits. */
-static int comparison_fails(const KvComparison *c) {
+int comparison_fails(const KvComparison *c) {
     return c->divergent_step >= 0 || (c->same_form && c->first_bitwise_difference >= 0);
 }
 
-/* Two runs' logits, step by step. */
-static KvComparison compare_runs(const GreedyRun *a, const GreedyRun *b, int V) {
+KvComparison compare_greedy_runs(const GreedyRun *a, const GreedyRun *b, int V) {
     KvComparison c = {.divergent_step = -1, .token_a = -1, .token_b = -1, .first_bitwise_difference = -1};
     c.steps = a->steps < b->steps ? a->steps : b->steps;
     for (int s = 0; s < c.steps; s++) {
@@ -248,7 +229,7 @@ int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     GreedyRun cached = greedy_run(m, pool, &run, prompt, n, 1, MLA_ABSORBED);
     for (int i = 0; i < n_pairs; i++) {
         GreedyRun uncached = greedy_run(m, &whole, &run, prompt, n, 0, uncached_forms[i]);
-        c[i] = compare_runs(&cached, &uncached, V);
+        c[i] = compare_greedy_runs(&cached, &uncached, V);
         c[i].same_form = !is_mla || uncached_forms[i] == MLA_ABSORBED;
         snprintf(c[i].a, sizeof c[i].a, is_mla ? "kv-%s" : "kv", mla_form_name(MLA_ABSORBED));
         snprintf(c[i].b, sizeof c[i].b, is_mla ? "no-kv-%s" : "no-kv", mla_form_name(uncached_forms[i]));

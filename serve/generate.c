@@ -31,6 +31,7 @@ typedef struct {
     int interrupted;   /* a signal ended the run: what is left prints as it is */
     int next_to_print; /* many sequences print whole, in order */
     double *step_ms;   /* (steps so far) */
+    int *step_tokens;  /* (steps so far): the tokens each step sampled */
     int n_steps, cap_steps;
     int first_step_tokens;
     int step_lines;   /* the warm-up and each step on stderr */
@@ -108,7 +109,7 @@ static void print_sequence(const Generation *g, const Request *r) {
         printf(", \"prompt_tokens\": %d, \"fill\": %d, \"tokens\": [", r->n_prompt - g->o->fill, g->o->fill);
         for (int i = r->n_prompt; i < r->n_tokens; i++) printf(i > r->n_prompt ? ", %d" : "%d", r->tokens[i]);
         printf("], \"generated\": %d, \"stop\": \"%s\", \"first_token_ms\": %.3f, \"prefill_ms\": %.3f, "
-               "\"decode_ms_per_token\": %.4f, \"preemptions\": %d}\n",
+               "\"decode_ms_per_token_mean\": %.4f, \"preemptions\": %d}\n",
                r->generated, stop_name(r->stop), r->first_token_ms, r->prefill_ms,
                r->decode_steps ? r->decode_ms / r->decode_steps : 0.0, r->preemptions);
     } else {
@@ -145,8 +146,11 @@ static void report_step(Generation *g, const StepResult *st) {
     }
     if (g->n_steps == g->cap_steps) {
         g->cap_steps = g->cap_steps ? 2 * g->cap_steps : 512;
-        if (!(g->step_ms = realloc(g->step_ms, (size_t)g->cap_steps * sizeof *g->step_ms))) die(1, "out of memory");
+        if (!(g->step_ms = realloc(g->step_ms, (size_t)g->cap_steps * sizeof *g->step_ms)) ||
+            !(g->step_tokens = realloc(g->step_tokens, (size_t)g->cap_steps * sizeof *g->step_tokens)))
+            die(1, "out of memory");
     }
+    g->step_tokens[g->n_steps] = st->n_rows;
     g->step_ms[g->n_steps++] = st->ms;
     if (st->step == 0) g->first_step_tokens = st->n_tokens;
     /* a lone sequence's line names its position and token */
@@ -196,11 +200,14 @@ static double percentile(double *v, int n, double q) {
 /* A run's figures, for the summary and its JSON form. The first step is the prefill,
  * every later step decodes; with --prompts, latencies are per request, over the requests
  * that got a token. After an interruption, requests are served (ended), cut (begun) or
- * not started. */
+ * not started. tokens/s: the mean is the tokens over their time (decode steps; with
+ * --prompts every step, over the run's time); the median is that of each such step's
+ * tokens over its time, as bench reports steps. */
 typedef struct {
     int sequences, served, cut, not_started;
     int prefill_tokens, decode_steps, decode_tokens, stops[4]; /* stops by StopReason; NONE: interrupted */
-    double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token, tokens_per_s, per_sequence_ms_per_token;
+    double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token;
+    double tokens_per_s_mean, tokens_per_s_median, per_sequence_ms_per_token_mean;
     long served_tokens;                      /* every token sampled, the first included */
     double ttft50, ttft95, token50, token95; /* --prompts: time to first token, per-token latency */
     int slow_steps;                          /* decode steps over 3x the median: waits on other processes */
@@ -211,6 +218,20 @@ typedef struct {
  * a step is within a small factor of the median, and a busy one deschedules a thread of the
  * team for milliseconds now and then. */
 static int disturbed(const Figures *f) { return f->decode_steps >= 20 && f->slow_steps * 50 > f->decode_steps; }
+
+/* The median over steps [first, n_steps) of each step's sampled tokens a second. */
+static double median_step_tokens_per_s(const Generation *g, int first) {
+    const int n = g->n_steps > first ? g->n_steps - first : 0;
+    double *rates = malloc((size_t)(n + 1) * sizeof *rates);
+    if (!rates) die(1, "out of memory");
+    for (int i = 0; i < n; i++) {
+        const double ms = g->step_ms[first + i];
+        rates[i] = ms > 0 ? 1000.0 * g->step_tokens[first + i] / ms : 0.0;
+    }
+    const double median = percentile(rates, n, 0.5);
+    free(rates);
+    return median;
+}
 
 static Figures figures_of(const Generation *g) {
     const Scheduler *sch = g->sch;
@@ -238,19 +259,20 @@ static Figures figures_of(const Generation *g) {
         if (r->generated > 0) ttft[n_ttft++] = r->first_token_ms;
         if (r->decode_steps) {
             per_token[n_per_token++] = r->decode_ms / r->decode_steps;
-            f.per_sequence_ms_per_token += r->decode_ms / r->decode_steps;
+            f.per_sequence_ms_per_token_mean += r->decode_ms / r->decode_steps;
             n_decoding++;
         }
     }
     f.stops[STOP_NONE] = f.cut; /* interrupted: begun and cut short */
-    f.per_sequence_ms_per_token = n_decoding ? f.per_sequence_ms_per_token / n_decoding : 0.0;
+    f.per_sequence_ms_per_token_mean = n_decoding ? f.per_sequence_ms_per_token_mean / n_decoding : 0.0;
     for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[i + 1];
     f.step_median_ms = percentile(steps, f.decode_steps, 0.5);
     for (int i = 0; i < f.decode_steps; i++) f.slow_steps += g->step_ms[i + 1] > 3.0 * f.step_median_ms;
     f.step_mean_ms = f.decode_steps ? f.decode_ms / f.decode_steps : 0.0;
     f.ms_per_token = f.decode_tokens ? f.decode_ms / f.decode_tokens : 0.0;
-    f.tokens_per_s = g->serving ? (sch->total_ms > 0 ? 1000.0 * f.served_tokens / sch->total_ms : 0.0)
-                                : (f.decode_ms > 0 ? 1000.0 * f.decode_tokens / f.decode_ms : 0.0);
+    f.tokens_per_s_mean = g->serving ? (sch->total_ms > 0 ? 1000.0 * f.served_tokens / sch->total_ms : 0.0)
+                                     : (f.decode_ms > 0 ? 1000.0 * f.decode_tokens / f.decode_ms : 0.0);
+    f.tokens_per_s_median = median_step_tokens_per_s(g, g->serving ? 0 : 1);
     f.ttft50 = percentile(ttft, n_ttft, 0.5), f.ttft95 = percentile(ttft, n_ttft, 0.95);
     f.token50 = percentile(per_token, n_per_token, 0.5), f.token95 = percentile(per_token, n_per_token, 0.95);
     free(ttft);
@@ -278,15 +300,15 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
         fprintf(out,
                 " | %ld tokens in %.1f ms, %.1f tokens/s | time to first token median %.3f ms, p95 %.3f ms | per "
                 "token median %.3f ms, p95 %.3f ms",
-                f->served_tokens, sch->total_ms, f->tokens_per_s, f->ttft50, f->ttft95, f->token50, f->token95);
+                f->served_tokens, sch->total_ms, f->tokens_per_s_mean, f->ttft50, f->ttft95, f->token50, f->token95);
     } else {
         if (f->sequences > 1) fprintf(out, " | %d sequences", f->sequences);
         fprintf(out,
                 " | prefill %d tokens %.3f ms | decode %d steps, %.3f ms/token, %.1f tokens/s, median step %.3f ms, "
                 "mean step %.3f ms",
-                f->prefill_tokens, f->prefill_ms, f->decode_steps, f->ms_per_token, f->tokens_per_s, f->step_median_ms,
+                f->prefill_tokens, f->prefill_ms, f->decode_steps, f->ms_per_token, f->tokens_per_s_mean, f->step_median_ms,
                 f->step_mean_ms);
-        if (f->sequences > 1) fprintf(out, " | per sequence %.3f ms/token", f->per_sequence_ms_per_token);
+        if (f->sequences > 1) fprintf(out, " | per sequence %.3f ms/token", f->per_sequence_ms_per_token_mean);
     }
     fprintf(out, " | KV cache %zu bytes%s | ", f->kv_bytes, sch->kv || g->serving ? "" : " (recomputed every step)");
     if (f->sequences == 1 && !g->serving)
@@ -357,12 +379,13 @@ static void print_summary_json(const Generation *g, const Figures *f) {
         {"fill_ms", sch->fill_ms},
         {"decode_steps", f->decode_steps},
         {"decode_tokens", f->decode_tokens},
-        {"decode_ms", f->decode_ms},
+        {"decode_ms_total", f->decode_ms},
         {"ms_per_token_mean", f->ms_per_token},
         {"step_ms_median", f->step_median_ms},
         {"step_ms_mean", f->step_mean_ms},
-        {"tokens_per_s", f->tokens_per_s},
-        {"per_sequence_ms_per_token", f->per_sequence_ms_per_token},
+        {"tokens_per_s_mean", f->tokens_per_s_mean},
+        {"tokens_per_s_median", f->tokens_per_s_median},
+        {"per_sequence_ms_per_token_mean", f->per_sequence_ms_per_token_mean},
         {"tokens_generated", (double)f->served_tokens},
         {"total_ms", sch->total_ms},
         {"first_token_ms_median", f->ttft50},
@@ -508,6 +531,7 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     if (g.dump) close_written(g.dump, o->dump_path);
     if (g.stream) spm_stream_free(g.stream);
     free(g.step_ms);
+    free(g.step_tokens);
     scheduler_free(&sch);
     requests_free(&list);
     return interrupted_by ? 128 + interrupted_by : 0; /* as a shell reports a run a signal ended */

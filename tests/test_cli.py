@@ -238,6 +238,41 @@ def test_json_summary(small_checkpoints, tmp_path):
     assert summary["step_ms_mean"] == pytest.approx(sum(decode) / 19, abs=1e-3)
     assert summary["ms_per_token_mean"] == pytest.approx(sum(decode) / 19, abs=1e-3)
     assert summary["prefill_ms"] == pytest.approx(float(rows[0][6]), abs=1e-3)
+    assert summary["decode_ms_total"] == pytest.approx(sum(decode), abs=1e-2)
+    # tokens/s: the mean is the decode tokens over their time, the median that of each decode
+    # step's tokens over its time; a step decodes one token here, so its rate is 1000 / its ms
+    # (compared as ms: the log's have 4 decimals)
+    assert all(int(r[3]) == 1 for r in rows if r[1] == "decode")
+    assert 1000.0 * 19 / summary["tokens_per_s_mean"] == pytest.approx(sum(decode), abs=2e-3)
+    assert 1000.0 / summary["tokens_per_s_median"] == pytest.approx(decode[9], abs=1e-3)
+    assert summary["tokens_per_s_median"] == pytest.approx(1000.0 / summary["step_ms_median"], rel=1e-6)
+
+
+# Timing figures that are one measurement or a sum, not a statistic over steps or sequences.
+SINGLE_TIMINGS = {"prefill_ms", "decode_ms_total", "total_ms", "first_token_ms"}
+
+
+def timing_keys_without_statistic(obj):
+    """The keys of obj that hold a time or a rate (ms, per_s) and name no statistic (mean,
+    median, p95), beyond the single measurements and sums."""
+    return [k for k in obj if re.search(r"(^|_)(ms|per_s)(_|$)", k) and not re.search(r"_(mean|median|p95)$", k)
+            and k not in SINGLE_TIMINGS]
+
+
+def test_json_timings_name_their_statistic(small_checkpoints, tmp_path):
+    """Every timing figure of the summary and the sequences says whether it is a mean or a
+    median (or a p95), so that a reader never takes one for the other (bench reports medians)."""
+    assert timing_keys_without_statistic({"tokens_per_s": 1, "step_ms_median": 1, "ms_per_token": 1,
+                                          "decode_ms_total": 1, "kv_cache_bytes": 1}) == ["tokens_per_s", "ms_per_token"]
+    path, _ = small_checkpoints["gqa"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat\nA dog ran\n")
+    for extra in (["-p", PROMPT], ["-p", PROMPT, "--batch", 2], ["--prompts", prompts, "--batch", 2]):
+        _, sequences, summary = generate_json([path, "-n", 6, "--kv", "-q", "-s", 3] + extra)
+        assert {"tokens_per_s_mean", "tokens_per_s_median", "per_sequence_ms_per_token_mean"} <= set(summary)
+        assert timing_keys_without_statistic(summary) == [], (extra, summary)
+        for s in sequences:
+            assert "decode_ms_per_token_mean" in s and timing_keys_without_statistic(s) == [], (extra, s)
 
 
 def test_json_info_ppl_and_check_kv(small_checkpoints, tmp_path):

@@ -239,6 +239,161 @@ static void test_window_slots_and_positions(void **state) {
     kv_pool_free(&p);
 }
 
+/* ---- block ids unlike their places in the table ---- */
+
+/* The block and the layer of the pool that a row's bytes lie in. */
+static int block_holding(const KVPool *p, const void *row) {
+    return (int)(((const unsigned char *)row - p->data) / kv_block_bytes(p));
+}
+static int layer_holding(const KVPool *p, const void *row) {
+    return (int)(((const unsigned char *)row - p->data) % kv_block_bytes(p) / p->layer_bytes);
+}
+
+/* Two sequences of a pool whose free blocks come out of order: each row lies in the block
+ * its table names for its position (not the block of the table's index), and the two
+ * sequences' writes never land on each other. */
+static void test_scrambled_blocks_rows_land_in_their_blocks(void **state) {
+    Config c = shipped(VARIANT_GQA, 2, 0);
+    c.n_layers = 2;
+    c.head_dim = 4;
+    KVPool p;
+    KVCache a, b;
+    const int S = 3 * KV_BLOCK_TOKENS, L = 2, H = 2, D = 4, N = 8;
+    int order[8];
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, N), 0);
+    assert_int_equal(scramble_free_blocks(&p, order), 0);
+    assert_int_equal(kv_init(&a, &p, S), 0);
+    assert_int_equal(kv_init(&b, &p, S), 0);
+    assert_int_equal(kv_reserve(&a, S), 0);
+    assert_int_equal(kv_reserve(&b, S), 0);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(a.blocks[i], order[i]);
+        assert_int_equal(b.blocks[i], order[3 + i]);
+        assert_int_not_equal(a.blocks[i], i); /* the fixture's premise */
+        assert_int_not_equal(b.blocks[i], i);
+    }
+    KVCache *seqs[2] = {&a, &b};
+    for (int q = 0; q < 2; q++)
+        for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++)
+                for (int t = 0; t < S; t++) {
+                    float *k = K(seqs[q], l, h, t), *v = V(seqs[q], l, h, t);
+                    const int block = seqs[q]->blocks[t / KV_BLOCK_TOKENS];
+                    assert_int_equal(block_holding(&p, k), block);
+                    assert_int_equal(block_holding(&p, v), block);
+                    assert_int_equal(layer_holding(&p, k), l);
+                    for (int d = 0; d < D; d++) {
+                        k[d] = (float)((((q * L + l) * H + h) * S + t) * D + d);
+                        v[d] = -k[d] - 1.0f;
+                    }
+                }
+    for (int q = 0; q < 2; q++)
+        for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++)
+                for (int t = 0; t < S; t++)
+                    for (int d = 0; d < D; d++) {
+                        const float want = (float)((((q * L + l) * H + h) * S + t) * D + d);
+                        assert_true(K(seqs[q], l, h, t)[d] == want);
+                        assert_true(V(seqs[q], l, h, t)[d] == -want - 1.0f);
+                    }
+    kv_free(&a);
+    kv_free(&b);
+    kv_pool_free(&p);
+}
+
+/* MLA's latent rows, likewise. */
+static void test_scrambled_blocks_latents_land_in_their_blocks(void **state) {
+    Config c = shipped(VARIANT_MLA, 0, 16);
+    c.n_layers = 2;
+    c.rope_dim = 8;
+    KVPool p;
+    KVCache s;
+    const int S = 4 * KV_BLOCK_TOKENS, W = 24;
+    int order[4];
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
+    assert_int_equal(scramble_free_blocks(&p, order), 0);
+    assert_int_equal(kv_init(&s, &p, S), 0);
+    assert_int_equal(kv_reserve(&s, S), 0);
+    for (int i = 0; i < 4; i++) assert_int_not_equal(s.blocks[i], i);
+    for (int l = 0; l < 2; l++)
+        for (int t = 0; t < S; t++) {
+            float *row = LAT(&s, l, t);
+            assert_int_equal(block_holding(&p, row), s.blocks[t / KV_BLOCK_TOKENS]);
+            assert_int_equal(layer_holding(&p, row), l);
+            for (int d = 0; d < W; d++) row[d] = (float)((l * S + t) * W + d);
+        }
+    for (int l = 0; l < 2; l++)
+        for (int t = 0; t < S; t++)
+            for (int d = 0; d < W; d++) assert_true(LAT(&s, l, t)[d] == (float)((l * S + t) * W + d));
+    kv_free(&s);
+    kv_pool_free(&p);
+}
+
+/* A shared prefix over out-of-order blocks: b's tables point at a's blocks (not at the
+ * blocks of their indices), and the copy on b's first write holds the shared block's rows
+ * (copied from the block the table names). */
+static void test_scrambled_blocks_share_and_copy(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache a, b;
+    int order[8];
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 8), 0);
+    assert_int_equal(scramble_free_blocks(&p, order), 0);
+    assert_int_equal(kv_init(&a, &p, 64), 0);
+    assert_int_equal(kv_init(&b, &p, 64), 0);
+    assert_int_equal(kv_reserve(&a, 40), 0);
+    for (int t = 0; t < 40; t++)
+        for (int l = 0; l < 4; l++) K(&a, l, 0, t)[0] = (float)(100 * l + t), V(&a, l, 0, t)[0] = -(float)(100 * l + t);
+    a.len = 40;
+    kv_share_prefix(&b, &a, 37); /* two full blocks and 5 positions of the third */
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(b.blocks[i], a.blocks[i]);
+        assert_int_not_equal(b.blocks[i], i);
+    }
+    for (int t = 0; t < 37; t++) assert_true(K(&b, 2, 0, t)[0] == (float)(200 + t));
+    assert_int_equal(kv_reserve(&b, 38), 0); /* b writes position 37: a private copy of block 2 */
+    assert_int_equal(b.blocks[2], order[3]);
+    assert_int_not_equal(b.blocks[2], a.blocks[2]);
+    assert_int_equal(block_holding(&p, K(&b, 0, 0, 37)), b.blocks[2]);
+    for (int t = 32; t < 37; t++)
+        for (int l = 0; l < 4; l++) {
+            assert_true(K(&b, l, 0, t)[0] == (float)(100 * l + t));
+            assert_true(V(&b, l, 0, t)[0] == -(float)(100 * l + t));
+        }
+    K(&b, 1, 0, 37)[0] = -5.0f;
+    assert_true(K(&a, 1, 0, 37)[0] == 137.0f);
+    kv_free(&a);
+    kv_free(&b);
+    kv_pool_free(&p);
+}
+
+/* A window of 40 slots (3 blocks, sinks 4) over out-of-order blocks: after 100 positions,
+ * each position the window keeps reads back what was written for it. */
+static void test_scrambled_blocks_window(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache s;
+    int order[4];
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
+    assert_int_equal(scramble_free_blocks(&p, order), 0);
+    kv_pool_set_window(&p, 40, 4);
+    assert_int_equal(kv_init(&s, &p, 1 << 20), 0);
+    for (int pos = 0; pos < 100; pos++) {
+        assert_int_equal(kv_reserve(&s, pos + 1), 0);
+        K(&s, 3, 0, pos)[0] = (float)pos;
+        s.len = pos + 1;
+    }
+    assert_int_equal(s.n_blocks, 3);
+    for (int i = 0; i < 3; i++) assert_int_not_equal(s.blocks[i], i);
+    for (int i = 0; i < kv_window_length(&p, 99); i++) {
+        const int pos = kv_window_position(&p, 99, i);
+        assert_true(K(&s, 3, 0, pos)[0] == (float)pos);
+        assert_int_equal(block_holding(&p, K(&s, 3, 0, pos)), s.blocks[kv_slot(&p, pos) / KV_BLOCK_TOKENS]);
+    }
+    kv_free(&s);
+    kv_pool_free(&p);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     (void)argv;
@@ -251,6 +406,10 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_copy_needs_a_block),
         cmocka_unit_test(test_bytes_per_token_by_dtype),
         cmocka_unit_test(test_window_slots_and_positions),
+        cmocka_unit_test(test_scrambled_blocks_rows_land_in_their_blocks),
+        cmocka_unit_test(test_scrambled_blocks_latents_land_in_their_blocks),
+        cmocka_unit_test(test_scrambled_blocks_share_and_copy),
+        cmocka_unit_test(test_scrambled_blocks_window),
     };
     return cmocka_run_group_tests_name("kvcache", tests, NULL, NULL);
 }

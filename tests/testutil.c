@@ -272,3 +272,41 @@ void run_on_team(int n, void (*fn)(void *arg, Worker *w), void *arg) {
     team_barrier(lead);
     team_close(t);
 }
+
+/* ---- pools that hand out blocks out of order ---- */
+
+static int greatest_common_divisor(int a, int b) { return b ? greatest_common_divisor(b, a % b) : a; }
+
+/* order[i] = (3 i + 1) % n, or with the next stride coprime to n: consecutive table
+ * positions land blocks apart; then each i left at its own place swaps with the next. */
+static int scrambled_order(int n, int *order) {
+    if (n < 2) return -1;
+    int stride = 3;
+    while (greatest_common_divisor(stride, n) != 1) stride++;
+    for (int i = 0; i < n; i++) order[i] = (int)(((long)i * stride + 1) % n);
+    for (int i = 0; i < n; i++)
+        if (order[i] == i) { /* order[next] is not i (order[i] is): the swap leaves neither in place */
+            const int next = (i + 1) % n, kept = order[next];
+            order[next] = i;
+            order[i] = kept;
+        }
+    return 0;
+}
+
+int scramble_free_blocks(KVPool *pool, int *order) {
+    const int n = pool->n_blocks;
+    if (pool->n_free != n || scrambled_order(n, order) != 0) return -1;
+    /* Take every block, one a cache, then give them back last-out-first: the pool's free
+     * blocks are a stack, so the block given back last is the next handed out. */
+    KVCache *holders = calloc((size_t)n, sizeof *holders);
+    int *holder_of = malloc((size_t)n * sizeof *holder_of);
+    if (!holders || !holder_of) return -1;
+    for (int i = 0; i < n; i++) {
+        if (kv_init(&holders[i], pool, 1) != 0 || kv_reserve(&holders[i], 1) != 0) return -1;
+        holder_of[holders[i].blocks[0]] = i;
+    }
+    for (int i = n - 1; i >= 0; i--) kv_free(&holders[holder_of[order[i]]]);
+    free(holders);
+    free(holder_of);
+    return 0;
+}

@@ -37,6 +37,14 @@ void long_missing_path(char path[4001]);
  * alone. Dies (assert) when the team cannot be opened. */
 void run_on_team(int n, void (*fn)(void *arg, Worker *w), void *arg);
 
+/* Reorders a pool's free blocks (all of them free) through kv_init, kv_reserve and kv_free,
+ * so that the next ones handed out are order[0], order[1], ... (order: room for n_blocks),
+ * none of them at its own index and consecutive ones apart: a cache's block ids then differ
+ * from their places in its table, and a read that took one for the other would land in
+ * another block. A fresh pool hands out 0, 1, 2, ..., where the two agree. Returns -1 when
+ * the pool has fewer than 2 blocks or some are in use. */
+int scramble_free_blocks(KVPool *pool, int *order);
+
 /* The tokenizer model the tests use (argv[1] of every test binary). */
 extern const char *g_tokenizer_path;
 float test_uniform(uint64_t *state); /* in [-1, 1) */
