@@ -376,7 +376,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
         {"prefill_tokens", f->prefill_tokens},
         {"prefill_ms", f->prefill_ms},
         {"fill", o->fill},
-        {"fill_ms", sch->fill_ms},
+        {"fill_ms_total", sch->fill_ms},
         {"decode_steps", f->decode_steps},
         {"decode_tokens", f->decode_tokens},
         {"decode_ms_total", f->decode_ms},
