@@ -80,6 +80,9 @@ def parse_args(argv):
     ap.add_argument("--pt-budget", type=float, default=120.0,
                     help="seconds a plain eager PyTorch run may take before auto switches (default 120)")
     ap.add_argument("--skip-pytorch", action="store_true", help="measure the C engine only")
+    ap.add_argument("--torch-device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="where the PyTorch reference runs: auto (a CUDA device when torch sees one, else the "
+                         "CPU), cpu or cuda (default auto)")
     ap.add_argument("--allow-disturbed", action="store_true",
                     help="measure even when other processes keep the machine busy (the report says so)")
     ap.add_argument("--batches", default=None, metavar="B,B,...",

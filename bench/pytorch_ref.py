@@ -45,13 +45,14 @@ def pytorch_part(b):
     b.phase = "loading PyTorch"
     log("bench: loading PyTorch")
     try:
-        pt = PyTorchBench(b.args.threads)
+        pt = PyTorchBench(b.args.threads, b.args.torch_device)
     except Exception as e:   # not installed or broken: the C results must still be written
         b.pt_error = f"cannot load PyTorch: {type(e).__name__}: {e}"
         warn(f"{b.pt_error}; the report will have the C engine only")
         return
     b.machine["torch"] = (f"torch {pt.torch.__version__}, {pt.threads} thread{'s' if pt.threads > 1 else ''}, "
-                          f"fp32 products on {blas_in_use()}; path per mode and checkpoint below")
+                          f"fp32 products on {blas_in_use() if pt.device == 'cpu' else pt.device_name}; "
+                          f"path per mode and checkpoint below")
     for ck in b.ok():
         b.phase = f"the PyTorch reference ({ck.name})"
         try:
@@ -79,7 +80,7 @@ def blas_in_use():
 
 
 class PyTorchBench:
-    def __init__(self, threads):
+    def __init__(self, threads, device="cpu"):
         import torch
         sys.path.insert(0, os.path.join(ROOT, "train"))
         import export
@@ -87,10 +88,24 @@ class PyTorchBench:
         self.torch, self.export, self.ptmodel = torch, export, ptmodel
         torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BenchError("--torch-device cuda: this torch sees no CUDA device")
+        self.device = device
+        self.device_name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+
+    def tensor(self, ids):
+        return self.torch.tensor(ids, device=self.device)
+
+    def sync(self):
+        """Waits for the device's queued work, so that a clock read after it covers that work."""
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
 
     def load(self, ckpt):
         import sentencepiece as spm
-        model = self.export.load_engine_checkpoint(ckpt)
+        model = self.export.load_engine_checkpoint(ckpt).to(self.device)
         hdr = self.export.read_header(ckpt)
         with open(ckpt, "rb") as f:
             f.seek(hdr["tokenizer_offset"])
@@ -110,7 +125,7 @@ class PyTorchBench:
             tokens = list(prompt)
             caches = [self.ptmodel.KVCache() for _ in model.layers] if kv else None
             t0 = perf()
-            logits = model(torch.tensor([tokens]), start_pos=0, caches=caches, last_only=True)[0, -1]
+            logits = model(self.tensor([tokens]), start_pos=0, caches=caches, last_only=True)[0, -1]
             nxt = int(torch.argmax(logits))
             rows.append({"step": 0, "phase": "prefill", "pos": len(tokens) - 1, "n_tokens": len(tokens),
                          "token": nxt, "ms": (perf() - t0) * 1e3})
@@ -118,9 +133,9 @@ class PyTorchBench:
                 tokens.append(nxt)
                 t0 = perf()
                 if kv:
-                    logits = model(torch.tensor([[nxt]]), start_pos=len(tokens) - 1, caches=caches, last_only=True)[0, -1]
+                    logits = model(self.tensor([[nxt]]), start_pos=len(tokens) - 1, caches=caches, last_only=True)[0, -1]
                 else:
-                    logits = model(torch.tensor([tokens]), last_only=True)[0, -1]
+                    logits = model(self.tensor([tokens]), last_only=True)[0, -1]
                 nxt = int(torch.argmax(logits))
                 rows.append({"step": len(rows), "phase": "decode", "pos": len(tokens) - 1, "n_tokens": len(tokens),
                              "token": nxt, "ms": (perf() - t0) * 1e3})
@@ -135,15 +150,15 @@ class PyTorchBench:
         and a cached prefill + kv_steps decode steps (MLA absorbed, as in the cached runs)."""
         torch = self.torch
         with torch.no_grad():
-            x = torch.tensor([seq])
+            x = self.tensor([seq])
             d = float((a(x) - b(x)).abs().max())
             outs = []
             for m in (a, b):
                 m.set_absorb(True)
                 caches = [self.ptmodel.KVCache() for _ in m.layers]
-                ls = [m(torch.tensor([seq[:prompt_len]]), start_pos=0, caches=caches)[0, -1]]
+                ls = [m(self.tensor([seq[:prompt_len]]), start_pos=0, caches=caches)[0, -1]]
                 for i in range(prompt_len, min(prompt_len + kv_steps, len(seq))):
-                    ls.append(m(torch.tensor([[seq[i]]]), start_pos=i, caches=caches)[0, -1])
+                    ls.append(m(self.tensor([[seq[i]]]), start_pos=i, caches=caches)[0, -1])
                 m.set_absorb(False)
                 outs.append(torch.stack(ls))
             return max(d, float((outs[0] - outs[1]).abs().max()))
@@ -151,13 +166,14 @@ class PyTorchBench:
     def time_forward(self, model, seq, reps=2, warm=True):
         torch = self.torch
         with torch.no_grad():
-            x = torch.tensor([seq])
+            x = self.tensor([seq])
             if warm:
                 model(x, last_only=True)
             ts = []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 model(x, last_only=True)
+                self.sync()
                 ts.append(time.perf_counter() - t0)
         return min(ts)
 
@@ -168,10 +184,11 @@ class PyTorchBench:
         with torch.no_grad():
             model.set_absorb(True)
             caches = [self.ptmodel.KVCache() for _ in model.layers]
-            model(torch.tensor([seq[:prompt_len]]), start_pos=0, caches=caches, last_only=True)
+            model(self.tensor([seq[:prompt_len]]), start_pos=0, caches=caches, last_only=True)
             for i in range(prompt_len, min(prompt_len + steps, len(seq))):
                 t0 = time.perf_counter()
-                model(torch.tensor([[seq[i]]]), start_pos=i, caches=caches, last_only=True)
+                model(self.tensor([[seq[i]]]), start_pos=i, caches=caches, last_only=True)
+                self.sync()
                 ts.append(time.perf_counter() - t0)
             model.set_absorb(False)
         return median(ts) if ts else 0.0
@@ -193,8 +210,9 @@ class PyTorchBench:
         log(f"  [PyTorch] {variant}: plain eager forward {t_small * 1e3:.1f} ms at T={T0}, {t_full * 1e3:.1f} ms at "
             f"T={T1}, cached step {t_step * 1e3:.2f} ms: a run would take about {est['no-kv']:.0f} s without the "
             f"cache, {est['kv']:.0f} s with it")
-        want = {m: args.pt_path == "mkldnn" or (args.pt_path == "auto" and est[m] > args.pt_budget)
-                for m in ("no-kv", "kv")}
+        want = {m: self.device == "cpu" and (args.pt_path == "mkldnn" or (args.pt_path == "auto" and
+                                                                           est[m] > args.pt_budget))
+                for m in ("no-kv", "kv")}   # oneDNN's Linear layers are a CPU path
         paths = {m: model for m in want}
         info["path"] = {m: "eager" for m in want}
         info["why"] = {m: ("--pt-path eager" if args.pt_path == "eager" else
@@ -236,7 +254,7 @@ class PyTorchBench:
         of each of reps timed calls."""
         torch = self.torch
         F = torch.nn.functional
-        x = torch.randn(1, T, model.cfg.dim)
+        x = torch.randn(1, T, model.cfg.dim, device=self.device)
         w = model.tok_embeddings.weight
         with torch.no_grad():
             F.linear(x, w)
@@ -244,6 +262,7 @@ class PyTorchBench:
             for _ in range(reps):
                 t0 = time.perf_counter()
                 F.linear(x, w)
+                self.sync()
                 ts.append((time.perf_counter() - t0) * 1e3)
         return ts
 

@@ -106,8 +106,8 @@ def causal_attention(q, k, v, scale, start_pos):
         scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))    # (B, H, Tq, Tk)
         scores.mul_(scale)
         if Tq > 1:
-            qpos = torch.arange(start_pos, start_pos + Tq)[:, None]
-            scores.masked_fill_(torch.arange(Tk)[None, :] > qpos, float("-inf"))
+            qpos = torch.arange(start_pos, start_pos + Tq, device=scores.device)[:, None]
+            scores.masked_fill_(torch.arange(Tk, device=scores.device)[None, :] > qpos, float("-inf"))
         probs = F.softmax(scores, dim=-1)       # bf16 in and out under autocast, fp32 inside
         return torch.matmul(probs, v.to(dtype))                              # (B, H, Tq, dv)
 
