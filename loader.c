@@ -493,29 +493,41 @@ static int read_header(int fd, const char *path, size_t size, Config *c, uint64_
     return 0;
 }
 
+int checkpoint_open(Checkpoint *ck, const char *path, char *err, size_t errlen) {
+    memset(ck, 0, sizeof *ck);
+    ck->path = path;
+    if ((ck->fd = open_regular(path, "checkpoint ", &ck->size, err, errlen)) < 0) return -1;
+    if (read_header(ck->fd, path, ck->size, &ck->cfg, &ck->tok_off, &ck->tok_size, &ck->w_off, err, errlen) != 0) {
+        checkpoint_close(ck);
+        return -1;
+    }
+    return 0;
+}
+
+void checkpoint_close(Checkpoint *ck) {
+    if (ck->fd >= 0) close(ck->fd);
+    ck->fd = -1;
+}
+
 int model_read_config(Config *c, const char *path, char *err, size_t errlen) {
-    size_t size;
-    uint64_t tok_off, tok_size, w_off;
+    Checkpoint ck;
     memset(c, 0, sizeof *c);
-    const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
-    if (fd < 0) return -1;
-    const int rc = read_header(fd, path, size, c, &tok_off, &tok_size, &w_off, err, errlen);
-    close(fd);
-    return rc;
+    if (checkpoint_open(&ck, path, err, errlen) != 0) return -1;
+    *c = ck.cfg;
+    checkpoint_close(&ck);
+    return 0;
 }
 
 /* The file is read with pread, never mapped: a mapped file that shrinks under the reader
  * kills it with SIGBUS, while a read just comes up short. */
-int model_load_with_context(Model *m, const char *path, int ctx, char *err, size_t errlen) {
+int checkpoint_load(Model *m, const Checkpoint *ck, int ctx, char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
-    size_t size;
-    const int fd = open_regular(path, "checkpoint ", &size, err, errlen);
-    if (fd < 0) return -1;
+    const char *path = ck->path;
+    const int fd = ck->fd;
     char *tokenizer = NULL;
     PackCursor cur = {.fd = fd, .path = path, .err = err, .errlen = errlen};
     Config *c = &m->cfg;
-    uint64_t tok_off = 0, tok_size = 0, w_off = 0;
-    if (read_header(fd, path, size, c, &tok_off, &tok_size, &w_off, err, errlen) != 0) goto bad;
+    *c = ck->cfg;
     if (ctx < 0 || ctx > c->max_seq_len) {
         errmsg(err, errlen, -1, "a context of %d is more than the %d positions %s was trained for", ctx,
                c->max_seq_len, msg_path(path).s);
@@ -523,10 +535,10 @@ int model_load_with_context(Model *m, const char *path, int ctx, char *err, size
     }
     if (ctx > 0) c->max_seq_len = ctx;
 
-    if (!(tokenizer = malloc((size_t)tok_size))) goto out_of_memory;
-    if (read_at(fd, tokenizer, (size_t)tok_size, (size_t)tok_off) != 0) goto unreadable;
+    if (!(tokenizer = malloc((size_t)ck->tok_size))) goto out_of_memory;
+    if (read_at(fd, tokenizer, (size_t)ck->tok_size, (size_t)ck->tok_off) != 0) goto unreadable;
     char why[256];
-    m->tokenizer = spm_load_bytes(tokenizer, (size_t)tok_size, why, sizeof why);
+    m->tokenizer = spm_load_bytes(tokenizer, (size_t)ck->tok_size, why, sizeof why);
     free(tokenizer);
     tokenizer = NULL;
     if (!m->tokenizer) {
@@ -543,7 +555,7 @@ int model_load_with_context(Model *m, const char *path, int ctx, char *err, size
         goto bad;
     }
     if (alloc_model(m) != 0) goto out_of_memory;
-    cur.offset = (size_t)w_off;
+    cur.offset = (size_t)ck->w_off;
     cur.dst = m->weights;
     cur.dt = c->dtype;
     model_walk_tensors(c, &m->w, pack_tensor, &cur);
@@ -551,7 +563,6 @@ int model_load_with_context(Model *m, const char *path, int ctx, char *err, size
     cur.rowmajor = NULL;
     if (cur.failed) goto bad;
     if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) goto out_of_memory;
-    close(fd);
     return 0;
 unreadable:
     if (errno)
@@ -564,9 +575,17 @@ out_of_memory:
 bad:
     free(tokenizer);
     free(cur.rowmajor);
-    close(fd);
     model_free(m);
     return -1;
+}
+
+int model_load_with_context(Model *m, const char *path, int ctx, char *err, size_t errlen) {
+    Checkpoint ck;
+    memset(m, 0, sizeof *m);
+    if (checkpoint_open(&ck, path, err, errlen) != 0) return -1;
+    const int rc = checkpoint_load(m, &ck, ctx, err, errlen);
+    checkpoint_close(&ck);
+    return rc;
 }
 
 int model_load(Model *m, const char *path, char *err, size_t errlen) {

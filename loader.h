@@ -19,8 +19,23 @@ int model_load(Model *m, const char *path, char *err, size_t errlen);
  * it), before the RoPE tables are sized. */
 int model_load_with_context(Model *m, const char *path, int ctx, char *err, size_t errlen);
 /* A checkpoint's checked configuration from its header and section sizes alone: no
- * tokenizer, no weights are read (--info, and -c's check before loading). */
+ * tokenizer, no weights are read (--info). */
 int model_read_config(Config *c, const char *path, char *err, size_t errlen);
+
+/* model_load in two steps over one open file, so that a run can size everything from the
+ * header before it allocates anything, and the file read is the one whose size was taken:
+ * checkpoint_open reads and checks the header (cfg), checkpoint_load the tokenizer and the
+ * weights (as model_load_with_context), checkpoint_close closes the file. */
+typedef struct {
+    int fd;
+    const char *path;
+    size_t size;
+    Config cfg;
+    uint64_t tok_off, tok_size, w_off;
+} Checkpoint;
+int checkpoint_open(Checkpoint *ck, const char *path, char *err, size_t errlen);
+int checkpoint_load(Model *m, const Checkpoint *ck, int ctx, char *err, size_t errlen);
+void checkpoint_close(Checkpoint *ck);
 /* Checks a configuration against the limits above, the variant's head counts and the RoPE
  * tables' bound; `what` starts the message ("checkpoint", "--shape"). 0 or -1. */
 int config_check(const Config *c, const char *what, char *err, size_t errlen);

@@ -56,15 +56,17 @@ static char *read_prompt(const char *path) {
  * SIGSEGV: its large scratch is on the heap, but the libraries' own frames take several KB. */
 enum { MIN_STACK_BYTES = 32 << 10 };
 
-/* The model's shape: --shape's, or the checkpoint's header (nothing else of it is read
- * yet), with -c's context; a window as long as the context slides nothing, so it goes. */
-static Config model_config(const Options *o) {
+/* The model's shape: --shape's, or the checkpoint's header (ck, left open: nothing else
+ * of it is read yet), with -c's context; a window as long as the context slides nothing,
+ * so it goes. */
+static Config model_config(const Options *o, Checkpoint *ck) {
     Config c;
     char err[512];
     if (o->shape) {
         if (shape_parse(&c, o->shape, err, sizeof err) != 0) die(EXIT_USAGE, "%s", err);
-    } else if (model_read_config(&c, o->checkpoint, err, sizeof err) != 0) {
-        die(1, "%s", err);
+    } else {
+        if (checkpoint_open(ck, o->checkpoint, err, sizeof err) != 0) die(1, "%s", err);
+        c = ck->cfg;
     }
     if (o->ctx_size) {
         if (!o->shape && o->ctx_size > c.max_seq_len)
@@ -167,13 +169,15 @@ int main(int argc, char **argv) {
         die(EXIT_USAGE, "%s", usage_err);
     free(usage_err);
 
-    const Config cfg = model_config(&o);
+    Checkpoint ck = {.fd = -1};
+    const Config cfg = model_config(&o, &ck);
     /* the model's own sliding window, where a run with a cache would take --window */
     if (!o.window && cfg.window && (o.kv || o.ppl_path || o.info || o.check_kv))
         o.window = cfg.window, o.window_sinks = 0, o.window_from_model = 1;
     check_limits(&cfg, &o);
     const int blocks = pool_blocks(&cfg, &o);
     if (o.info) { /* from the shape alone: no weights, no pool */
+        checkpoint_close(&ck);
         const int status = mode_info(&cfg, &o, blocks);
         free(prompt_text);
         close_written(stdout, "standard output");
@@ -183,8 +187,9 @@ int main(int argc, char **argv) {
     Model m;
     char err[512];
     if (o.shape ? model_generate(&m, &cfg, o.seed, err, sizeof err) != 0
-                : model_load_with_context(&m, o.checkpoint, cfg.max_seq_len, err, sizeof err) != 0)
+                : checkpoint_load(&m, &ck, cfg.max_seq_len, err, sizeof err) != 0)
         die(1, "%s", err);
+    checkpoint_close(&ck);
     m.cfg.window = cfg.window;
     KVPool pool;
     if (kv_pool_init(&pool, &m.cfg, o.kv_dtype, blocks) != 0)

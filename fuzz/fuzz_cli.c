@@ -22,7 +22,8 @@ static void check(int rc, const Options *o, const char *err, size_t errlen) {
         if (n == 0 || n == errlen) abort();
     }
     if (rc == CLI_RUN) {
-        if (!o->checkpoint || !o->prompt) abort();
+        if (!o->checkpoint == !o->shape || !o->prompt) abort(); /* one model source: a checkpoint or a shape */
+        if (o->ctx_size < 0 || o->ctx_size > MAX_SEQ_LEN) abort();
         if (!(o->top_p >= 0.0f && o->top_p <= 1.0f) || (o->quiet && o->verbose)) abort();
         if (o->steps < 0 || o->steps > (1 << 20) || o->top_k < 1 || o->top_k > (1 << 20)) abort();
         if (!(o->temperature >= 0.0f && o->temperature <= 100.0f)) abort();
