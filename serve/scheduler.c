@@ -377,6 +377,10 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
 
 /* ---- setting up ---- */
 
+int scheduler_max_tokens(const Config *c, int max_batch) {
+    return min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS) + max_batch;
+}
+
 int scheduler_init(Scheduler *sch) {
     const Config *c = &sch->model->cfg;
     sch->run = NULL;
@@ -388,7 +392,7 @@ int scheduler_init(Scheduler *sch) {
     run->sch = sch;
     sch->run = run;
     run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
-    const int T = run->prompt_budget + sch->max_batch, B = sch->max_batch;
+    const int T = scheduler_max_tokens(c, sch->max_batch), B = sch->max_batch;
     run->running = malloc((size_t)B * sizeof *run->running);
     run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
     run->pass_first = malloc((size_t)(B + 1) * sizeof *run->pass_first);

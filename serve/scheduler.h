@@ -133,6 +133,9 @@ typedef struct {
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;
 
+/* The most tokens a pass of max_batch slots holds: the rows of every pass-sized buffer. */
+int scheduler_max_tokens(const Config *c, int max_batch);
+
 /* Allocates the run (the model's scratch for max_batch slots, the logits) and opens the
  * team. Returns -1 when out of memory, when a thread cannot be started, or when the pool
  * cannot hold one sequence of the full context. */

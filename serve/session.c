@@ -177,7 +177,7 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
 }
 
 size_t scheduler_scratch_bytes(const Config *c, int max_batch) {
-    const size_t T = (size_t)c->max_seq_len + (size_t)max_batch, qw = (size_t)config_query_width(c);
+    const size_t T = (size_t)scheduler_max_tokens(c, max_batch), qw = (size_t)config_query_width(c);
     const size_t H = (size_t)c->n_heads, kv = (size_t)c->n_kv_heads * c->head_dim, lat = (size_t)c->kv_latent,
                  lr = lat + (size_t)c->rope_dim;
     /* a token's floats: its logits, the residual and normed streams, the heads' output, the

@@ -49,8 +49,8 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options 
  * and commit, the checkpoint, variant and cache settings, the threads and the seed. The
  * caller adds its figures (json_field, or its own printf) and closes it (json_end). */
 void json_begin(const char *type, const Model *m, const Options *o, const char *mode);
-/* About the bytes of the scheduler's scratch for a pass of a whole context: the logits and
- * activations of max_seq_len + max_batch tokens (scheduler_init sizes its passes so). */
+/* About the bytes of the scheduler's scratch: the logits and activations of a pass's
+ * tokens (scheduler_max_tokens). */
 size_t scheduler_scratch_bytes(const Config *c, int max_batch);
 /* The memory this machine has for a new allocation (MemAvailable) and in all (MemTotal),
  * in bytes, from /proc/meminfo, or sysconf's pages where it cannot be read. 0 or -1. */

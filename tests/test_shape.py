@@ -72,7 +72,10 @@ def test_info_by_dtype_and_variant():
 def test_info_says_whether_it_fits():
     _, info = json_one(["--shape", "llama2-70b", "--info"])
     assert info["memory_needed_bytes"] == info["model_bytes"] + info["kv_pool_bytes"] + info["scratch_bytes"]
-    assert info["scratch_bytes"] >= 4097 * 32000 * 4  # at least the logits of a pass of the context
+    # at least the logits of a pass: 2,048 prompt tokens (4,096 context) and one a slot
+    assert info["scratch_bytes"] >= (2048 + 1) * 32000 * 4
+    _, longer = json_one(["--shape", "llama2-70b", "-c", 32768, "--info"])
+    assert longer["scratch_bytes"] == info["scratch_bytes"]  # a pass's rows do not grow with the context
     assert info["model_bytes"] >= info["weight_bytes"]
     assert info["memory_total_bytes"] >= info["memory_available_bytes"] > 0
     assert info["fits_in_memory"] == (info["memory_needed_bytes"] <= info["memory_available_bytes"])
