@@ -51,11 +51,13 @@ VARIANT_NAMES = {0: "mha", 1: "gqa", 2: "mqa", 3: "mla"}
 
 # magic, version, variant, dtype, dim, n_layers, n_heads, head_dim, n_kv_heads, kv_latent, rope_dim,
 # hidden_dim, vocab_size, max_seq_len, rope_theta, norm_eps, bos_id, eos_id,
-# tokenizer_offset, tokenizer_size, weights_offset, weights_size, 24 reserved bytes
-HEADER_STRUCT = struct.Struct("<4s13I2f2I4Q24x")
+# tokenizer_offset, tokenizer_size, weights_offset, weights_size, flags, window, 16 reserved bytes
+HEADER_STRUCT = struct.Struct("<4s13I2f2I4Q2I16x")
 HEADER_FIELDS = ("magic", "version", "variant", "dtype", "dim", "n_layers", "n_heads", "head_dim", "n_kv_heads",
                  "kv_latent", "rope_dim", "hidden_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
-                 "bos_id", "eos_id", "tokenizer_offset", "tokenizer_size", "weights_offset", "weights_size")
+                 "bos_id", "eos_id", "tokenizer_offset", "tokenizer_size", "weights_offset", "weights_size",
+                 "flags", "window")
+FLAG_UNTIED_HEAD = 1  # flags bit 0: an output head of its own, the tensor "output" after final_norm
 assert HEADER_STRUCT.size == HEADER_SIZE
 
 LLAMA2C_HEADER = struct.Struct("<7i")
@@ -115,6 +117,8 @@ def variant_code(cfg):
             raise ValueError(f"{cfg.variant}: n_kv_heads = {Hkv} does not fit the variant with n_heads = {H}")
     if cfg.head_dim % 2:
         raise ValueError(f"head_dim = {cfg.head_dim} is odd (RoPE rotates pairs)")
+    if not 0 <= cfg.window <= cfg.max_seq_len:
+        raise ValueError(f"window = {cfg.window} must lie in 0..max_seq_len ({cfg.max_seq_len})")
     return code
 
 
@@ -144,6 +148,8 @@ def tensor_layout(cfg):
                 (p + "ffn.w2.weight", (D, F)),
                 (p + "ffn.w3.weight", (F, D))]
     out.append(("norm.weight", (D,)))
+    if cfg.untied_head:
+        out.append(("output.weight", (cfg.vocab_size, D)))
     return out
 
 
@@ -252,7 +258,8 @@ def export(model, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
                rope_dim=cfg.rope_dim if is_mla else 0, hidden_dim=cfg.hidden_dim, vocab_size=cfg.vocab_size,
                max_seq_len=cfg.max_seq_len, rope_theta=float(cfg.rope_theta), norm_eps=float(cfg.norm_eps),
                bos_id=bos, eos_id=eos, tokenizer_offset=tok_off, tokenizer_size=len(tok_bytes),
-               weights_offset=w_off, weights_size=weights_size)
+               weights_offset=w_off, weights_size=weights_size,
+               flags=FLAG_UNTIED_HEAD if cfg.untied_head else 0, window=int(cfg.window))
     header = HEADER_STRUCT.pack(*(hdr[k] for k in HEADER_FIELDS))
 
     def write(f):
@@ -271,14 +278,14 @@ def export(model, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
 
 def read_header(path):
     """Parses a checkpoint's 128-byte header into a dict (field names as in docs/FORMAT.md;
-    magic as a str, plus 'reserved', the 24 reserved bytes)."""
+    magic as a str, plus 'reserved', the 16 reserved bytes)."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_SIZE)
     if len(raw) < HEADER_SIZE:
         raise ValueError(f"{path}: {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
     hdr = dict(zip(HEADER_FIELDS, HEADER_STRUCT.unpack(raw)))
     hdr["magic"] = hdr["magic"].decode("latin-1")
-    hdr["reserved"] = raw[104:128]
+    hdr["reserved"] = raw[112:128]
     return hdr
 
 
@@ -291,7 +298,8 @@ def header_config(hdr):
     return Config(variant=name, dim=hdr["dim"], n_layers=hdr["n_layers"], n_heads=hdr["n_heads"],
                   head_dim=hdr["head_dim"], n_kv_heads=hdr["n_kv_heads"], kv_latent=hdr["kv_latent"],
                   rope_dim=hdr["rope_dim"], hidden_dim=hdr["hidden_dim"], vocab_size=hdr["vocab_size"],
-                  max_seq_len=hdr["max_seq_len"], rope_theta=hdr["rope_theta"], norm_eps=hdr["norm_eps"])
+                  max_seq_len=hdr["max_seq_len"], rope_theta=hdr["rope_theta"], norm_eps=hdr["norm_eps"],
+                  untied_head=bool(hdr["flags"] & FLAG_UNTIED_HEAD), window=hdr["window"])
 
 
 def check_header(hdr, path):
@@ -302,6 +310,9 @@ def check_header(hdr, path):
                          f"(magic {hdr['magic']!r}, version {hdr['version']})")
     if hdr["variant"] not in VARIANT_NAMES or hdr["dtype"] not in (0, 1):
         raise ValueError(f"{path}: unknown variant code {hdr['variant']} or dtype code {hdr['dtype']}")
+    if hdr["flags"] & ~FLAG_UNTIED_HEAD or hdr["reserved"] != bytes(16) or hdr["window"] > hdr["max_seq_len"]:
+        raise ValueError(f"{path}: unknown header flags 0x{hdr['flags']:x}, a window over the context, or "
+                         "non-zero reserved bytes (a newer format?)")
     n_params = sum(int(np.prod(shape)) for _, shape in tensor_layout(header_config(hdr)))
     expected = n_params * (2 if hdr["dtype"] == 1 else 4)
     size = os.path.getsize(path)
@@ -381,6 +392,8 @@ def check_llama2c(cfg):
     if cfg.rope_theta != 10000 or np.float32(cfg.norm_eps) != np.float32(1e-5):
         raise ValueError(f"--llama2c: llama2.c fixes RoPE theta 10000 and RMSNorm eps 1e-5; this model has "
                          f"{cfg.rope_theta:g} and {cfg.norm_eps:g}")
+    if 0 < cfg.window < cfg.max_seq_len:
+        raise ValueError(f"--llama2c: llama2.c has no sliding window; this model's is {cfg.window}")
 
 
 def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
@@ -401,9 +414,9 @@ def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
         order += [f"layers.{i}.{kind}.weight" for i in L]
     order.append("norm.weight")
     cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)  # (max_seq_len, head_dim/2)
-    # vocab_size positive: the classifier is shared with the embedding (ours is tied).
+    # vocab_size positive: the classifier is shared with the embedding; negative: wcls follows the tables
     header = LLAMA2C_HEADER.pack(cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                                 cfg.vocab_size, cfg.max_seq_len)
+                                 -cfg.vocab_size if cfg.untied_head else cfg.vocab_size, cfg.max_seq_len)
 
     def write_model(f):
         f.write(header)
@@ -411,6 +424,8 @@ def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
             f.write(t[name].astype("<f4").tobytes())
         f.write(cos.numpy().astype("<f4").tobytes())
         f.write(sin.numpy().astype("<f4").tobytes())
+        if cfg.untied_head:
+            f.write(t["output.weight"].astype("<f4").tobytes())
 
     model_path = os.path.join(out_dir, f"{cfg.variant}_llama2c.bin")
     tok_path = os.path.join(out_dir, "tokenizer.bin")
