@@ -3,6 +3,7 @@ into llama2.c's legacy fp32 format.
 
     python3 train/export.py INPUT OUT.bin [--dtype bf16|fp32] [--tokenizer T.model] [--llama2c DIR]
     python3 train/export.py INPUT --llama2c DIR
+    python3 train/export.py INPUT --hf DIR [--force]
     python3 train/export.py --random VARIANT OUT.bin [--small] [--seed N] [--dtype ...] [--tokenizer ...]
 
 INPUT is either a checkpoint saved by train/train.py (out/VARIANT/best.pt: a dict with
@@ -16,6 +17,11 @@ its vocabulary is the tokenizer's piece count.
 --llama2c DIR (mha, gqa, mqa only) also writes DIR/VARIANT_llama2c.bin (llama2.c's
 legacy "version 0" fp32 format) and DIR/tokenizer.bin (llama2.c's tokenizer format).
 Its tensors hold the same numbers as the main file (bf16-rounded when --dtype bf16).
+
+--hf DIR writes a Hugging Face model directory (train/hf.py, docs/MODELS_IN_OUT.md):
+LlamaForCausalLM for mha, gqa and mqa, DeepseekV2ForCausalLM for mla64 and mla128, with the
+engine file's tensors bit for bit (in its dtype) and its tokenizer. An existing DIR is
+replaced only with --force.
 
 A training checkpoint is never loaded with a general unpickler: torch.load(weights_only=True)
 on PyTorch 2.x, an unpickler restricted to tensors and plain values on 1.13 (train/checkpoint.py). An output that would replace a checkpoint the project ships (a file
@@ -234,19 +240,38 @@ def _write_atomic(path, write):
 def export(model, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
     """Writes model (a Transformer) and the tokenizer (a path or the model's bytes) into path
     (docs/FORMAT.md). Returns the header as a dict (read_header's format)."""
+    return write_checkpoint(model.cfg, _numpy_tensors(model), path, tokenizer, dtype)
+
+
+def write_checkpoint(cfg, tensors, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
+    """Writes a checkpoint of Config cfg from tensors, [(name, array)] in tensor_layout's order
+    (fp32 arrays, rounded to bf16 when dtype is bf16; or, for dtype bf16 only, uint16 arrays of
+    bf16 bits, written as they are), and the tokenizer. Returns the header as a dict."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-    cfg = model.cfg
     code = variant_code(cfg)
     tok_bytes = tokenizer_bytes(tokenizer)
     bos, eos, _ = _check_tokenizer(cfg, tok_bytes)
-    tensors = _numpy_tensors(model)
-    if dtype == "bf16":
-        blobs = [bf16_bits(a).astype("<u2") for _, a in tensors]
-    else:
-        blobs = [a.astype("<f4") for _, a in tensors]
+    layout = tensor_layout(cfg)
+    if [n for n, _ in tensors] != [n for n, _ in layout]:
+        raise ValueError(f"tensors do not follow the {cfg.variant} layout")
+    blobs = []
+    for (name, a), (_, shape) in zip(tensors, layout):
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+        if a.dtype == np.uint16:
+            if dtype != "bf16":
+                raise ValueError(f"{name}: bf16 bits given for an {dtype} file")
+            if ((a & 0x7F80) == 0x7F80).any():
+                raise ValueError(f"{name} holds NaN or inf")
+            blobs.append(np.ascontiguousarray(a, dtype="<u2"))
+            continue
+        a = np.asarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise ValueError(f"{name} holds NaN or inf")
+        blobs.append(bf16_bits(a).astype("<u2") if dtype == "bf16" else np.ascontiguousarray(a, dtype="<f4"))
     weights_size = sum(b.nbytes for b in blobs)
-    n_params = sum(a.size for _, a in tensors)
+    n_params = sum(int(np.prod(shape)) for _, shape in layout)
     assert weights_size == n_params * (2 if dtype == "bf16" else 4)
 
     tok_off = HEADER_SIZE
@@ -331,8 +356,9 @@ def read_embedded_tokenizer(path):
         return f.read(hdr["tokenizer_size"])
 
 
-def read_tensors(path):
-    """Reads every tensor of a checkpoint back: {state_dict name: fp32 numpy array} (bf16 widened)."""
+def read_tensors(path, bf16_bits_too=False):
+    """Reads every tensor of a checkpoint back: {state_dict name: fp32 numpy array} (bf16 widened;
+    with bf16_bits_too, a bf16 file's tensors come as their uint16 bits instead)."""
     hdr = read_header(path)
     check_header(hdr, path)
     cfg = header_config(hdr)
@@ -343,7 +369,10 @@ def read_tensors(path):
         n = int(np.prod(shape))
         a = np.frombuffer(raw, dtype=np_dtype, count=n, offset=off).reshape(shape)
         off += a.nbytes
-        out[name] = bf16_to_f32(a).reshape(shape) if hdr["dtype"] == 1 else np.array(a, dtype=np.float32)
+        if hdr["dtype"] == 1:
+            out[name] = np.array(a) if bf16_bits_too else bf16_to_f32(a).reshape(shape)
+        else:
+            out[name] = np.array(a, dtype=np.float32)
     if off != hdr["weights_offset"] + hdr["weights_size"]:
         raise ValueError(f"{path}: tensors end at {off}, header says {hdr['weights_offset'] + hdr['weights_size']}")
     return out
@@ -539,6 +568,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="SentencePiece model (default: the one an engine INPUT embeds, "
                                         "else tokenizer/tokenizer.model)")
     ap.add_argument("--llama2c", metavar="DIR", help="also write DIR/VARIANT_llama2c.bin and DIR/tokenizer.bin")
+    ap.add_argument("--hf", metavar="DIR", help="also write a Hugging Face model directory (LlamaForCausalLM or "
+                                                "DeepseekV2ForCausalLM)")
     ap.add_argument("--force", action="store_true",
                     help="replace a checkpoint the project ships (a file in weights/ that git tracks)")
     args = ap.parse_args(argv)
@@ -550,12 +581,12 @@ def main(argv=None):
     else:
         if args.small:
             ap.error("--small only goes with --random")
-        if len(args.paths) == 1 and args.llama2c:
+        if len(args.paths) == 1 and (args.llama2c or args.hf):
             src, out = args.paths[0], None
         elif len(args.paths) == 2:
             src, out = args.paths
         else:
-            ap.error("expected INPUT OUT.bin, or INPUT --llama2c DIR")
+            ap.error("expected INPUT OUT.bin, or INPUT --llama2c DIR, or INPUT --hf DIR")
     try:
         embedded, in_dtype = None, None
         if args.random:
@@ -583,6 +614,19 @@ def main(argv=None):
         if args.llama2c:
             for p in export_llama2c(model, args.llama2c, tokenizer, dtype):
                 print(f"{p}: {os.path.getsize(p):,} bytes")
+        if args.hf:
+            import hf
+            import tempfile
+            if os.path.exists(args.hf) and not args.force:
+                raise ValueError(f"{args.hf} exists; choose a new directory or pass --force to replace it")
+            with tempfile.TemporaryDirectory() as tmp:
+                binary = out or (src if embedded is not None and not args.tokenizer and not args.dtype else None)
+                if binary is None:
+                    binary = os.path.join(tmp, "model.bin")
+                    export(model, binary, tokenizer, dtype)
+                config = hf.export_hf(binary, args.hf, force=args.force)
+            print(f"{args.hf}: {config['architectures'][0]}, {os.path.getsize(os.path.join(args.hf, 'model.safetensors')):,}"
+                  " bytes of safetensors")
     except OSError as e:
         ap.exit(1, f"export.py: {e.filename or ''}: {e.strerror or e}\n")
     except (ValueError, RuntimeError) as e:  # load_state_dict's errors span lines
