@@ -60,3 +60,140 @@ def test_window_in_header(tmp_path):
     model.cfg.window = 65
     with pytest.raises(ValueError, match="window = 65"):
         export.export(model, str(tmp_path / "w2.bin"), TOKENIZER, "bf16")
+
+
+import hf  # noqa: E402
+import import_model  # noqa: E402
+import safetensors_io as st  # noqa: E402
+
+IMPORT = os.path.join(ROOT, "train", "import_model.py")
+EXPORT = os.path.join(ROOT, "train", "export.py")
+
+
+def cli(script, *args):
+    p = subprocess.run([sys.executable, script] + [str(a) for a in args], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+def sp_model():
+    import sentencepiece as spm
+    return spm.SentencePieceProcessor(model_file=TOKENIZER)
+
+
+def prompt_ids():
+    sp = sp_model()
+    return [sp.bos_id()] + sp.encode(PROMPT)
+
+
+def greedy(logits_fn, prompt, n):
+    """Greedy decoding by recomputing the whole sequence each step: logits_fn(ids) -> last logits."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        t = int(torch.argmax(logits_fn(ids)))
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+# ---------------------------------------------------------------- safetensors
+
+def st_bytes(header, data, pad=b""):
+    """A safetensors file by hand: u64 length, the JSON, the data."""
+    text = json.dumps(header).encode() + pad
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_safetensors_reads_hand_written_file(tmp_path):
+    a = np.arange(6, dtype="<f4").reshape(2, 3) / 4
+    h = np.array([1.5, -2.0], dtype="<f2")
+    bf = np.array([0x3F80, 0xC000, 0x3E20], dtype="<u2")  # 1.0, -2.0, 0.15625
+    data = h.tobytes() + a.tobytes() + bf.tobytes()  # not in header order: offsets decide
+    hdr = {"__metadata__": {"format": "pt"},
+           "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [4, 28]},
+           "h": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+           "b": {"dtype": "BF16", "shape": [3], "data_offsets": [28, 34]}}
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(st_bytes(hdr, data, pad=b"   "))
+    got, meta = st.read_file(str(p))
+    assert meta == {"format": "pt"}
+    assert list(got) == ["h", "a", "b"]
+    assert got["a"].dtype == "F32" and np.array_equal(got["a"].to_f32(), a)
+    assert np.array_equal(got["h"].to_f32(), [1.5, -2.0])
+    assert got["b"].dtype == "BF16" and list(got["b"].to_f32()) == [1.0, -2.0, 0.15625]
+
+
+def test_safetensors_writer_layout(tmp_path):
+    t = {"w": st.Tensor("F32", np.ones((2, 2), dtype="<f4")), "v": st.Tensor("BF16", np.array([0x3F80], "<u2"))}
+    p = tmp_path / "w.safetensors"
+    with open(p, "wb") as f:
+        st.write_file(f, t, {"format": "pt"})
+    raw = p.read_bytes()
+    n = struct.unpack_from("<Q", raw)[0]
+    assert (8 + n) % 8 == 0
+    hdr = json.loads(raw[8:8 + n])
+    assert hdr == {"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+                   "v": {"dtype": "BF16", "shape": [1], "data_offsets": [16, 18]}}
+    assert raw[8 + n:] == np.ones(4, "<f4").tobytes() + b"\x80\x3f"
+    with open(p, "wb") as f:
+        with pytest.raises(st.SafetensorsError, match="does not store"):
+            st.write_file(f, {"x": st.Tensor("BF16", np.ones(2, "<f4"))})
+
+
+GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+LYING = [
+    (b"\x05\x00", "shorter than the 8-byte"),
+    (struct.pack("<Q", 1 << 40) + b"{}", "runs past"),
+    (struct.pack("<Q", 4) + b"nope" + bytes(8), "not JSON"),
+    (st_bytes([1, 2], b""), "not a JSON object"),
+    (st_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(4)), "outside"),
+    (st_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)), "needs 12 bytes"),
+    (st_bytes({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)), "unknown dtype"),
+    (st_bytes({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8)), "bad shape"),
+    (st_bytes({"a": {"dtype": "F32", "shape": [2]}}, bytes(8)), "exactly dtype"),
+    (st_bytes(GOOD, bytes(12)), "the data has 12 bytes"),
+    (st_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12)), "a hole"),
+    (st_bytes({**GOOD, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)), "an overlap"),
+    (struct.pack("<Q", 2 * len(json.dumps(GOOD)) + 1) + b'{"a":' + json.dumps(GOOD["a"]).encode() + b',"a":'
+     + json.dumps(GOOD["a"]).encode() + b"}" + bytes(8), "duplicate key"),
+    (st_bytes({"__metadata__": {"k": 1}}, b""), "__metadata__"),
+]
+
+
+@pytest.mark.parametrize("raw, needle", LYING, ids=[n for _, n in LYING])
+def test_safetensors_refuses_lying_headers(tmp_path, raw, needle):
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(raw)
+    with pytest.raises(st.SafetensorsError, match=needle) as e:
+        st.read_file(str(p))
+    assert "\n" not in str(e.value)
+
+
+def write_shards(d, tensors, n_shards):
+    """tensors {name: Tensor} into n_shards files with an index, as transformers shards them."""
+    names = list(tensors)
+    wm = {}
+    for k in range(n_shards):
+        part = names[k::n_shards]
+        fn = f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"
+        with open(os.path.join(d, fn), "wb") as f:
+            st.write_file(f, {n: tensors[n] for n in part}, {"format": "pt"})
+        wm.update({n: fn for n in part})
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.data.nbytes for t in tensors.values())}, "weight_map": wm}, f)
+
+
+def test_safetensors_shards(tmp_path):
+    t = {f"t{i}": st.Tensor("F32", np.full((i + 1,), i, "<f4")) for i in range(5)}
+    write_shards(str(tmp_path), t, 2)
+    got = st.read_dir(str(tmp_path))
+    assert sorted(got) == sorted(t) and all(np.array_equal(got[k].data, t[k].data) for k in t)
+    idx = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["t0"] = "model-00002-of-00002.safetensors"  # listed in the wrong shard
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(st.SafetensorsError, match="does not list there"):
+        st.read_dir(str(tmp_path))
+    idx["weight_map"]["t0"] = "model-00003-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(st.SafetensorsError, match="is missing"):
+        st.read_dir(str(tmp_path))

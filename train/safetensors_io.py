@@ -137,12 +137,14 @@ def read_dir(d):
         if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
             raise SafetensorsError(f"{index}: no weight_map of tensor names to shard files")
         out = {}
-        for shard in sorted(set(wm.values())):
+        shards = sorted(set(wm.values()))
+        for shard in shards:  # every shard there before any is read
             if os.path.basename(shard) != shard or not shard.endswith(".safetensors"):
                 raise SafetensorsError(f"{index}: shard {shard!r} is not a .safetensors file in the directory")
-            p = os.path.join(d, shard)
-            if not os.path.isfile(p):
+            if not os.path.isfile(os.path.join(d, shard)):
                 raise SafetensorsError(f"{index}: the shard {shard} is missing")
+        for shard in shards:
+            p = os.path.join(d, shard)
             tensors, _ = read_file(p)
             listed = {k for k, v in wm.items() if v == shard}
             if set(tensors) != listed:
