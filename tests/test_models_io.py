@@ -197,3 +197,133 @@ def test_safetensors_shards(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
     with pytest.raises(st.SafetensorsError, match="is missing"):
         st.read_dir(str(tmp_path))
+
+
+# ---------------------------------------------------------------- llama2.c in
+
+def llama2c_weights(dim=64, hidden=96, L=2, H=4, Hkv=2, V=4096, seq=64, seed=0):
+    """Random weights of a llama2.c model, by llama2.c's names (run.c's TransformerWeights)."""
+    g = np.random.default_rng(seed)
+    hs = dim // H
+
+    def m(*shape):
+        return (g.standard_normal(shape) * 0.1).astype(np.float32)
+
+    def n(*shape):
+        return g.uniform(0.75, 1.25, shape).astype(np.float32)
+
+    return dict(dims=(dim, hidden, L, H, Hkv, V, seq), token_embedding=m(V, dim), rms_att=n(L, dim),
+                wq=m(L, dim, dim), wk=m(L, Hkv * hs, dim), wv=m(L, Hkv * hs, dim), wo=m(L, dim, dim),
+                rms_ffn=n(L, dim), w1=m(L, hidden, dim), w2=m(L, dim, hidden), w3=m(L, hidden, dim),
+                rms_final=n(dim), wcls=m(V, dim))
+
+
+def write_llama2c(path, w, version, untied):
+    """llama2.c's files as its export.py writes them: legacy_export (version 0) or version1_export."""
+    dim, hidden, L, H, Hkv, V, seq = w["dims"]
+    hs = dim // H
+    with open(path, "wb") as f:
+        if version == 0:
+            f.write(struct.pack("<7i", dim, hidden, L, H, Hkv, -V if untied else V, seq))
+            for k in ("token_embedding", "rms_att", "wq", "wk", "wv", "wo", "rms_ffn", "w1", "w2", "w3", "rms_final"):
+                f.write(w[k].astype("<f4").tobytes())
+            freqs = 1.0 / 10000.0 ** (np.arange(0, hs, 2)[: hs // 2] / hs)
+            ang = np.outer(np.arange(seq), freqs)
+            f.write(np.cos(ang).astype("<f4").tobytes())
+            f.write(np.sin(ang).astype("<f4").tobytes())
+        else:
+            f.write(struct.pack("<Ii7iB", 0x616B3432, 1, dim, hidden, L, H, Hkv, V, seq, 0 if untied else 1))
+            f.write(bytes(256 - f.tell()))
+            for k in ("rms_att", "rms_ffn", "rms_final", "token_embedding", "wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+                f.write(w[k].astype("<f4").tobytes())
+        if untied:
+            f.write(w["wcls"].astype("<f4").tobytes())
+
+
+def llama2c_logits(w, ids, untied):
+    """The logits of every position, computed as llama2.c's run.c does (written from its forward(),
+    in float64): RMSNorm eps 1e-5; RoPE on pairs (i, i+1) with freq 10000^-(i % head_size / head_size);
+    query head h reads KV head h / (n_heads / n_kv_heads); SwiGLU; wcls or the embedding."""
+    dim, hidden, L, H, Hkv, V, seq = w["dims"]
+    hs = dim // H
+    W = {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in w.items() if k != "dims"}
+    T = len(ids)
+
+    def rmsnorm(x, g):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * g
+
+    def rope(v):  # v: (T, width), width a multiple of hs
+        out = v.clone()
+        for i in range(0, v.shape[1], 2):
+            freq = 1.0 / 10000.0 ** ((i % hs) / hs)
+            ang = torch.arange(T, dtype=torch.float64) * freq
+            c, s = torch.cos(ang), torch.sin(ang)
+            out[:, i], out[:, i + 1] = v[:, i] * c - v[:, i + 1] * s, v[:, i] * s + v[:, i + 1] * c
+        return out
+
+    x = W["token_embedding"][ids]
+    mask = torch.triu(torch.full((T, T), float("-inf"), dtype=torch.float64), 1)
+    for l in range(L):
+        xb = rmsnorm(x, W["rms_att"][l])
+        q, k, v = rope(xb @ W["wq"][l].T), rope(xb @ W["wk"][l].T), xb @ W["wv"][l].T
+        heads = []
+        for h in range(H):
+            kh = h // (H // Hkv)
+            qh, kk, vv = q[:, h * hs:(h + 1) * hs], k[:, kh * hs:(kh + 1) * hs], v[:, kh * hs:(kh + 1) * hs]
+            att = torch.softmax(qh @ kk.T / np.sqrt(hs) + mask, dim=-1)
+            heads.append(att @ vv)
+        x = x + torch.cat(heads, 1) @ W["wo"][l].T
+        xb = rmsnorm(x, W["rms_ffn"][l])
+        a = xb @ W["w1"][l].T
+        x = x + ((a * torch.sigmoid(a)) * (xb @ W["w3"][l].T)) @ W["w2"][l].T
+    x = rmsnorm(x, W["rms_final"])
+    return x @ (W["wcls"] if untied else W["token_embedding"]).T
+
+
+@pytest.mark.parametrize("version, untied, kv", [(0, False, 2), (0, True, 4), (1, False, 1), (1, True, 2)],
+                         ids=["legacy-tied-gqa", "legacy-untied-mha", "v1-tied-mqa", "v1-untied-gqa"])
+def test_llama2c_import_greedy(tmp_path, version, untied, kv):
+    """A llama2.c file (legacy or version 1; its classifier tied or not) converted by import_model.py:
+    ./run's greedy tokens are those of llama2.c's algorithm, and its logits agree."""
+    w = llama2c_weights(Hkv=kv, seed=10 + version * 2 + untied)
+    src, out = tmp_path / "l2c.bin", tmp_path / "ours.bin"
+    write_llama2c(src, w, version, untied)
+    rc, stdout, stderr = cli(IMPORT, src, out, "--tokenizer", TOKENIZER)
+    assert rc == 0, stderr
+    h = export.read_header(str(out))
+    assert (h["dtype"], h["flags"], h["n_kv_heads"]) == (0, int(untied), kv)
+    n = 24
+    seq = greedy_tokens(str(out), n=n)
+    prompt = prompt_ids()
+    assert seq["prompt_tokens"] == len(prompt)
+    want = greedy(lambda ids: llama2c_logits(w, ids, untied)[-1], prompt, n)
+    assert seq["tokens"] == want
+    dump = tmp_path / "logits.bin"
+    run([out, "-p", PROMPT, "-k", 1, "-n", n, "--ignore-eos", "-q", "--kv", "--dump-logits", dump])
+    c = np.fromfile(dump, dtype=np.float32).reshape(n, -1)
+    ref = llama2c_logits(w, prompt + want[:-1], untied)[len(prompt) - 1:].numpy()
+    assert np.abs(c - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_llama2c_refusals(tmp_path):
+    w = llama2c_weights(seed=3)
+    src = tmp_path / "l2c.bin"
+    write_llama2c(src, w, 0, False)
+    raw = src.read_bytes()
+    out = tmp_path / "ours.bin"
+    cases = [(raw[:-4], ["bytes, but a llama2.c legacy file"]),
+             (struct.pack("<Ii", 0x616B3432, 2) + bytes(300), ["version 2"]),
+             (struct.pack("<7i", 64, 96, 2, 5, 1, 4096, 64) + raw[28:], ["n_heads 5"])]
+    for k, (data, needles) in enumerate(cases):
+        p = tmp_path / f"bad{k}.bin"
+        p.write_bytes(data)
+        rc, _, err = cli(IMPORT, p, out, "--tokenizer", TOKENIZER)
+        assert rc == 1 and err.count("\n") == 1 and all(s in err for s in needles), err
+        assert not out.exists() and not (tmp_path / "ours.bin.tmp").exists()
+    small_vocab = llama2c_weights(V=300, seed=3)
+    write_llama2c(src, small_vocab, 0, False)
+    rc, _, err = cli(IMPORT, src, out, "--tokenizer", TOKENIZER)
+    assert rc == 1 and "4096 pieces" in err and "is 300" in err and err.count("\n") == 1, err
+    rc, _, err = cli(IMPORT, src, out)
+    assert rc == 2 and "--tokenizer" in err
+    assert not out.exists()
