@@ -327,3 +327,233 @@ def test_llama2c_refusals(tmp_path):
     rc, _, err = cli(IMPORT, src, out)
     assert rc == 2 and "--tokenizer" in err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- Hugging Face in and out
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def hf_llama_logits(cfg, T, ids):
+    """Logits of every position of a Hugging Face Llama/Mistral model, written from transformers'
+    LlamaForCausalLM in float64: RoPE on halves (cos/sin of cat(freqs, freqs), rotate_half), KV
+    heads repeated (repeat_kv), RMSNorm weight * x / sqrt(mean x^2 + eps), SwiGLU, lm_head
+    (or the embedding when tie_word_embeddings). T: {HF name: float64 tensor}."""
+    H, Hkv, L = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"]), \
+        cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // H
+    eps, theta = cfg["rms_norm_eps"], cfg.get("rope_theta", 10000.0)
+    n = len(ids)
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()  # (n, hd)
+    mask = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+
+    def norm(x, w):
+        return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    x = T["model.embed_tokens.weight"][ids]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        h = norm(x, T[p + "input_layernorm.weight"])
+        q = (h @ T[p + "self_attn.q_proj.weight"].T).view(n, H, hd).transpose(0, 1)
+        k = (h @ T[p + "self_attn.k_proj.weight"].T).view(n, Hkv, hd).transpose(0, 1)
+        v = (h @ T[p + "self_attn.v_proj.weight"].T).view(n, Hkv, hd).transpose(0, 1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+        att = torch.softmax(q @ k.transpose(1, 2) / np.sqrt(hd) + mask, dim=-1)
+        x = x + (att @ v).transpose(0, 1).reshape(n, H * hd) @ T[p + "self_attn.o_proj.weight"].T
+        h = norm(x, T[p + "post_attention_layernorm.weight"])
+        g = h @ T[p + "mlp.gate_proj.weight"].T
+        x = x + (torch.nn.functional.silu(g) * (h @ T[p + "mlp.up_proj.weight"].T)) @ T[p + "mlp.down_proj.weight"].T
+    x = norm(x, T["model.norm.weight"])
+    head = T["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else T["lm_head.weight"]
+    return x @ head.T
+
+
+def hf_deepseek_v2_logits(cfg, T, ids):
+    """Logits of a dense DeepseekV2ForCausalLM without query compression, written from DeepSeek's
+    modeling code in float64: q_proj -> per head [q_nope ; q_pe]; kv_a_proj_with_mqa -> [c ; k_pe];
+    k_nope, v from kv_b_proj(kv_a_layernorm(c)) per head; q_pe and k_pe de-interleaved
+    (view(d/2, 2).transpose) and rotated by halves; scale 1/sqrt(nope + rope). kv_a_layernorm's eps
+    is passed in as cfg["rms_norm_eps"] here (transformers fixes it at 1e-6; see MODELS_IN_OUT.md)."""
+    H, L, eps = cfg["num_attention_heads"], cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    nope, rd, vd, dc = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    n = len(ids)
+    inv_freq = 1.0 / cfg.get("rope_theta", 10000.0) ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    mask = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+
+    def norm(x, w):
+        return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x):  # (..., n, rd): de-interleave, then rotate halves
+        x = x.view(*x.shape[:-1], rd // 2, 2).transpose(-1, -2).reshape(x.shape)
+        return x * cos + rotate_half(x) * sin
+
+    x = T["model.embed_tokens.weight"][ids]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        h = norm(x, T[p + "input_layernorm.weight"])
+        q = (h @ T[p + "self_attn.q_proj.weight"].T).view(n, H, nope + rd).transpose(0, 1)
+        q_nope, q_pe = q[..., :nope], rope(q[..., nope:])
+        ckv = h @ T[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+        c, k_pe = ckv[:, :dc], rope(ckv[:, dc:])
+        kv = (norm(c, T[p + "self_attn.kv_a_layernorm.weight"]) @ T[p + "self_attn.kv_b_proj.weight"].T)
+        kv = kv.view(n, H, nope + vd).transpose(0, 1)
+        k = torch.cat([kv[..., :nope], k_pe.expand(H, n, rd)], dim=-1)
+        qq = torch.cat([q_nope, q_pe], dim=-1)
+        att = torch.softmax(qq @ k.transpose(1, 2) / np.sqrt(nope + rd) + mask, dim=-1)
+        x = x + (att @ kv[..., nope:]).transpose(0, 1).reshape(n, H * vd) @ T[p + "self_attn.o_proj.weight"].T
+        h = norm(x, T[p + "post_attention_layernorm.weight"])
+        g = h @ T[p + "mlp.gate_proj.weight"].T
+        x = x + (torch.nn.functional.silu(g) * (h @ T[p + "mlp.up_proj.weight"].T)) @ T[p + "mlp.down_proj.weight"].T
+    x = norm(x, T["model.norm.weight"])
+    head = T["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else T["lm_head.weight"]
+    return x @ head.T
+
+
+def read_hf(d):
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg, {k: torch.from_numpy(t.to_f32().astype(np.float64)) for k, t in st.read_dir(d).items()}
+
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                "intermediate_size": 112, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+                "rope_theta": 500000.0, "rope_scaling": None, "hidden_act": "silu", "attention_bias": False,
+                "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": False, "vocab_size": 4096,
+                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "initializer_range": 0.02,
+                "use_cache": True, "torch_dtype": "bfloat16", "transformers_version": "4.44.0",
+                "attention_dropout": 0.0}
+
+
+def make_hf_dir(d, config, st_dtype="BF16", shards=2, seed=0):
+    """A Hugging Face model directory with random weights, written by hand: config.json,
+    safetensors (sharded with an index when shards > 1), tokenizer.model."""
+    os.makedirs(d, exist_ok=True)
+    g = np.random.default_rng(seed)
+    D, H, L, F, V = (config[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                                         "intermediate_size", "vocab_size"))
+    Hkv = config.get("num_key_value_heads", H)
+    hd = config.get("head_dim") or D // H
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                       p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (Hkv * hd, D),
+                       p + "self_attn.v_proj.weight": (Hkv * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
+                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                       p + "mlp.down_proj.weight": (D, F)})
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (V, D)
+    tensors = {}
+    for name, shape in shapes.items():
+        a = g.uniform(0.75, 1.25, shape) if len(shape) == 1 else g.standard_normal(shape) * 0.1
+        a = a.astype(np.float32)
+        if st_dtype == "BF16":
+            tensors[name] = st.Tensor("BF16", export.bf16_bits(a))
+        elif st_dtype == "F16":
+            tensors[name] = st.Tensor("F16", a.astype("<f2"))
+        else:
+            tensors[name] = st.Tensor("F32", a)
+    if shards > 1:
+        write_shards(d, tensors, shards)
+    else:
+        with open(os.path.join(d, "model.safetensors"), "wb") as f:
+            st.write_file(f, tensors, {"format": "pt"})
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(TOKENIZER, "rb") as src, open(os.path.join(d, "tokenizer.model"), "wb") as dst:
+        dst.write(src.read())
+    return d
+
+
+@pytest.mark.parametrize("kind", ["llama-bf16-sharded-untied", "mistral-f16-tied-window", "llama-f32-mqa"])
+def test_hf_import_greedy(tmp_path, kind):
+    """A tiny Hugging Face directory written here, converted by import_model.py: ./run's greedy
+    tokens equal the test's own PyTorch transcription of transformers' Llama."""
+    config = dict(LLAMA_CONFIG)
+    st_dtype, shards = "BF16", 2
+    if kind.startswith("mistral"):
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32,
+                      tie_word_embeddings=True, num_key_value_heads=4, rope_theta=10000.0)
+        del config["mlp_bias"], config["pretraining_tp"]
+        st_dtype, shards = "F16", 1
+    elif kind == "llama-f32-mqa":
+        config.update(num_key_value_heads=1, head_dim=24, rms_norm_eps=1e-5)
+        st_dtype, shards = "F32", 1
+    d = make_hf_dir(str(tmp_path / "hf"), config, st_dtype, shards, seed=len(kind))
+    out = tmp_path / "ours.bin"
+    rc, stdout, err = cli(IMPORT, d, out)
+    assert rc == 0, err
+    h = export.read_header(str(out))
+    assert h["dtype"] == (1 if st_dtype == "BF16" else 0)
+    assert h["flags"] == (0 if config["tie_word_embeddings"] else 1)
+    assert h["window"] == config.get("sliding_window", 0)
+    assert h["n_kv_heads"] == config["num_key_value_heads"] and h["head_dim"] == config.get("head_dim", 16)
+    assert np.float32(h["rope_theta"]) == np.float32(config["rope_theta"])
+    assert np.float32(h["norm_eps"]) == np.float32(config["rms_norm_eps"])
+    cfg, T = read_hf(d)
+    n = 24
+    seq = greedy_tokens(str(out), n=n)
+    want = greedy(lambda ids: hf_llama_logits(cfg, T, ids)[-1], prompt_ids(), n)
+    assert seq["tokens"] == want
+
+
+@pytest.mark.parametrize("variant, dtype", [("mha", "bf16"), ("gqa", "fp32"), ("mqa", "bf16"), ("mla64", "bf16"),
+                                            ("mla128", "fp32")])
+def test_ours_to_hf_and_back(tmp_path, variant, dtype):
+    """ours -> HF -> ours is the same file, bit for bit; the HF directory computes our model's
+    function (the test's transcriptions of transformers' Llama and DeepSeek-V2 against
+    train/model.py)."""
+    model = export.random_model(variant, small=True, seed=5)
+    src = str(tmp_path / "src.bin")
+    export.export(model, src, TOKENIZER, dtype)
+    hf_dir = tmp_path / "hf"
+    rc, _, err = cli(EXPORT, src, "--hf", hf_dir)
+    assert rc == 0, err
+    assert sorted(os.listdir(hf_dir)) == ["config.json", "generation_config.json", "model.safetensors",
+                                          "tokenizer.model", "tokenizer_config.json"]
+    assert not os.path.exists(str(hf_dir) + ".tmp")
+    back = tmp_path / "back.bin"
+    rc, _, err = cli(IMPORT, hf_dir, back)
+    assert rc == 0, err
+    assert back.read_bytes() == open(src, "rb").read()
+
+    cfg, T = read_hf(str(hf_dir))
+    assert cfg["architectures"] == (["DeepseekV2ForCausalLM"] if variant.startswith("mla") else ["LlamaForCausalLM"])
+    assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in T
+    ref = export.load_engine_checkpoint(src)
+    ids = prompt_ids() + [500, 600, 700, 800, 900, 1000]
+    with torch.no_grad():
+        ours = ref(torch.tensor([ids]))[0].double()
+    fn = hf_deepseek_v2_logits if variant.startswith("mla") else hf_llama_logits
+    theirs = fn(cfg, T, ids)
+    assert (ours - theirs).abs().max() <= 1e-4 * max(1.0, float(theirs.abs().max()))
+
+
+def test_hf_to_ours_and_back(tmp_path):
+    """HF -> ours -> HF gives the same tensors (bf16 bits; an untied head; sharded in, one file out)."""
+    d = make_hf_dir(str(tmp_path / "hf"), dict(LLAMA_CONFIG), "BF16", 3, seed=9)
+    ours, again = tmp_path / "ours.bin", tmp_path / "again"
+    assert cli(IMPORT, d, ours)[0] == 0
+    rc, _, err = cli(EXPORT, ours, "--hf", again)
+    assert rc == 0, err
+    a, b = st.read_dir(d), st.read_dir(str(again))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype == "BF16" and np.array_equal(a[k].data, b[k].data), k
+    ca, cb = (json.load(open(os.path.join(x, "config.json"))) for x in (d, str(again)))
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "vocab_size"):
+        assert ca[k] == cb[k], k
+    rc, _, err = cli(EXPORT, ours, "--hf", again)  # exists: refused, left alone
+    assert rc == 1 and "exists" in err and err.count("\n") == 1
+    assert st.read_dir(str(again)).keys() == b.keys()
