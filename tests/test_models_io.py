@@ -557,3 +557,89 @@ def test_hf_to_ours_and_back(tmp_path):
     rc, _, err = cli(EXPORT, ours, "--hf", again)  # exists: refused, left alone
     assert rc == 1 and "exists" in err and err.count("\n") == 1
     assert st.read_dir(str(again)).keys() == b.keys()
+
+
+def _edit_config(d, **kw):
+    p = os.path.join(d, "config.json")
+    cfg = json.load(open(p))
+    for k, v in kw.items():
+        if v is _DROP:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    json.dump(cfg, open(p, "w"))
+
+
+_DROP = object()
+
+
+def _lying_shard(d):
+    p = os.path.join(d, "model-00001-of-00002.safetensors")
+    raw = bytearray(open(p, "rb").read())
+    n = struct.unpack_from("<Q", raw)[0]
+    hdr = json.loads(raw[8:8 + n])
+    name = next(k for k in hdr if k != "__metadata__")
+    hdr[name]["shape"][0] += 1  # the header claims more than its offsets hold
+    text = json.dumps(hdr).encode()
+    open(p, "wb").write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def _bias(d):
+    p = os.path.join(d, "model-00002-of-00002.safetensors")
+    t, meta = st.read_file(p)
+    t["model.layers.0.self_attn.q_proj.bias"] = st.Tensor("BF16", np.zeros(64, "<u2"))
+    with open(p, "wb") as f:
+        st.write_file(f, t, meta)
+    idx = os.path.join(d, "model.safetensors.index.json")
+    j = json.load(open(idx))
+    j["weight_map"]["model.layers.0.self_attn.q_proj.bias"] = "model-00002-of-00002.safetensors"
+    json.dump(j, open(idx, "w"))
+
+
+def _other_tokenizer(d):
+    os.remove(os.path.join(d, "tokenizer.model"))
+    open(os.path.join(d, "tokenizer.json"), "w").write("{}")
+
+
+def _small_tokenizer(d):
+    import sentencepiece as spm
+    text = os.path.join(d, "t.txt")
+    open(text, "w").write("\n".join(["once upon a time there was a little girl named lily"] * 50))
+    spm.SentencePieceTrainer.train(input=text, model_prefix=os.path.join(d, "tokenizer"), vocab_size=40,
+                                   model_type="bpe", byte_fallback=False, minloglevel=2)
+
+
+BAD_HF = [
+    ("unknown-field", lambda d: _edit_config(d, use_magic=True), "unknown field use_magic"),
+    ("heads-do-not-divide", lambda d: _edit_config(d, num_key_value_heads=3), "does not divide"),
+    ("attention-bias", lambda d: _edit_config(d, attention_bias=True), "attention_bias = true"),
+    ("mlp-bias", lambda d: _edit_config(d, mlp_bias=True), "mlp_bias = true"),
+    ("rope-scaling", lambda d: _edit_config(d, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    ("gelu", lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act"),
+    ("arch", lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]), "architectures"),
+    ("model-type", lambda d: _edit_config(d, model_type="mistral"), "model_type"),
+    ("no-hidden-size", lambda d: _edit_config(d, hidden_size=_DROP), "hidden_size"),
+    ("wrong-hidden-size", lambda d: _edit_config(d, hidden_size=80), "shape"),
+    ("vocab-not-tokenizer", lambda d: _edit_config(d, vocab_size=4000), "4096 pieces"),
+    ("bos-not-tokenizer", lambda d: _edit_config(d, bos_token_id=5), "bos/eos"),
+    ("tied-but-head", lambda d: _edit_config(d, tie_word_embeddings=True), "lm_head.weight differs"),
+    ("context-too-long", lambda d: _edit_config(d, max_position_embeddings=1 << 20), "--context"),
+    ("lying-safetensors", _lying_shard, "needs"),
+    ("missing-shard", lambda d: os.remove(os.path.join(d, "model-00002-of-00002.safetensors")), "is missing"),
+    ("bias-tensor", _bias, "q_proj.bias"),
+    ("tokenizer-json", _other_tokenizer, "SentencePiece"),
+    ("small-tokenizer", _small_tokenizer, "40 pieces"),
+    ("not-json", lambda d: open(os.path.join(d, "config.json"), "w").write("{"), "not JSON"),
+]
+
+
+@pytest.mark.parametrize("name, damage, needle", BAD_HF, ids=[b[0] for b in BAD_HF])
+def test_hf_import_refusals(tmp_path, name, damage, needle):
+    """Each bad directory: one line naming the problem, exit 1, nothing written."""
+    d = make_hf_dir(str(tmp_path / "hf"), dict(LLAMA_CONFIG), "BF16", 2, seed=1)
+    damage(d)
+    out = tmp_path / "ours.bin"
+    rc, stdout, err = cli(IMPORT, d, out)
+    assert rc == 1, (rc, err)
+    assert err.startswith("import_model.py: ") and err.count("\n") == 1 and needle in err, err
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
