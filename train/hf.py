@@ -167,6 +167,8 @@ def read_config(d):
         if cfg.get("num_key_value_heads", H) != H:
             raise HFError("config.json: num_key_value_heads must equal num_attention_heads for MLA")
         rd, dc = _int(cfg, "qk_rope_head_dim"), _int(cfg, "kv_lora_rank")
+        if cfg.get("head_dim", rd) not in (rd, None):  # transformers sets it to qk_rope_head_dim
+            raise HFError(f"config.json: head_dim {cfg['head_dim']} is not qk_rope_head_dim {rd}")
         if rd % 2:
             raise HFError(f"config.json: qk_rope_head_dim = {rd} is odd (RoPE rotates pairs)")
         variant = {64: "mla64", 128: "mla128"}.get(dc, "mla")
