@@ -280,12 +280,19 @@ def llama2c_logits(w, ids, untied):
     return x @ (W["wcls"] if untied else W["token_embedding"]).T
 
 
-@pytest.mark.parametrize("version, untied, kv", [(0, False, 2), (0, True, 4), (1, False, 1), (1, True, 2)],
-                         ids=["legacy-tied-gqa", "legacy-untied-mha", "v1-tied-mqa", "v1-untied-gqa"])
+@pytest.mark.parametrize("version, untied, kv", [(0, False, 2), (0, True, 4), (1, False, 1), (1, True, 2),
+                                                (0, False, 6)],
+                         ids=["legacy-tied-gqa", "legacy-untied-mha", "v1-tied-mqa", "v1-untied-gqa",
+                              "stories15M-shape"])
 def test_llama2c_import_greedy(tmp_path, version, untied, kv):
     """A llama2.c file (legacy or version 1; its classifier tied or not) converted by import_model.py:
-    ./run's greedy tokens are those of llama2.c's algorithm, and its logits agree."""
-    w = llama2c_weights(Hkv=kv, seed=10 + version * 2 + untied)
+    ./run's greedy tokens are those of llama2.c's algorithm, and its logits agree. The last case
+    has stories15M's shape (dim 288, 6 layers, 6 heads of 48, hidden 768, context 256) with our
+    4096-piece tokenizer in place of Llama 2's 32000."""
+    if kv == 6:
+        w = llama2c_weights(dim=288, hidden=768, L=6, H=6, Hkv=6, seq=256, seed=15)
+    else:
+        w = llama2c_weights(Hkv=kv, seed=10 + version * 2 + untied)
     src, out = tmp_path / "l2c.bin", tmp_path / "ours.bin"
     write_llama2c(src, w, version, untied)
     rc, stdout, stderr = cli(IMPORT, src, out, "--tokenizer", TOKENIZER)
