@@ -650,3 +650,21 @@ def test_hf_import_refusals(tmp_path, name, damage, needle):
     assert rc == 1, (rc, err)
     assert err.startswith("import_model.py: ") and err.count("\n") == 1 and needle in err, err
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_llama2c_export_and_import_round_trip(tmp_path):
+    """export.py --llama2c of a model with an untied head (negative vocab, classifier last), then
+    import_model.py: the same fp32 tensors and header (our export writes fp32 of the bf16 values)."""
+    model = export.random_model("gqa", small=True, seed=8)
+    model.cfg.untied_head = True
+    model.output = torch.nn.Linear(model.cfg.dim, model.cfg.vocab_size, bias=False)
+    export.round_to_bf16_(model)
+    mpath, _ = export.export_llama2c(model, str(tmp_path), TOKENIZER, "fp32")
+    assert struct.unpack_from("<7i", open(mpath, "rb").read(28))[5] == -4096
+    out = tmp_path / "back.bin"
+    rc, _, err = cli(IMPORT, mpath, out, "--tokenizer", TOKENIZER)
+    assert rc == 0, err
+    back = export.read_tensors(str(out))
+    for name, t in model.state_dict().items():
+        assert np.array_equal(back[name], t.numpy()), name
+    assert export.read_header(str(out))["flags"] == 1
