@@ -490,7 +490,8 @@ def test_hf_import_greedy(tmp_path, kind):
     st_dtype, shards = "BF16", 2
     if kind.startswith("mistral"):
         config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32,
-                      tie_word_embeddings=True, num_key_value_heads=4, rope_theta=10000.0)
+                      tie_word_embeddings=True, num_key_value_heads=4, rope_theta=10000.0,
+                      max_position_embeddings=1024)  # a context over 256
         del config["mlp_bias"], config["pretraining_tp"]
         st_dtype, shards = "F16", 1
     elif kind == "llama-f32-mqa":
@@ -504,6 +505,7 @@ def test_hf_import_greedy(tmp_path, kind):
     assert h["dtype"] == (1 if st_dtype == "BF16" else 0)
     assert h["flags"] == (0 if config["tie_word_embeddings"] else 1)
     assert h["window"] == config.get("sliding_window", 0)
+    assert h["max_seq_len"] == config["max_position_embeddings"]
     assert h["n_kv_heads"] == config["num_key_value_heads"] and h["head_dim"] == config.get("head_dim", 16)
     assert np.float32(h["rope_theta"]) == np.float32(config["rope_theta"])
     assert np.float32(h["norm_eps"]) == np.float32(config["rms_norm_eps"])
@@ -668,3 +670,21 @@ def test_llama2c_export_and_import_round_trip(tmp_path):
     for name, t in model.state_dict().items():
         assert np.array_equal(back[name], t.numpy()), name
     assert export.read_header(str(out))["flags"] == 1
+
+
+def test_window_and_untied_head_out_and_back(tmp_path):
+    """A model with a window and an untied head goes out as MistralForCausalLM (sliding_window,
+    lm_head.weight) and comes back the same file."""
+    model = export.random_model("gqa", small=True, seed=12)
+    model.cfg.window, model.cfg.untied_head = 40, True
+    model.output = torch.nn.Linear(model.cfg.dim, model.cfg.vocab_size, bias=False)
+    src = str(tmp_path / "src.bin")
+    export.export(model, src, TOKENIZER, "bf16")
+    rc, _, err = cli(EXPORT, src, "--hf", tmp_path / "hf")
+    assert rc == 0, err
+    cfg = json.load(open(tmp_path / "hf" / "config.json"))
+    assert (cfg["architectures"], cfg["sliding_window"], cfg["tie_word_embeddings"]) == (["MistralForCausalLM"], 40,
+                                                                                         False)
+    assert "lm_head.weight" in st.read_dir(str(tmp_path / "hf"))
+    assert cli(IMPORT, tmp_path / "hf", tmp_path / "back.bin")[0] == 0
+    assert (tmp_path / "back.bin").read_bytes() == open(src, "rb").read()
