@@ -40,6 +40,7 @@ typedef struct {
     float rope_theta;
     float norm_eps;
     int bos_id, eos_id;
+    int untied_head; /* 1: an output head of its own (Weights.output); 0: tied to tok_embeddings */
 } Config;
 
 /* Width of the vectors RoPE rotates: MLA's decoupled part, or a whole head. */
@@ -67,10 +68,16 @@ typedef struct {
 } LayerWeights;
 
 typedef struct {
-    Mat tok_embeddings; /* [vocab_size][dim], also the output head */
+    Mat tok_embeddings; /* [vocab_size][dim], also the output head unless untied */
     LayerWeights *layers;
     Mat final_norm; /* [dim] */
+    Mat output;     /* [vocab_size][dim], the untied head (cfg.untied_head); else empty */
 } Weights;
+
+/* The matrix of the output head: its own, or the embedding (tied). */
+static inline Mat weights_head(const Config *c, const Weights *w) {
+    return c->untied_head ? w->output : w->tok_embeddings;
+}
 
 /* cos and sin of every position's rotation angles (attention.h's rope_tables_init) */
 typedef struct {

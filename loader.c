@@ -18,7 +18,10 @@
 #include "tokenizer/spm_c.h"
 
 #define HEADER_SIZE 128
-#define RESERVED_OFFSET 104 /* the header's last 24 bytes, zero in version 1 */
+#define FLAGS_OFFSET 104    /* u32: bit 0, an untied output head; other bits must be 0 */
+#define WINDOW_OFFSET 108   /* u32: the model's sliding window (0: none), at most max_seq_len */
+#define RESERVED_OFFSET 112 /* the header's last 16 bytes, zero */
+#define FLAG_UNTIED_HEAD 1u
 #define FORMAT_VERSION 1
 
 static uint32_t rd_u32(const unsigned char *p) {
@@ -68,6 +71,7 @@ void model_walk_tensors(const Config *c, Weights *w, TensorVisitor visit, void *
         VISIT(&L->w3, c->hidden_dim, D, "w3", l);
     }
     VISIT(&w->final_norm, 1, D, "final_norm", -1);
+    if (c->untied_head) VISIT(&w->output, c->vocab_size, D, "output", -1);
 }
 #undef VISIT
 
@@ -163,8 +167,12 @@ static int parse_header(Config *c, const unsigned char *h, char *err, size_t err
         if (h[i] != 0)
             return errmsg(err, errlen, -1, "checkpoint: reserved header byte %d is %u, not 0 (a newer format?)", i,
                           h[i]);
+    const uint32_t flags = rd_u32(h + FLAGS_OFFSET), window = rd_u32(h + WINDOW_OFFSET);
+    if (flags & ~FLAG_UNTIED_HEAD)
+        return errmsg(err, errlen, -1, "checkpoint: unknown flags 0x%x in the header (a newer format?)", flags);
     c->variant = (Variant)variant;
     c->dtype = (DType)dtype;
+    c->untied_head = (flags & FLAG_UNTIED_HEAD) != 0;
     /* the u32 fields from offset 16 on, in order, and the least and most each may take */
     const struct {
         int *field;
@@ -189,12 +197,15 @@ static int parse_header(Config *c, const unsigned char *h, char *err, size_t err
                           dims[i].max);
         *dims[i].field = (int)v;
     }
+    if (window > (uint32_t)c->max_seq_len)
+        return errmsg(err, errlen, -1, "checkpoint: window = %u is over the context (max_seq_len %d)", window,
+                      c->max_seq_len);
+    c->window = (int)window;
     c->rope_theta = rd_f32(h + 56);
     c->norm_eps = rd_f32(h + 60);
     uint32_t bos = rd_u32(h + 64), eos = rd_u32(h + 68);
     c->bos_id = bos > (uint32_t)MAX_VOCAB ? -1 : (int)bos;
     c->eos_id = eos > (uint32_t)MAX_VOCAB ? -1 : (int)eos;
-    c->window = 0; /* version 1 has no sliding window */
     return config_check(c, "checkpoint", err, errlen);
 }
 

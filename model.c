@@ -80,7 +80,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
         residual_rmsnorm(wk, s->x, s->xb, s->xb, next_norm, T, c);
     }
 
-    /* the tied head, for the tokens asked for: their rows gathered into x, which is free now */
+    /* the head (tied or untied), for the tokens asked for: their rows gathered into x, which is free now */
     const float *rows = s->xb;
     if (b->n_logits < T || b->logit_tokens[0] != 0) {
         if (team_alone(wk))
@@ -88,7 +88,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
                 memcpy(s->x + (size_t)i * D, s->xb + (size_t)b->logit_tokens[i] * D, (size_t)D * sizeof(float));
         rows = s->x;
     }
-    matmul(wk, logits, c->vocab_size, rows, D, m->w.tok_embeddings, b->n_logits); /* (n_logits, vocab) */
+    matmul(wk, logits, c->vocab_size, rows, D, weights_head(c, &m->w), b->n_logits); /* (n_logits, vocab) */
 }
 
 int model_prepare(const Model *m, RunState *s, const Batch *b) {

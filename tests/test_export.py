@@ -67,7 +67,7 @@ def test_header_fields(exported, variant, tokenizer_bytes):
     assert h["tokenizer_offset"] + h["tokenizer_size"] <= h["weights_offset"] < h["tokenizer_offset"] + h["tokenizer_size"] + 64
     n_params = sum(p.numel() for p in model.parameters())
     assert h["weights_size"] == 2 * n_params
-    assert h["reserved"] == bytes(24)
+    assert (h["flags"], h["window"], h["reserved"]) == (0, 0, bytes(16))
     assert os.path.getsize(path) == h["weights_offset"] + h["weights_size"]
 
 

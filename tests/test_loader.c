@@ -196,10 +196,10 @@ static void test_nonfinite_weights(void **state) {
     free(b);
 }
 
-/* docs/FORMAT.md: the header's last 24 bytes are reserved and zero; a file that uses them
+/* docs/FORMAT.md: the header's last 16 bytes are reserved and zero; a file that uses them
  * is of a format this program does not know. */
 static void test_reserved_header_bytes(void **state) {
-    for (size_t at = 104; at < 128; at += 23) {
+    for (size_t at = 112; at < 128; at += 15) {
         unsigned char *b = malloc(g_size);
         memcpy(b, g_valid, g_size);
         b[at] = 0x01;
@@ -315,6 +315,39 @@ static void test_every_variant_loads(void **state) {
     assert_int_equal(model_param_count(&big), 4096 * 512 + 4 * (512 + 4 * 512 * 512 + 512 + 3 * 512 * 1344) + 512);
 }
 
+/* The flags (offset 104) and the window (108): an unknown flag, an untied head the file does
+ * not hold, a window over the context are refused; an untied file loads with its own head. */
+static void test_flags_and_window(void **state) {
+    expect_field_refused(104, 2, "unknown flags 0x2");
+    expect_field_refused(104, 0x80000000u, "unknown flags");
+    expect_field_refused(104, 1, "weights"); /* untied, but no output tensor in the file */
+    expect_field_refused(108, 65, "window = 65 is over the context (max_seq_len 64)");
+    expect_field_refused(108, 0xFFFFFFFFu, "window = 4294967295");
+    char err[512];
+    Config c = test_config(VARIANT_GQA, 0, g_vocab, DTYPE_BF16);
+    c.window = 64; /* the whole context: allowed */
+    c.untied_head = 1;
+    const char *path = temp_path("untied.bin");
+    assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 6), 0);
+    Model m;
+    if (model_load(&m, path, err, sizeof err) != 0) fail_msg("%s", err);
+    assert_int_equal(m.cfg.window, 64);
+    assert_int_equal(m.cfg.untied_head, 1);
+    assert_int_equal(m.w.output.rows, g_vocab);
+    assert_int_equal(m.w.output.cols, 64);
+    assert_ptr_not_equal(m.w.output.data, m.w.tok_embeddings.data);
+    assert_ptr_equal(weights_head(&m.cfg, &m.w).data, m.w.output.data);
+    model_free(&m);
+    const size_t untied = model_param_count(&c);
+    c.untied_head = 0;
+    assert_int_equal(untied, model_param_count(&c) + (size_t)g_vocab * 64);
+    /* the untied file cut to a tied one's length is refused: the head is not optional */
+    size_t n;
+    unsigned char *b = read_whole_file(path, &n);
+    expect_refused(b, n - (size_t)g_vocab * 64 * 2, "weights");
+    free(b);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) g_tokenizer_path = argv[1];
     const struct CMUnitTest tests[] = {
@@ -328,6 +361,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_every_variant_loads),
         cmocka_unit_test(test_nonfinite_weights),
         cmocka_unit_test(test_reserved_header_bytes),
+        cmocka_unit_test(test_flags_and_window), /* header offsets 104 and 108 */
         cmocka_unit_test(test_long_path_keeps_the_reason),
         cmocka_unit_test(test_special_files),
     };

@@ -56,6 +56,8 @@ void encode_header(unsigned char h[128], const Config *c, uint64_t tok_off, uint
     put_u64(h + 80, tok_size);
     put_u64(h + 88, w_off);
     put_u64(h + 96, w_size);
+    put_u32(h + 104, c->untied_head ? 1u : 0u); /* flags */
+    put_u32(h + 108, (uint32_t)c->window);
 }
 
 float test_uniform(uint64_t *s) {

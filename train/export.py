@@ -3,6 +3,7 @@ into llama2.c's legacy fp32 format.
 
     python3 train/export.py INPUT OUT.bin [--dtype bf16|fp32] [--tokenizer T.model] [--llama2c DIR]
     python3 train/export.py INPUT --llama2c DIR
+    python3 train/export.py INPUT --hf DIR [--force]
     python3 train/export.py --random VARIANT OUT.bin [--small] [--seed N] [--dtype ...] [--tokenizer ...]
 
 INPUT is either a checkpoint saved by train/train.py (out/VARIANT/best.pt: a dict with
@@ -16,6 +17,11 @@ its vocabulary is the tokenizer's piece count.
 --llama2c DIR (mha, gqa, mqa only) also writes DIR/VARIANT_llama2c.bin (llama2.c's
 legacy "version 0" fp32 format) and DIR/tokenizer.bin (llama2.c's tokenizer format).
 Its tensors hold the same numbers as the main file (bf16-rounded when --dtype bf16).
+
+--hf DIR writes a Hugging Face model directory (train/hf.py, docs/MODELS_IN_OUT.md):
+LlamaForCausalLM for mha, gqa and mqa, DeepseekV2ForCausalLM for mla64 and mla128, with the
+engine file's tensors bit for bit (in its dtype) and its tokenizer. An existing DIR is
+replaced only with --force.
 
 A training checkpoint is never loaded with a general unpickler: torch.load(weights_only=True)
 on PyTorch 2.x, an unpickler restricted to tensors and plain values on 1.13 (train/checkpoint.py). An output that would replace a checkpoint the project ships (a file
@@ -51,11 +57,13 @@ VARIANT_NAMES = {0: "mha", 1: "gqa", 2: "mqa", 3: "mla"}
 
 # magic, version, variant, dtype, dim, n_layers, n_heads, head_dim, n_kv_heads, kv_latent, rope_dim,
 # hidden_dim, vocab_size, max_seq_len, rope_theta, norm_eps, bos_id, eos_id,
-# tokenizer_offset, tokenizer_size, weights_offset, weights_size, 24 reserved bytes
-HEADER_STRUCT = struct.Struct("<4s13I2f2I4Q24x")
+# tokenizer_offset, tokenizer_size, weights_offset, weights_size, flags, window, 16 reserved bytes
+HEADER_STRUCT = struct.Struct("<4s13I2f2I4Q2I16x")
 HEADER_FIELDS = ("magic", "version", "variant", "dtype", "dim", "n_layers", "n_heads", "head_dim", "n_kv_heads",
                  "kv_latent", "rope_dim", "hidden_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
-                 "bos_id", "eos_id", "tokenizer_offset", "tokenizer_size", "weights_offset", "weights_size")
+                 "bos_id", "eos_id", "tokenizer_offset", "tokenizer_size", "weights_offset", "weights_size",
+                 "flags", "window")
+FLAG_UNTIED_HEAD = 1  # flags bit 0: an output head of its own, the tensor "output" after final_norm
 assert HEADER_STRUCT.size == HEADER_SIZE
 
 LLAMA2C_HEADER = struct.Struct("<7i")
@@ -115,6 +123,8 @@ def variant_code(cfg):
             raise ValueError(f"{cfg.variant}: n_kv_heads = {Hkv} does not fit the variant with n_heads = {H}")
     if cfg.head_dim % 2:
         raise ValueError(f"head_dim = {cfg.head_dim} is odd (RoPE rotates pairs)")
+    if not 0 <= cfg.window <= cfg.max_seq_len:
+        raise ValueError(f"window = {cfg.window} must lie in 0..max_seq_len ({cfg.max_seq_len})")
     return code
 
 
@@ -144,6 +154,8 @@ def tensor_layout(cfg):
                 (p + "ffn.w2.weight", (D, F)),
                 (p + "ffn.w3.weight", (F, D))]
     out.append(("norm.weight", (D,)))
+    if cfg.untied_head:
+        out.append(("output.weight", (cfg.vocab_size, D)))
     return out
 
 
@@ -228,19 +240,38 @@ def _write_atomic(path, write):
 def export(model, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
     """Writes model (a Transformer) and the tokenizer (a path or the model's bytes) into path
     (docs/FORMAT.md). Returns the header as a dict (read_header's format)."""
+    return write_checkpoint(model.cfg, _numpy_tensors(model), path, tokenizer, dtype)
+
+
+def write_checkpoint(cfg, tensors, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
+    """Writes a checkpoint of Config cfg from tensors, [(name, array)] in tensor_layout's order
+    (fp32 arrays, rounded to bf16 when dtype is bf16; or, for dtype bf16 only, uint16 arrays of
+    bf16 bits, written as they are), and the tokenizer. Returns the header as a dict."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-    cfg = model.cfg
     code = variant_code(cfg)
     tok_bytes = tokenizer_bytes(tokenizer)
     bos, eos, _ = _check_tokenizer(cfg, tok_bytes)
-    tensors = _numpy_tensors(model)
-    if dtype == "bf16":
-        blobs = [bf16_bits(a).astype("<u2") for _, a in tensors]
-    else:
-        blobs = [a.astype("<f4") for _, a in tensors]
+    layout = tensor_layout(cfg)
+    if [n for n, _ in tensors] != [n for n, _ in layout]:
+        raise ValueError(f"tensors do not follow the {cfg.variant} layout")
+    blobs = []
+    for (name, a), (_, shape) in zip(tensors, layout):
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+        if a.dtype == np.uint16:
+            if dtype != "bf16":
+                raise ValueError(f"{name}: bf16 bits given for an {dtype} file")
+            if ((a & 0x7F80) == 0x7F80).any():
+                raise ValueError(f"{name} holds NaN or inf")
+            blobs.append(np.ascontiguousarray(a, dtype="<u2"))
+            continue
+        a = np.asarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise ValueError(f"{name} holds NaN or inf")
+        blobs.append(bf16_bits(a).astype("<u2") if dtype == "bf16" else np.ascontiguousarray(a, dtype="<f4"))
     weights_size = sum(b.nbytes for b in blobs)
-    n_params = sum(a.size for _, a in tensors)
+    n_params = sum(int(np.prod(shape)) for _, shape in layout)
     assert weights_size == n_params * (2 if dtype == "bf16" else 4)
 
     tok_off = HEADER_SIZE
@@ -252,7 +283,8 @@ def export(model, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
                rope_dim=cfg.rope_dim if is_mla else 0, hidden_dim=cfg.hidden_dim, vocab_size=cfg.vocab_size,
                max_seq_len=cfg.max_seq_len, rope_theta=float(cfg.rope_theta), norm_eps=float(cfg.norm_eps),
                bos_id=bos, eos_id=eos, tokenizer_offset=tok_off, tokenizer_size=len(tok_bytes),
-               weights_offset=w_off, weights_size=weights_size)
+               weights_offset=w_off, weights_size=weights_size,
+               flags=FLAG_UNTIED_HEAD if cfg.untied_head else 0, window=int(cfg.window))
     header = HEADER_STRUCT.pack(*(hdr[k] for k in HEADER_FIELDS))
 
     def write(f):
@@ -271,14 +303,14 @@ def export(model, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
 
 def read_header(path):
     """Parses a checkpoint's 128-byte header into a dict (field names as in docs/FORMAT.md;
-    magic as a str, plus 'reserved', the 24 reserved bytes)."""
+    magic as a str, plus 'reserved', the 16 reserved bytes)."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_SIZE)
     if len(raw) < HEADER_SIZE:
         raise ValueError(f"{path}: {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header")
     hdr = dict(zip(HEADER_FIELDS, HEADER_STRUCT.unpack(raw)))
     hdr["magic"] = hdr["magic"].decode("latin-1")
-    hdr["reserved"] = raw[104:128]
+    hdr["reserved"] = raw[112:128]
     return hdr
 
 
@@ -291,7 +323,8 @@ def header_config(hdr):
     return Config(variant=name, dim=hdr["dim"], n_layers=hdr["n_layers"], n_heads=hdr["n_heads"],
                   head_dim=hdr["head_dim"], n_kv_heads=hdr["n_kv_heads"], kv_latent=hdr["kv_latent"],
                   rope_dim=hdr["rope_dim"], hidden_dim=hdr["hidden_dim"], vocab_size=hdr["vocab_size"],
-                  max_seq_len=hdr["max_seq_len"], rope_theta=hdr["rope_theta"], norm_eps=hdr["norm_eps"])
+                  max_seq_len=hdr["max_seq_len"], rope_theta=hdr["rope_theta"], norm_eps=hdr["norm_eps"],
+                  untied_head=bool(hdr["flags"] & FLAG_UNTIED_HEAD), window=hdr["window"])
 
 
 def check_header(hdr, path):
@@ -302,6 +335,9 @@ def check_header(hdr, path):
                          f"(magic {hdr['magic']!r}, version {hdr['version']})")
     if hdr["variant"] not in VARIANT_NAMES or hdr["dtype"] not in (0, 1):
         raise ValueError(f"{path}: unknown variant code {hdr['variant']} or dtype code {hdr['dtype']}")
+    if hdr["flags"] & ~FLAG_UNTIED_HEAD or hdr["reserved"] != bytes(16) or hdr["window"] > hdr["max_seq_len"]:
+        raise ValueError(f"{path}: unknown header flags 0x{hdr['flags']:x}, a window over the context, or "
+                         "non-zero reserved bytes (a newer format?)")
     n_params = sum(int(np.prod(shape)) for _, shape in tensor_layout(header_config(hdr)))
     expected = n_params * (2 if hdr["dtype"] == 1 else 4)
     size = os.path.getsize(path)
@@ -320,8 +356,9 @@ def read_embedded_tokenizer(path):
         return f.read(hdr["tokenizer_size"])
 
 
-def read_tensors(path):
-    """Reads every tensor of a checkpoint back: {state_dict name: fp32 numpy array} (bf16 widened)."""
+def read_tensors(path, bf16_bits_too=False):
+    """Reads every tensor of a checkpoint back: {state_dict name: fp32 numpy array} (bf16 widened;
+    with bf16_bits_too, a bf16 file's tensors come as their uint16 bits instead)."""
     hdr = read_header(path)
     check_header(hdr, path)
     cfg = header_config(hdr)
@@ -332,7 +369,10 @@ def read_tensors(path):
         n = int(np.prod(shape))
         a = np.frombuffer(raw, dtype=np_dtype, count=n, offset=off).reshape(shape)
         off += a.nbytes
-        out[name] = bf16_to_f32(a).reshape(shape) if hdr["dtype"] == 1 else np.array(a, dtype=np.float32)
+        if hdr["dtype"] == 1:
+            out[name] = np.array(a) if bf16_bits_too else bf16_to_f32(a).reshape(shape)
+        else:
+            out[name] = np.array(a, dtype=np.float32)
     if off != hdr["weights_offset"] + hdr["weights_size"]:
         raise ValueError(f"{path}: tensors end at {off}, header says {hdr['weights_offset'] + hdr['weights_size']}")
     return out
@@ -381,6 +421,8 @@ def check_llama2c(cfg):
     if cfg.rope_theta != 10000 or np.float32(cfg.norm_eps) != np.float32(1e-5):
         raise ValueError(f"--llama2c: llama2.c fixes RoPE theta 10000 and RMSNorm eps 1e-5; this model has "
                          f"{cfg.rope_theta:g} and {cfg.norm_eps:g}")
+    if 0 < cfg.window < cfg.max_seq_len:
+        raise ValueError(f"--llama2c: llama2.c has no sliding window; this model's is {cfg.window}")
 
 
 def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
@@ -401,9 +443,9 @@ def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
         order += [f"layers.{i}.{kind}.weight" for i in L]
     order.append("norm.weight")
     cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)  # (max_seq_len, head_dim/2)
-    # vocab_size positive: the classifier is shared with the embedding (ours is tied).
+    # vocab_size positive: the classifier is shared with the embedding; negative: wcls follows the tables
     header = LLAMA2C_HEADER.pack(cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                                 cfg.vocab_size, cfg.max_seq_len)
+                                 -cfg.vocab_size if cfg.untied_head else cfg.vocab_size, cfg.max_seq_len)
 
     def write_model(f):
         f.write(header)
@@ -411,6 +453,8 @@ def export_llama2c(model, out_dir, tokenizer=DEFAULT_TOKENIZER, dtype="bf16"):
             f.write(t[name].astype("<f4").tobytes())
         f.write(cos.numpy().astype("<f4").tobytes())
         f.write(sin.numpy().astype("<f4").tobytes())
+        if cfg.untied_head:
+            f.write(t["output.weight"].astype("<f4").tobytes())
 
     model_path = os.path.join(out_dir, f"{cfg.variant}_llama2c.bin")
     tok_path = os.path.join(out_dir, "tokenizer.bin")
@@ -524,6 +568,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="SentencePiece model (default: the one an engine INPUT embeds, "
                                         "else tokenizer/tokenizer.model)")
     ap.add_argument("--llama2c", metavar="DIR", help="also write DIR/VARIANT_llama2c.bin and DIR/tokenizer.bin")
+    ap.add_argument("--hf", metavar="DIR", help="also write a Hugging Face model directory (LlamaForCausalLM or "
+                                                "DeepseekV2ForCausalLM)")
     ap.add_argument("--force", action="store_true",
                     help="replace a checkpoint the project ships (a file in weights/ that git tracks)")
     args = ap.parse_args(argv)
@@ -535,12 +581,12 @@ def main(argv=None):
     else:
         if args.small:
             ap.error("--small only goes with --random")
-        if len(args.paths) == 1 and args.llama2c:
+        if len(args.paths) == 1 and (args.llama2c or args.hf):
             src, out = args.paths[0], None
         elif len(args.paths) == 2:
             src, out = args.paths
         else:
-            ap.error("expected INPUT OUT.bin, or INPUT --llama2c DIR")
+            ap.error("expected INPUT OUT.bin, or INPUT --llama2c DIR, or INPUT --hf DIR")
     try:
         embedded, in_dtype = None, None
         if args.random:
@@ -568,6 +614,19 @@ def main(argv=None):
         if args.llama2c:
             for p in export_llama2c(model, args.llama2c, tokenizer, dtype):
                 print(f"{p}: {os.path.getsize(p):,} bytes")
+        if args.hf:
+            import hf
+            import tempfile
+            if os.path.exists(args.hf) and not args.force:
+                raise ValueError(f"{args.hf} exists; choose a new directory or pass --force to replace it")
+            with tempfile.TemporaryDirectory() as tmp:
+                binary = out or (src if embedded is not None and not args.tokenizer and not args.dtype else None)
+                if binary is None:
+                    binary = os.path.join(tmp, "model.bin")
+                    export(model, binary, tokenizer, dtype)
+                config = hf.export_hf(binary, args.hf, force=args.force)
+            print(f"{args.hf}: {config['architectures'][0]}, {os.path.getsize(os.path.join(args.hf, 'model.safetensors')):,}"
+                  " bytes of safetensors")
     except OSError as e:
         ap.exit(1, f"export.py: {e.filename or ''}: {e.strerror or e}\n")
     except (ValueError, RuntimeError) as e:  # load_state_dict's errors span lines

@@ -44,6 +44,8 @@ class Config:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    untied_head: bool = False  # an output head of its own (imported models), else tied to the embedding
+    window: int = 0            # the model's sliding window (imported Mistral models); 0: none
 
     @property
     def is_mla(self):
@@ -249,6 +251,8 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.untied_head:
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # residual projections, as in GPT-2 / llama2.c
             if name.endswith("wo.weight") or name.endswith("w2.weight"):
@@ -260,8 +264,8 @@ class Transformer(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def head(self, x):
-        """The output head, tied to the embedding."""
-        return F.linear(x, self.tok_embeddings.weight)
+        """The output head: tied to the embedding, or the model's own (cfg.untied_head)."""
+        return F.linear(x, (self.output if self.cfg.untied_head else self.tok_embeddings).weight)
 
     def set_absorb(self, absorb):
         for layer in self.layers:
@@ -341,7 +345,8 @@ def onednn_copy(model):
             if isinstance(child, nn.Linear) and not (isinstance(mod, LatentAttention) and child_name in ("wuk", "wuv")):
                 setattr(mod, child_name, OneDNNLinear(child))
                 converted.append(f"{name}.{child_name}" if name else child_name)
-    object.__setattr__(m, "head", OneDNNLinear(m.tok_embeddings))  # the tied head: shadows the method
+    # the head (tied, or its own): shadows the method
+    object.__setattr__(m, "head", OneDNNLinear(m.output if m.cfg.untied_head else m.tok_embeddings))
     converted.append("head")
     return m, converted
 
