@@ -14,6 +14,8 @@
 #include "serve/json.h"
 #include "serve/modes.h"
 #include "serve/output.h"
+#include "serve/attn_dump.h"
+#include "serve/profile.h"
 #include "serve/session.h"
 #include "tokenizer/spm_c.h"
 #include "kernels/utf8.h"
@@ -35,6 +37,8 @@ typedef struct {
     int step_lines;   /* the warm-up and each step on stderr */
     int one_terminal; /* stdout and stderr are the same terminal */
     int mid_line;     /* the text on stdout does not end with a newline */
+    Profile *profile; /* --profile, or NULL */
+    AttnDump *attn;   /* --dump-attn, or NULL */
 } Generation;
 
 /* 1 when stdout and stderr are one terminal, where step lines would cut the story up. */
@@ -116,6 +120,8 @@ static const char *step_phase(const StepResult *st) {
 /* A step's token(s) out: the logits dumped, the text streamed, the step's line and CSV row. */
 static void report_step(Generation *g, const StepResult *st) {
     const int V = g->model->cfg.vocab_size;
+    if (g->profile) profile_step(g->profile, st);
+    if (g->attn) attn_dump_step(g->attn, st->step);
     for (int k = 0; k < st->n_rows; k++) {
         const StepRow *row = &st->rows[k];
         if (g->dump && fwrite(st->logits + (size_t)k * V, sizeof(float), (size_t)V, g->dump) != (size_t)V)
@@ -147,7 +153,9 @@ static void report_step(Generation *g, const StepResult *st) {
             fprintf(g->log_csv, "%d,%d,", only->pos, only->token);
         else
             fputs("-1,-1,", g->log_csv);
-        fprintf(g->log_csv, "%.4f\n", st->ms);
+        fprintf(g->log_csv, "%.4f", st->ms);
+        if (g->profile) profile_csv_row(g->log_csv, g->profile);
+        fputc('\n', g->log_csv);
         check_written(g->log_csv, g->o->log_path); /* a line at a time: a stopped run leaves whole lines */
     }
     if (st->n_finished == 0) return;
@@ -358,6 +366,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
            sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
+    if (g->profile) profile_json(g->profile);
     json_end();
 }
 
@@ -440,10 +449,16 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
                     .one_terminal = one_terminal()};
     if (o->log_path) {
         g.log_csv = open_output(o->log_path, o, NULL);
-        fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
+        fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms");
+        if (o->profile) profile_csv_header(g.log_csv);
+        fputc('\n', g.log_csv);
         check_written(g.log_csv, o->log_path);
     }
     if (o->dump_path) g.dump = open_output(o->dump_path, o, o->log_path);
+    Profile profile;
+    AttnDump attn;
+    if (o->profile) profile_open(g.profile = &profile, m, pool, o);
+    if (o->dump_attn_path) attn_dump_open(g.attn = &attn, open_output(o->dump_attn_path, o, o->log_path), m, o);
     /* notes once every input has been checked, so that an error stays the one line */
     if (o->threads_note)
         fprintf(stderr, "run: note: -t %g is the temperature (as in llama2.c); the thread count is --threads\n",
@@ -463,11 +478,17 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     warm_up(m, pool, o, &list.requests[0], &g);
 
     scheduler_open(&sch, m, pool, o, o->batch);
+    sch.clock = g.profile ? &profile.clock : NULL;
+    sch.record = g.attn ? &attn.record : NULL;
     for (int i = 0; i < list.n; i++)
         if (scheduler_add(&sch, &list.requests[i]) != 0) die(1, "out of memory");
     StepResult st;
     int rc = 0;
-    while (!interrupted_by && (rc = scheduler_step(&sch, &st)) > 0) report_step(&g, &st);
+    while (!interrupted_by) {
+        if (g.attn) sch.record_step = attn_dump_wants_step(g.attn, sch.steps);
+        if ((rc = scheduler_step(&sch, &st)) <= 0) break;
+        report_step(&g, &st);
+    }
     if (!interrupted_by) check_model(rc < 0 ? rc : 0);
     if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) { /* the text so far, as it is */
         print_text(&g, spm_stream_flush(g.stream));
@@ -478,9 +499,12 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     if (g.one_terminal && streams_text(&g)) fputc('\n', stderr); /* a blank line between the story and the summary */
     const Figures f = figures_of(&g);
     print_summary(&g, &f);
+    if (g.profile) profile_print(stderr, g.profile);
     if (o->json) print_summary_json(&g, &f);
     if (g.log_csv) close_written(g.log_csv, o->log_path);
     if (g.dump) close_written(g.dump, o->dump_path);
+    if (g.attn) close_written(attn.f, o->dump_attn_path), attn_dump_close(&attn);
+    if (g.profile) profile_close(&profile);
     spm_stream_free(g.stream);
     free(g.step_ms);
     scheduler_free(&sch);
