@@ -291,9 +291,11 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
     fprintf(out,
             "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
-            "full contexts for %d sequences: %zu bytes | preemptions %d\n",
+            "full contexts for %d sequences: %zu bytes | shared by prefixes: at most %d blocks, saving %d "
+            "blocks, %zu bytes | preemptions %d\n",
             KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->peak_in_use, pool->n_blocks,
-            kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, sch->preemptions);
+            kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, pool->peak_shared_blocks,
+            pool->peak_saved_blocks, kv_block_bytes(pool) * (size_t)pool->peak_saved_blocks, sch->preemptions);
 }
 
 /* The summary on stderr: one line a part in a file or pipe; on a terminal each " | "
@@ -363,6 +365,10 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            "\"kv_peak_blocks\": %d, \"kv_peak_bytes\": %zu",
            f->kv_bytes, KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->n_blocks, pool->peak_in_use,
            kv_block_bytes(pool) * (size_t)pool->peak_in_use);
+    printf(", \"kv_contiguous_bytes\": %zu, \"kv_shared_blocks_peak\": %d, \"kv_saved_blocks_peak\": %d, "
+           "\"kv_saved_bytes_peak\": %zu",
+           kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch,
+           pool->peak_shared_blocks, pool->peak_saved_blocks, kv_block_bytes(pool) * (size_t)pool->peak_saved_blocks);
     printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
            sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
