@@ -555,7 +555,8 @@ static void record_chunk(const AttnPass *p, const Unit *u, int nh, const float *
         if (e < 0) continue;
         const AttnRecordEntry *en = &r->entries[e];
         float *dst = r->probs + en->offset;
-        memcpy(dst + (size_t)u->k * ATTN_CHUNK_KEYS, att + (size_t)h * p->a->scores_stride, (size_t)keys * sizeof(float));
+        memcpy(dst + (size_t)u->k * ATTN_CHUNK_KEYS, att + (size_t)h * p->a->scores_stride,
+               (size_t)keys * sizeof(float));
         dst[en->n_keys + 2 * u->k] = chunk_max[h];
         dst[en->n_keys + 2 * u->k + 1] = chunk_sum[h];
     }

@@ -139,8 +139,11 @@ int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens
         s->caches[t] = cache;
         s->logit_tokens[t] = t;
     }
-    const Batch b = {T, tokens, s->caches, all_logits ? T : 1, all_logits ? s->logit_tokens : s->logit_tokens + T - 1,
-                     NULL};
+    const Batch b = {.n_tokens = T,
+                     .ids = tokens,
+                     .cache = s->caches,
+                     .n_logits = all_logits ? T : 1,
+                     .logit_tokens = all_logits ? s->logit_tokens : s->logit_tokens + T - 1};
     const int rc = model_prepare(m, s, &b);
     if (rc != 0) return rc;
     Worker alone = worker_alone();

@@ -61,7 +61,7 @@ typedef struct {
     const int *ids;        /* (T) */
     KVCache *const *cache; /* (T) */
     int n_logits;
-    const int *logit_tokens;     /* (n_logits) */
+    const int *logit_tokens;    /* (n_logits) */
     const int *record_sequence; /* (T) or NULL: with s->attn.record, the sequence number token t's
                                  * attention weights are recorded under, or -1 for none */
 } Batch;

@@ -21,7 +21,8 @@ static void write_all(AttnDump *d, const void *p, size_t size, size_t n) {
 static unsigned char *mask_of(const IndexList *list, int n, const char *flag, const char *what) {
     if (list->all) return NULL;
     if (index_list_max(list) >= n)
-        die(EXIT_USAGE, "%s %d is out of range: the model has %d %s (0..%d)", flag, index_list_max(list), n, what, n - 1);
+        die(EXIT_USAGE, "%s %d is out of range: the model has %d %s (0..%d)", flag, index_list_max(list), n, what,
+            n - 1);
     unsigned char *mask = calloc((size_t)n, 1);
     if (!mask) die(1, "out of memory");
     for (int i = 0; i < n; i++) mask[i] = (unsigned char)index_list_has(list, i);

@@ -207,11 +207,11 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
     if (o->ppl_path) given[n++] = "--ppl";
     if (o->check_batch) given[n++] = "--check-batch";
     if (n > 1) return errmsg(err, errlen, 2, "%s and %s cannot be combined: one mode a run", given[0], given[1]);
-    const char *output = o->log_path        ? "--log"
-                         : o->dump_path     ? "--dump-logits"
-                         : o->profile       ? "--profile"
+    const char *output = o->log_path         ? "--log"
+                         : o->dump_path      ? "--dump-logits"
+                         : o->profile        ? "--profile"
                          : o->dump_attn_path ? "--dump-attn"
-                                            : NULL;
+                                             : NULL;
     if (output && n) return errmsg(err, errlen, 2, "%s records a generation: it takes no %s", output, given[0]);
     if (o->prompts_path && n && !o->check_batch)
         return errmsg(err, errlen, 2, "--prompts serves a generation: it takes no %s", given[0]);
@@ -370,9 +370,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
     if (o->profile_peaks && !o->profile) return errmsg(err, errlen, 2, "--profile-peaks needs --profile");
-    if (!o->dump_attn_path && !(o->dump_attn_layers.all && o->dump_attn_heads.all && o->dump_attn_steps.all &&
-                                o->dump_attn_sequences.all))
-        return errmsg(err, errlen, 2, "--dump-attn-layers, -heads, -steps and -seqs choose what --dump-attn FILE records");
+    if (!o->dump_attn_path &&
+        !(o->dump_attn_layers.all && o->dump_attn_heads.all && o->dump_attn_steps.all && o->dump_attn_sequences.all))
+        return errmsg(err, errlen, 2,
+                      "--dump-attn-layers, -heads, -steps and -seqs choose what --dump-attn FILE records");
     if (o->fill && (!o->kv || o->window || o->info || o->check_kv || o->check_batch || o->ppl_path))
         return errmsg(err, errlen, 2,
                       "--fill starts a generation with --kv over generated entries: it takes no %s",

@@ -35,7 +35,8 @@ static void layer_costs(Profile *p, const LayerWeights *w) {
         per_token[n++] = w->wk, per_token[n++] = w->wv;
     }
     per_token[n++] = w->wo, per_token[n++] = w->w1, per_token[n++] = w->w3, per_token[n++] = w->w2;
-    for (int i = 0; i < n; i++) p->token_macs += mat_elements(per_token[i]), p->pass_weight_bytes += mat_bytes(per_token[i]);
+    for (int i = 0; i < n; i++)
+        p->token_macs += mat_elements(per_token[i]), p->pass_weight_bytes += mat_bytes(per_token[i]);
 }
 
 /* "key value" lines of build/roofline's output: the best streaming read and FMA rate. */
@@ -52,7 +53,8 @@ static void read_peaks(Profile *p, const char *path) {
         }
     fclose(f);
     if (!(p->peak_GBps > 0) || !(p->peak_GFLOPs > 0))
-        die(1, "%s has no bandwidth_best_GBps and peak_best_GFLOPs lines: --profile-peaks reads build/roofline's output",
+        die(1,
+            "%s has no bandwidth_best_GBps and peak_best_GFLOPs lines: --profile-peaks reads build/roofline's output",
             msg_path(path).s);
     p->peaks_path = path;
 }
@@ -101,9 +103,9 @@ void profile_step(Profile *p, const StepResult *st) {
     const double token_row_bytes = (double)c->dim * (double)dtype_size(p->model->w.tok_embeddings.dtype);
     s->weight_bytes = st->passes * p->pass_weight_bytes + st->n_tokens * token_row_bytes;
     s->kv_bytes = (double)kv_bytes_per_token(p->pool) * (double)(expanded ? st->sequence_keys : st->keys_read);
-    s->flops = 2.0 * (st->n_tokens * p->token_macs + (double)st->keys_read * p->key_macs +
-                      (double)st->sequence_keys * p->sequence_key_macs +
-                      (double)st->logit_rows * c->vocab_size * c->dim);
+    s->flops =
+        2.0 * (st->n_tokens * p->token_macs + (double)st->keys_read * p->key_macs +
+               (double)st->sequence_keys * p->sequence_key_macs + (double)st->logit_rows * c->vocab_size * c->dim);
 
     ProfileFigures *sum = &p->phases[st->step == 0 ? 0 : 1];
     sum->steps++;
@@ -159,7 +161,8 @@ void profile_print(FILE *out, const Profile *p) {
         for (int l = 0; p->per_layer && l < c->n_layers; l++) {
             fprintf(out, "    layer %d:", l);
             for (int k = 0; k < STAGES_PER_LAYER; k++)
-                fprintf(out, "%s %s %.3f ms", k ? "," : "", STAGE_NAMES[k], f->layer_ms[l * STAGES_PER_LAYER + k] / f->steps);
+                fprintf(out, "%s %s %.3f ms", k ? "," : "", STAGE_NAMES[k],
+                        f->layer_ms[l * STAGES_PER_LAYER + k] / f->steps);
             fputc('\n', out);
         }
     }
@@ -181,8 +184,8 @@ static void json_optional(const char *key, double v, int known) {
 
 void profile_json(const Profile *p) {
     const Config *c = &p->model->cfg;
-    printf(", \"profile\": {\"per_layer\": %s, \"peaks_source\": \"%s\", \"peaks_path\": ", p->per_layer ? "true" : "false",
-           p->peaks_path ? "roofline_file" : "none");
+    printf(", \"profile\": {\"per_layer\": %s, \"peaks_source\": \"%s\", \"peaks_path\": ",
+           p->per_layer ? "true" : "false", p->peaks_path ? "roofline_file" : "none");
     if (p->peaks_path)
         json_text(stdout, p->peaks_path);
     else

@@ -218,7 +218,11 @@ static int lay_out_pass(SchedulerRun *run, int p) {
     }
     /* a pass in which every sequence is still inside its prompt reports nothing, but
      * computes at least one row of logits */
-    run->batch = (Batch){T, run->ids, run->caches, n_logits ? n_logits : 1, run->logit_tokens,
+    run->batch = (Batch){T,
+                         run->ids,
+                         run->caches,
+                         n_logits ? n_logits : 1,
+                         run->logit_tokens,
                          sch->record && sch->record_step ? run->record_sequence : NULL};
     if (!n_logits) run->logit_tokens[0] = T - 1;
     run->passes++;
@@ -414,8 +418,9 @@ int scheduler_init(Scheduler *sch) {
     run->logits = alloc_floats_touched((size_t)T * (size_t)c->vocab_size);
     run->sample_rows = malloc((size_t)B * sizeof *run->sample_rows);
     run->finished = malloc((size_t)B * sizeof *run->finished);
-    if (!run->running || !run->computed_prompt || !run->pass_first || !run->ids || !run->caches || !run->logit_tokens || !run->record_sequence ||
-        !run->rows || !run->logits || !run->sample_rows || !run->finished || runstate_init(&run->state, c, T) != 0) {
+    if (!run->running || !run->computed_prompt || !run->pass_first || !run->ids || !run->caches || !run->logit_tokens ||
+        !run->record_sequence || !run->rows || !run->logits || !run->sample_rows || !run->finished ||
+        runstate_init(&run->state, c, T) != 0) {
         scheduler_free(sch);
         return -1;
     }
