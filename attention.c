@@ -180,6 +180,82 @@ void attention_query_reference(const Layer *L, const KVCache *cache, int head, c
         mla_expanded_query_reference(L, cache, head, q, pos, out);
 }
 
+/* ---- the record of attention weights (--dump-attn) ---- */
+
+void attn_record_clear(AttnRecord *r) {
+    r->n_entries = r->finished = 0;
+    r->n_probs = 0;
+    r->active = 0;
+}
+
+void attn_record_free(AttnRecord *r) {
+    free(r->entries);
+    free(r->probs);
+    free(r->slot);
+    r->entries = NULL, r->probs = NULL, r->slot = NULL;
+    r->cap_entries = 0, r->cap_probs = r->cap_slot = 0;
+    attn_record_clear(r);
+}
+
+/* Grows *p (elements of `size` bytes, *cap of them) to hold at least n. */
+static int grow(void **p, size_t *cap, size_t n, size_t size) {
+    if (n <= *cap) return 0;
+    size_t want = *cap ? *cap : 64;
+    while (want < n) want *= 2;
+    void *q = realloc(*p, want * size);
+    if (!q) return -1;
+    *p = q;
+    *cap = want;
+    return 0;
+}
+
+int attn_record_plan(AttnRecord *r, const Config *c, const TokenSlots *slots, const int *sequence) {
+    const int H = c->n_heads, T = slots->T;
+    r->active = 0;
+    r->T = T;
+    if (!sequence) return 0;
+    if (grow((void **)&r->slot, &r->cap_slot, (size_t)c->n_layers * T * H, sizeof *r->slot) != 0) return -1;
+    for (int l = 0; l < c->n_layers; l++)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < H; h++) {
+                int *slot = &r->slot[((size_t)l * T + t) * H + h];
+                *slot = -1;
+                if (sequence[t] < 0 || (r->layers && !r->layers[l]) || (r->heads && !r->heads[h])) continue;
+                const int n_keys = kv_window_length(slots->cache[t]->pool, slots->pos[t]);
+                const int n_chunks = (n_keys + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS;
+                size_t cap_entries = (size_t)r->cap_entries;
+                if (grow((void **)&r->entries, &cap_entries, (size_t)r->n_entries + 1, sizeof *r->entries) != 0 ||
+                    grow((void **)&r->probs, &r->cap_probs, r->n_probs + (size_t)n_keys + 2 * (size_t)n_chunks,
+                         sizeof *r->probs) != 0)
+                    return -1;
+                r->cap_entries = (int)cap_entries;
+                r->entries[r->n_entries] = (AttnRecordEntry){sequence[t], l, h, slots->pos[t], n_keys, r->n_probs};
+                r->n_probs += (size_t)n_keys + 2 * (size_t)n_chunks;
+                *slot = r->n_entries++;
+                r->active = 1;
+            }
+    return 0;
+}
+
+void attn_record_finish(AttnRecord *r) {
+    for (int e = r->finished; e < r->n_entries; e++) {
+        const AttnRecordEntry *en = &r->entries[e];
+        const int n_chunks = (en->n_keys + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS;
+        if (n_chunks == 1) continue;
+        float *p = r->probs + en->offset;
+        const float *stats = p + en->n_keys; /* (n_chunks, 2): max, sum */
+        double top = stats[0], total = 0.0;
+        for (int k = 1; k < n_chunks; k++) top = stats[2 * k] > top ? stats[2 * k] : top;
+        for (int k = 0; k < n_chunks; k++) total += stats[2 * k + 1] * exp(stats[2 * k] - top);
+        for (int k = 0; k < n_chunks; k++) {
+            const double weight = stats[2 * k + 1] * exp(stats[2 * k] - top) / total;
+            const int j1 = (k + 1) * ATTN_CHUNK_KEYS < en->n_keys ? (k + 1) * ATTN_CHUNK_KEYS : en->n_keys;
+            for (int j = k * ATTN_CHUNK_KEYS; j < j1; j++) p[j] = (float)(p[j] * weight);
+        }
+    }
+    r->finished = r->n_entries;
+}
+
 /* ---- the fast path ---- */
 
 /* Row stride of k_exp and v_exp: n_heads*head_dim and 16 floats more. A head reads its
@@ -468,6 +544,24 @@ static int first_unit(const AttnPass *p, long i, long hi, int t0, Unit *u) {
     return 1;
 }
 
+/* A chunk's probabilities (att, after its softmax) and statistics into the record, for
+ * the heads of unit u it records. Each thread writes its own units' entries. */
+static void record_chunk(const AttnPass *p, const Unit *u, int nh, const float *att, const float *chunk_max,
+                         const float *chunk_sum) {
+    AttnRecord *r = p->a->record;
+    const int H = p->L->cfg->n_heads, keys = chunk_keys(p, u->t, u->k);
+    for (int h = 0; h < nh; h++) {
+        const int e = r->slot[((size_t)p->L->index * r->T + u->t) * H + u->h0 + h];
+        if (e < 0) continue;
+        const AttnRecordEntry *en = &r->entries[e];
+        float *dst = r->probs + en->offset;
+        memcpy(dst + (size_t)u->k * ATTN_CHUNK_KEYS, att + (size_t)h * p->a->scores_stride,
+               (size_t)keys * sizeof(float));
+        dst[en->n_keys + 2 * u->k] = chunk_max[h];
+        dst[en->n_keys + 2 * u->k + 1] = chunk_sum[h];
+    }
+}
+
 /* Unit u's softmax and weighted sum, its scores in att: a lone chunk straight into the
  * item's output; a split chunk into its partial; otherwise the first chunk into the
  * output and each later one merged into it, in order (max and sum: the statistics of the
@@ -476,6 +570,7 @@ static void finish_unit(const AttnPass *p, const Unit *u, int nh, int thread, fl
     const int keys = chunk_keys(p, u->t, u->k), w = p->out_width;
     float chunk_max[ATTN_MAX_HEADS_PER_ITEM], chunk_sum[ATTN_MAX_HEADS_PER_ITEM];
     for (int h = 0; h < nh; h++) softmax_stats(att + (size_t)h * p->a->scores_stride, keys, &chunk_max[h], &chunk_sum[h]);
+    if (p->a->record && p->a->record->active) record_chunk(p, u, nh, att, chunk_max, chunk_sum);
     float *out = item_out(p, u->t, u->h0);
     if (u->n_chunks == 1) {
         chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, out);
@@ -608,18 +703,19 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
         {a->v, Hkv * hd, xb, c->dim, w->wv, T}, /* v: (T, Hkv*hd) */
     };
     matmul_jobs(p->wk, qkv, 3);
+    stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
     Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * (Hkv + H) * hd, T));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long tg = lo; tg < hi; tg++) kv_heads_store(p, (int)(tg / Hkv), (int)(tg % Hkv));
     share_end(&sh);
-    if (!p->windowed) {
+    if (!p->windowed)
         run_queries(p, 0, T, kv_group_size(c));
-        return;
-    }
-    for (int t0 = 0, t1; t0 < T; t0 = t1) {
-        t1 = sequence_end(p->slots, t0, T);
-        kv_heads_window_sequence(p, t0, t1);
-    }
+    else
+        for (int t0 = 0, t1; t0 < T; t0 = t1) {
+            t1 = sequence_end(p->slots, t0, T);
+            kv_heads_window_sequence(p, t0, t1);
+        }
+    stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_ATTENTION));
 }
 
 /* Token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R rotated
@@ -649,6 +745,7 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
         {a->k_rope, rd, xb, c->dim, w->wkr, T},  /* k_R: (T, rd) */
     };
     matmul_jobs(p->wk, projections, 3);
+    stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
     Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd), T));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long t = lo; t < hi; t++) mla_store(p, (int)t);
@@ -715,16 +812,20 @@ static void mla_expand_contexts(const AttnPass *p) {
 
 /* MLA: heads (T, H*hd) from xb (T, dim), in the form asked for. */
 static void attention_mla(const AttnPass *p, const float *xb) {
-    const int T = p->slots->T, H = p->L->cfg->n_heads;
+    const int T = p->slots->T, H = p->L->cfg->n_heads, thread = p->wk->thread;
+    StageClock *clock = p->a->clock;
     mla_project_and_store(p, xb);
     if (p->form == MLA_EXPANDED) {
         for (int t0 = 0, t1; t0 < T; t0 = t1) {
             t1 = sequence_end(p->slots, t0, T);
             mla_expanded_sequence(p, t0, t1);
         }
+        stage_end(clock, thread, stage_slot(p->L->index, STAGE_ATTENTION));
         return;
     }
+    stage_end(clock, thread, stage_slot(p->L->index, STAGE_ATTENTION)); /* the cache's writes */
     mla_absorb_queries(p);
+    stage_end(clock, thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
     if (!p->windowed)
         run_queries(p, 0, T, H);
     else
@@ -733,7 +834,9 @@ static void attention_mla(const AttnPass *p, const float *xb) {
             mla_gather(p, t1 - 1);
             run_queries(p, t0, t1, H);
         }
+    stage_end(clock, thread, stage_slot(p->L->index, STAGE_ATTENTION));
     mla_expand_contexts(p);
+    stage_end(clock, thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
 }
 
 void attention(const Layer *L, AttnScratch *a, const TokenSlots *slots, const float *xb, float *heads, MlaForm form,

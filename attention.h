@@ -14,6 +14,7 @@
 
 #include "config.h"
 #include "kernels/kernels.h"
+#include "kernels/timer.h"
 #include "kvcache.h"
 
 /* Where the tokens of a pass go: token t is at position pos[t] of the sequence whose
@@ -39,6 +40,53 @@ enum { ATTN_MAX_HEADS_PER_ITEM = 16 };
 
 /* The most tokens a pass may have for its chunks to be shared among the threads. */
 enum { ATTN_SPLIT_TOKENS = 64 };
+
+/* What a profiled pass charges its time to, per layer (slot layer * STAGES_PER_LAYER +
+ * stage of the pass's StageClock): the products of the projections (Q, K, V or MLA's
+ * latents, MLA's absorbed query and context products, W_O), attention itself (RoPE, the
+ * cache's writes and reads, scores, softmax, weighted sums, MLA's expansion of cached
+ * latents), and the FFN with the norms and residuals around it. */
+enum { STAGE_PROJECTIONS, STAGE_ATTENTION, STAGE_FFN, STAGES_PER_LAYER };
+static inline int stage_slot(int layer, int stage) { return layer * STAGES_PER_LAYER + stage; }
+
+/* One recorded query head: the attention weights (softmax probabilities) of token `pos`
+ * of sequence `sequence`, head `head` of layer `layer`, over its n_keys keys (oldest
+ * first: positions 0 .. pos, or with a window the positions it keeps). */
+typedef struct {
+    int sequence, layer, head, pos, n_keys;
+    size_t offset; /* into probs: n_keys probabilities, then each chunk's softmax max and sum */
+} AttnRecordEntry;
+
+/* The attention weights of chosen layers, heads and tokens, copied from the fast path as
+ * it computes them (its arithmetic unchanged). A query over more than ATTN_CHUNK_KEYS
+ * keys has a softmax a chunk; attn_record_finish scales chunk k's probabilities by its
+ * share of the whole, sum_k e^(max_k - M) / sum_i sum_i e^(max_i - M) (M the largest
+ * max), the weight softmax_merge gives its weighted sum. */
+typedef struct {
+    /* what to record, set by the caller: NULL records every layer / head */
+    const unsigned char *layers; /* (n_layers) */
+    const unsigned char *heads;  /* (n_heads) */
+    /* what the passes since attn_record_clear recorded */
+    AttnRecordEntry *entries;
+    int n_entries, cap_entries;
+    int finished; /* entries before it hold their final probabilities */
+    float *probs;
+    size_t n_probs, cap_probs;
+    /* the pass being run */
+    int active; /* it records anything */
+    int T;      /* its tokens */
+    int *slot;  /* (n_layers, T, n_heads) the entry of (layer, token, head), or -1 */
+    size_t cap_slot;
+} AttnRecord;
+
+/* Empties the record (before a step). */
+void attn_record_clear(AttnRecord *r);
+/* Before a pass, on thread 0: an entry for each chosen layer and head of each token t
+ * whose sequence[t] >= 0 (sequence NULL: none). Returns -1 when out of memory. */
+int attn_record_plan(AttnRecord *r, const Config *c, const TokenSlots *slots, const int *sequence);
+/* After the pass, on thread 0: the chunks' probabilities scaled into the whole softmax. */
+void attn_record_finish(AttnRecord *r);
+void attn_record_free(AttnRecord *r);
 
 /* Scratch of one layer's attention for passes of up to max_tokens tokens over up to
  * max_keys positions. */
@@ -70,6 +118,10 @@ typedef struct {
     const float **row_scales; /* (threads, blocks_per_row) their int8 scales */
     int blocks_per_row;
     int max_items;
+    /* set by the caller, NULL when off: the pass's stage clock (--profile) and the
+     * attention weights it records (--dump-attn) */
+    StageClock *clock;
+    AttnRecord *record;
 } AttnScratch;
 
 int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_keys);

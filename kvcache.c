@@ -86,6 +86,7 @@ static int take_block(KVPool *pool) {
 }
 
 static void release_block(KVPool *pool, int b) {
+    if (pool->refs[b] > 1) pool->saved_blocks--, pool->shared_blocks -= pool->refs[b] == 2;
     if (--pool->refs[b] == 0) pool->free_blocks[pool->n_free++] = b;
 }
 
@@ -140,8 +141,12 @@ int kv_reserve(KVCache *cache, int new_len) {
 void kv_share_prefix(KVCache *dst, const KVCache *src, int len) {
     kv_reset(dst);
     for (int i = 0; i < kv_blocks_for(len); i++) {
+        KVPool *pool = dst->pool;
         dst->blocks[i] = src->blocks[i];
-        dst->pool->refs[src->blocks[i]]++;
+        pool->shared_blocks += ++pool->refs[src->blocks[i]] == 2;
+        pool->saved_blocks++;
+        if (pool->shared_blocks > pool->peak_shared_blocks) pool->peak_shared_blocks = pool->shared_blocks;
+        if (pool->saved_blocks > pool->peak_saved_blocks) pool->peak_saved_blocks = pool->saved_blocks;
     }
     dst->n_blocks = kv_blocks_for(len);
     dst->len = len;

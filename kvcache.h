@@ -50,6 +50,10 @@ typedef struct {
     int *refs;                /* (n_blocks) sequences holding each block; 0 = free */
     int *free_blocks, n_free; /* a stack of the free block ids */
     int peak_in_use;          /* the most blocks in use at once */
+    /* prefix sharing: blocks held by more than one sequence, and the references beyond the
+     * first (the blocks sharing saves), now and at their most */
+    int shared_blocks, saved_blocks;
+    int peak_shared_blocks, peak_saved_blocks;
 } KVPool;
 
 /* A sequence's cache: it has seen positions [0, len); blocks[0 .. n_blocks) hold them, or

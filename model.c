@@ -59,10 +59,13 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
     const Config *c = &m->cfg;
     const int T = b->n_tokens, D = c->dim, F = c->hidden_dim, HD = c->n_heads * c->head_dim;
     const TokenSlots slots = {T, b->cache, s->pos};
+    StageClock *clock = s->attn.clock;
 
+    stage_begin(clock, wk->thread);
     if (team_alone(wk))
         for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, b->ids[t]); /* x: (T, D) */
     residual_rmsnorm(wk, s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c); /* xb = RMSNorm(x): (T, D) */
+    stage_end(clock, wk->thread, pass_stage_slot(c, PASS_STAGE_EMBEDDING));
 
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
@@ -70,6 +73,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
         attention(&layer, &s->attn, &slots, s->xb, s->heads, form, wk); /* heads: (T, HD) */
         matmul(wk, s->xb, D, s->heads, HD, w->wo, T);                   /* (T, D) */
+        stage_end(clock, wk->thread, stage_slot(l, STAGE_PROJECTIONS));
         residual_rmsnorm(wk, s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
         /* x += W2 (silu(W1 xb) * W3 xb), then xb = RMSNorm(x), with the next layer's norm
@@ -78,6 +82,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
         matmul(wk, s->xb, D, s->hb, F, w->w2, T);                    /* (T, D) */
         Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
         residual_rmsnorm(wk, s->x, s->xb, s->xb, next_norm, T, c);
+        stage_end(clock, wk->thread, stage_slot(l, STAGE_FFN));
     }
 
     /* the head (tied or untied), for the tokens asked for: their rows gathered into x, which is free now */
@@ -89,6 +94,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
         rows = s->x;
     }
     matmul(wk, logits, c->vocab_size, rows, D, weights_head(c, &m->w), b->n_logits); /* (n_logits, vocab) */
+    stage_end(clock, wk->thread, pass_stage_slot(c, PASS_STAGE_HEAD));
 }
 
 int model_prepare(const Model *m, RunState *s, const Batch *b) {
@@ -111,11 +117,16 @@ int model_prepare(const Model *m, RunState *s, const Batch *b) {
     for (int t = 0; t < T; t++)
         if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) && kv_reserve(b->cache[t], s->pos[t] + 1) != 0)
             return MODEL_ERR_BATCH;
+    if (s->attn.record) {
+        const TokenSlots slots = {T, b->cache, s->pos};
+        if (attn_record_plan(s->attn.record, &m->cfg, &slots, b->record_sequence) != 0) return MODEL_ERR_BATCH;
+    }
     return 0;
 }
 
 int model_finish(const Model *m, RunState *s, const Batch *b, const float *logits) {
     for (int t = 0; t < b->n_tokens; t++) b->cache[t]->len = s->pos[t] + 1;
+    if (s->attn.record) attn_record_finish(s->attn.record);
     if (first_nonfinite(logits, (size_t)b->n_logits * (size_t)m->cfg.vocab_size, DTYPE_F32) >= 0)
         return MODEL_ERR_NONFINITE;
     return 0;
@@ -128,7 +139,11 @@ int model_forward(const Model *m, RunState *s, KVCache *cache, const int *tokens
         s->caches[t] = cache;
         s->logit_tokens[t] = t;
     }
-    const Batch b = {T, tokens, s->caches, all_logits ? T : 1, all_logits ? s->logit_tokens : s->logit_tokens + T - 1};
+    const Batch b = {.n_tokens = T,
+                     .ids = tokens,
+                     .cache = s->caches,
+                     .n_logits = all_logits ? T : 1,
+                     .logit_tokens = all_logits ? s->logit_tokens : s->logit_tokens + T - 1};
     const int rc = model_prepare(m, s, &b);
     if (rc != 0) return rc;
     Worker alone = worker_alone();

@@ -41,6 +41,13 @@ typedef struct {
     AttnScratch attn;
 } RunState;
 
+/* A profiled pass's stage clock (kernels/timer.h) has a slot for each layer's stages
+ * (attention.h's stage_slot), then these, at pass_stage_slot: the embedding and the first
+ * norm, the output head, and the sampling after the pass (the scheduler's). */
+enum { PASS_STAGE_EMBEDDING, PASS_STAGE_HEAD, PASS_STAGE_SAMPLING, PASS_STAGES };
+static inline int pass_stage_slot(const Config *c, int stage) { return c->n_layers * STAGES_PER_LAYER + stage; }
+static inline int stage_slots(const Config *c) { return c->n_layers * STAGES_PER_LAYER + PASS_STAGES; }
+
 /* Returns -1 when out of memory. */
 int runstate_init(RunState *s, const Config *c, int max_tokens);
 void runstate_free(RunState *s);
@@ -54,7 +61,9 @@ typedef struct {
     const int *ids;        /* (T) */
     KVCache *const *cache; /* (T) */
     int n_logits;
-    const int *logit_tokens; /* (n_logits) */
+    const int *logit_tokens;    /* (n_logits) */
+    const int *record_sequence; /* (T) or NULL: with s->attn.record, the sequence number token t's
+                                 * attention weights are recorded under, or -1 for none */
 } Batch;
 
 /* What a forward pass can fail with: a batch it cannot run, or logits that are not finite
@@ -73,6 +82,9 @@ enum { MODEL_ERR_BATCH = -1, MODEL_ERR_NONFINITE = -2 };
  *     whole when it returns on every thread;
  *   model_finish, on thread 0: advances each cache's len; MODEL_ERR_NONFINITE when a
  *     logit is NaN or infinite.
+ * With s->attn.clock set, thread 0 charges the pass's stages to it (pass_stage_slot);
+ * with s->attn.record set, model_prepare plans what the pass records and model_finish
+ * completes it (attention.h).
  * Batch invariance: every token's logits are the same bits whatever else the batch holds,
  * and whatever the team's size. */
 int model_prepare(const Model *m, RunState *s, const Batch *b);

@@ -44,6 +44,12 @@ void cli_usage(FILE *f) {
           "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
           "      --json            JSON on stdout: one object a sequence and one for the summary, or one\n"
           "                        for --info, --ppl, --check-kv and --check-batch\n"
+          "      --profile[=layers]  per step: time in attention, projections, FFN, head and sampling (and\n"
+          "                        per layer), bytes read, FLOPs, GB/s and GFLOP/s (docs/PROFILE.md)\n"
+          "      --profile-peaks FILE  the machine's peaks for --profile: build/roofline's output\n"
+          "      --dump-attn FILE  write attention weights (docs/PROFILE.md's format) of the chosen\n"
+          "      --dump-attn-layers L, --dump-attn-heads H, --dump-attn-steps S, --dump-attn-seqs Q\n"
+          "                        each all (default) or indices like 0,3,5-7\n"
           "  -v, --verbose         step lines on stderr also in a file, a pipe or stdout's terminal\n"
           "  -q, --quiet           no step lines on stderr (the summary stays)\n"
           "      --ignore-eos      keep generating after EOS\n"
@@ -110,7 +116,14 @@ enum {
     OPT_VERSION,
     OPT_TOP_P,
     OPT_FILL,
-    OPT_SHAPE
+    OPT_SHAPE,
+    OPT_PROFILE,
+    OPT_PROFILE_PEAKS,
+    OPT_DUMP_ATTN,
+    OPT_DUMP_ATTN_LAYERS,
+    OPT_DUMP_ATTN_HEADS,
+    OPT_DUMP_ATTN_STEPS,
+    OPT_DUMP_ATTN_SEQS
 };
 
 static const struct option LONG_OPTIONS[] = {
@@ -145,6 +158,13 @@ static const struct option LONG_OPTIONS[] = {
     {"info", no_argument, NULL, OPT_INFO},
     {"help", no_argument, NULL, 'h'},
     {"version", no_argument, NULL, OPT_VERSION},
+    {"profile", optional_argument, NULL, OPT_PROFILE},
+    {"profile-peaks", required_argument, NULL, OPT_PROFILE_PEAKS},
+    {"dump-attn", required_argument, NULL, OPT_DUMP_ATTN},
+    {"dump-attn-layers", required_argument, NULL, OPT_DUMP_ATTN_LAYERS},
+    {"dump-attn-heads", required_argument, NULL, OPT_DUMP_ATTN_HEADS},
+    {"dump-attn-steps", required_argument, NULL, OPT_DUMP_ATTN_STEPS},
+    {"dump-attn-seqs", required_argument, NULL, OPT_DUMP_ATTN_SEQS},
     {NULL, 0, NULL, 0},
 };
 
@@ -195,7 +215,11 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
     if (o->ppl_path) given[n++] = "--ppl";
     if (o->check_batch) given[n++] = "--check-batch";
     if (n > 1) return errmsg(err, errlen, 2, "%s and %s cannot be combined: one mode a run", given[0], given[1]);
-    const char *output = o->log_path ? "--log" : o->dump_path ? "--dump-logits" : NULL;
+    const char *output = o->log_path         ? "--log"
+                         : o->dump_path      ? "--dump-logits"
+                         : o->profile        ? "--profile"
+                         : o->dump_attn_path ? "--dump-attn"
+                                             : NULL;
     if (output && n) return errmsg(err, errlen, 2, "%s records a generation: it takes no %s", output, given[0]);
     if (o->prompts_path && n && !o->check_batch)
         return errmsg(err, errlen, 2, "--prompts serves a generation: it takes no %s", given[0]);
@@ -216,6 +240,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->seed = (uint64_t)time(NULL);
     int mla_given = 0, policy_given = 0, prompt_flags = 0; /* bit 0: -p, bit 1: -f */
     o->batch = 1;
+    o->dump_attn_layers.all = o->dump_attn_heads.all = o->dump_attn_steps.all = o->dump_attn_sequences.all = 1;
     optind = 0; /* 0, not 1: glibc then forgets every earlier scan */
     opterr = 0;
     for (;;) {
@@ -325,6 +350,20 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case OPT_CHECK_BATCH: o->check_batch = 1; break;
         case OPT_PPL: o->ppl_path = v; break;
         case OPT_INFO: o->info = 1; break;
+        case OPT_PROFILE:
+            if (!v)
+                o->profile = 1;
+            else if (!strcmp(v, "layers"))
+                o->profile = 2;
+            else
+                rc = errmsg(err, errlen, 2, "--profile takes no value or =layers, got '%s'", v);
+            break;
+        case OPT_PROFILE_PEAKS: o->profile_peaks = v; break;
+        case OPT_DUMP_ATTN: o->dump_attn_path = v; break;
+        case OPT_DUMP_ATTN_LAYERS: rc = index_list_parse(&o->dump_attn_layers, v, flag, err, errlen); break;
+        case OPT_DUMP_ATTN_HEADS: rc = index_list_parse(&o->dump_attn_heads, v, flag, err, errlen); break;
+        case OPT_DUMP_ATTN_STEPS: rc = index_list_parse(&o->dump_attn_steps, v, flag, err, errlen); break;
+        case OPT_DUMP_ATTN_SEQS: rc = index_list_parse(&o->dump_attn_sequences, v, flag, err, errlen); break;
         }
         if (rc) return rc;
     }
@@ -342,6 +381,11 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     if (o->prompts_path && o->prompt_given)
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
+    if (o->profile_peaks && !o->profile) return errmsg(err, errlen, 2, "--profile-peaks needs --profile");
+    if (!o->dump_attn_path &&
+        !(o->dump_attn_layers.all && o->dump_attn_heads.all && o->dump_attn_steps.all && o->dump_attn_sequences.all))
+        return errmsg(err, errlen, 2,
+                      "--dump-attn-layers, -heads, -steps and -seqs choose what --dump-attn FILE records");
     if (o->fill && (!o->kv || o->window || o->info || o->check_kv || o->check_batch || o->ppl_path))
         return errmsg(err, errlen, 2,
                       "--fill starts a generation with --kv over generated entries: it takes no %s",

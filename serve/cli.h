@@ -11,6 +11,7 @@
 
 #include "config.h"
 #include "kernels/threads.h"
+#include "serve/indexlist.h"
 
 #define CLI_MAX_BATCH 256
 
@@ -51,6 +52,11 @@ typedef struct {
     int mla_given;        /* --mla was on the command line (refused for a model without MLA) */
     int threads_note;         /* -t above 2: say that -t is the temperature here and threads are --threads */
     int usage_on_error;       /* with return 2: print the usage text to stderr before the message */
+    /* what the step does inside (docs/PROFILE.md): */
+    int profile;                /* --profile: 1 the parts of each step, 2 (--profile=layers) also per layer */
+    const char *profile_peaks;  /* --profile-peaks FILE: build/roofline's output, the machine's peaks */
+    const char *dump_attn_path; /* --dump-attn FILE: attention weights */
+    IndexList dump_attn_layers, dump_attn_heads, dump_attn_steps, dump_attn_sequences; /* what it records */
 } Options;
 
 enum { CLI_RUN = 0, CLI_HELP = 1, CLI_USAGE_ERROR = 2, CLI_VERSION = 3 };

@@ -14,6 +14,8 @@
 #include "serve/json.h"
 #include "serve/modes.h"
 #include "serve/output.h"
+#include "serve/attn_dump.h"
+#include "serve/profile.h"
 #include "serve/session.h"
 #include "tokenizer/spm_c.h"
 #include "kernels/utf8.h"
@@ -37,6 +39,8 @@ typedef struct {
     int step_lines;   /* the warm-up and each step on stderr */
     int one_terminal; /* stdout and stderr are the same terminal */
     int mid_line;     /* the text on stdout does not end with a newline */
+    Profile *profile; /* --profile, or NULL */
+    AttnDump *attn;   /* --dump-attn, or NULL */
 } Generation;
 
 /* 1 when stdout and stderr are one terminal, where step lines would cut the story up. */
@@ -137,6 +141,8 @@ static const char *step_phase(const StepResult *st) {
 /* A step's token(s) out: the logits dumped, the text streamed, the step's line and CSV row. */
 static void report_step(Generation *g, const StepResult *st) {
     const int V = g->model->cfg.vocab_size;
+    if (g->profile) profile_step(g->profile, st);
+    if (g->attn) attn_dump_step(g->attn, st->step);
     for (int k = 0; k < st->n_rows; k++) {
         const StepRow *row = &st->rows[k];
         if (g->dump && fwrite(st->logits + (size_t)k * V, sizeof(float), (size_t)V, g->dump) != (size_t)V)
@@ -171,7 +177,9 @@ static void report_step(Generation *g, const StepResult *st) {
             fprintf(g->log_csv, "%d,%d,", only->pos, only->token);
         else
             fputs("-1,-1,", g->log_csv);
-        fprintf(g->log_csv, "%.4f\n", st->ms);
+        fprintf(g->log_csv, "%.4f", st->ms);
+        if (g->profile) profile_csv_row(g->log_csv, g->profile);
+        fputc('\n', g->log_csv);
         check_written(g->log_csv, g->o->log_path); /* a line at a time: a stopped run leaves whole lines */
     }
     if (st->n_finished == 0) return;
@@ -325,9 +333,11 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
     fprintf(out,
             "kv pool: %d-token blocks of %zu bytes | peak %d of %d blocks in use, %zu bytes | contiguous "
-            "full contexts for %d sequences: %zu bytes | preemptions %d\n",
+            "full contexts for %d sequences: %zu bytes | shared by prefixes: at most %d blocks, saving %d "
+            "blocks, %zu bytes | preemptions %d\n",
             KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->peak_in_use, pool->n_blocks,
-            kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, sch->preemptions);
+            kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, pool->peak_shared_blocks,
+            pool->peak_saved_blocks, kv_block_bytes(pool) * (size_t)pool->peak_saved_blocks, sch->preemptions);
 }
 
 /* The summary on stderr: one line a part in a file or pipe; on a terminal each " | "
@@ -400,9 +410,14 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            "\"kv_peak_blocks\": %d, \"kv_peak_bytes\": %zu",
            f->kv_bytes, KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->n_blocks, pool->peak_in_use,
            kv_block_bytes(pool) * (size_t)pool->peak_in_use);
+    printf(", \"kv_contiguous_bytes\": %zu, \"kv_shared_blocks_peak\": %d, \"kv_saved_blocks_peak\": %d, "
+           "\"kv_saved_bytes_peak\": %zu",
+           kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch,
+           pool->peak_shared_blocks, pool->peak_saved_blocks, kv_block_bytes(pool) * (size_t)pool->peak_saved_blocks);
     printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
            sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
+    if (g->profile) profile_json(g->profile);
     json_end();
 }
 
@@ -485,10 +500,16 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
                     .one_terminal = one_terminal()};
     if (o->log_path) {
         g.log_csv = open_output(o->log_path, o, NULL);
-        fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms\n");
+        fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms");
+        if (o->profile) profile_csv_header(g.log_csv);
+        fputc('\n', g.log_csv);
         check_written(g.log_csv, o->log_path);
     }
     if (o->dump_path) g.dump = open_output(o->dump_path, o, o->log_path);
+    Profile profile;
+    AttnDump attn;
+    if (o->profile) profile_open(g.profile = &profile, m, pool, o);
+    if (o->dump_attn_path) attn_dump_open(g.attn = &attn, open_output(o->dump_attn_path, o, o->log_path), m, o);
     /* notes once every input has been checked, so that an error stays the one line */
     if (o->threads_note)
         fprintf(stderr, "run: note: -t %g is the temperature (as in llama2.c); the thread count is --threads\n",
@@ -511,11 +532,17 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     warm_up(m, pool, o, &list.requests[0], &g);
 
     scheduler_open(&sch, m, pool, o, o->batch);
+    sch.clock = g.profile ? &profile.clock : NULL;
+    sch.record = g.attn ? &attn.record : NULL;
     for (int i = 0; i < list.n; i++)
         if (scheduler_add(&sch, &list.requests[i]) != 0) die(1, "out of memory");
     StepResult st;
     int rc = 0;
-    while (!interrupted_by && (rc = scheduler_step(&sch, &st)) > 0) report_step(&g, &st);
+    while (!interrupted_by) {
+        if (g.attn) sch.record_step = attn_dump_wants_step(g.attn, sch.steps);
+        if ((rc = scheduler_step(&sch, &st)) <= 0) break;
+        report_step(&g, &st);
+    }
     if (!interrupted_by) check_model(rc < 0 ? rc : 0);
     if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) { /* the text so far, as it is */
         print_text(&g, stream_end(&g));
@@ -526,9 +553,12 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     if (g.one_terminal && streams_text(&g)) fputc('\n', stderr); /* a blank line between the story and the summary */
     const Figures f = figures_of(&g);
     print_summary(&g, &f);
+    if (g.profile) profile_print(stderr, g.profile);
     if (o->json) print_summary_json(&g, &f);
     if (g.log_csv) close_written(g.log_csv, o->log_path);
     if (g.dump) close_written(g.dump, o->dump_path);
+    if (g.attn) close_written(attn.f, o->dump_attn_path), attn_dump_close(&attn);
+    if (g.profile) profile_close(&profile);
     if (g.stream) spm_stream_free(g.stream);
     free(g.step_ms);
     free(g.step_tokens);

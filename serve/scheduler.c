@@ -23,6 +23,9 @@ struct SchedulerRun {
     int *ids;          /* (max_tokens) the pass's tokens */
     KVCache **caches;  /* (max_tokens) */
     int *logit_tokens; /* (max_tokens) */
+    int *record_sequence; /* (max_tokens) the request index a token is recorded under, or -1 */
+    int passes, logit_rows;
+    long keys_read, sequence_keys;
     Batch batch;       /* the pass being run */
     int row0;          /* its first row of logits */
     /* what the step reports */
@@ -202,9 +205,13 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         run->computed_prompt[i] = r->generated == 0;
         if (r->generated == 0 || (sch->kv && count > 1)) run->prefill_tokens += count; /* prompt, or a recompute */
         run->n_tokens += count;
+        if (count > 0) run->sequence_keys += kv_window_length(sch->pool, from + count - 1);
         for (int pos = from; pos < from + count; pos++, T++) {
             run->ids[T] = r->tokens[pos];
             run->caches[T] = &r->cache;
+            run->keys_read += kv_window_length(sch->pool, pos);
+            /* a prompt's positions and each new token, once: not a recompute */
+            run->record_sequence[T] = sch->record_step && (r->generated == 0 || pos + 1 == r->n_tokens) ? r->index : -1;
             if (r->score || (pos + 1 == r->n_tokens)) {
                 if (!r->score) run->sample_rows[run->n_sample++] = run->n_rows;
                 run->rows[run->n_rows++] = (StepRow){r, pos, -1};
@@ -214,8 +221,15 @@ static int lay_out_pass(SchedulerRun *run, int p) {
     }
     /* a pass in which every sequence is still inside its prompt reports nothing, but
      * computes at least one row of logits */
-    run->batch = (Batch){T, run->ids, run->caches, n_logits ? n_logits : 1, run->logit_tokens};
+    run->batch = (Batch){T,
+                         run->ids,
+                         run->caches,
+                         n_logits ? n_logits : 1,
+                         run->logit_tokens,
+                         sch->record && sch->record_step ? run->record_sequence : NULL};
     if (!n_logits) run->logit_tokens[0] = T - 1;
+    run->passes++;
+    run->logit_rows += run->batch.n_logits;
     return !sch->kv && left;
 }
 
@@ -264,6 +278,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
     }
     const int S = run->n_sample;
+    stage_begin(sch->clock, wk->thread);
     Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4, S));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long k = lo; k < hi && run->rc == 0; k++) {
@@ -271,6 +286,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
             row->token = sampler_sample(&row->request->sampler, run->logits + (size_t)run->sample_rows[k] * V);
         }
     share_end(&sh);
+    stage_end(sch->clock, wk->thread, pass_stage_slot(&sch->model->cfg, PASS_STAGE_SAMPLING));
 }
 
 /* The team's threads 1..: a step each time thread 0 posts one. */
@@ -347,6 +363,11 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     if (run->n_running == 0) return run->queue ? -1 : 0;
     if (sch->kv && reserve_or_preempt(run) != 0) return -1;
     run->n_rows = run->n_sample = run->n_tokens = run->prefill_tokens = 0;
+    run->passes = run->logit_rows = 0;
+    run->keys_read = run->sequence_keys = 0;
+    run->state.attn.clock = sch->clock;
+    run->state.attn.record = sch->record;
+    if (sch->record) attn_record_clear(sch->record);
     plan_passes(run);
     run->rc = 0;
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
@@ -371,6 +392,10 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     out->rows = run->rows;
     out->logits = run->logits;
     out->finished = run->finished;
+    out->passes = run->passes;
+    out->logit_rows = run->logit_rows;
+    out->keys_read = run->keys_read;
+    out->sequence_keys = run->sequence_keys;
     sch->total_ms = now_ms() - run->start;
     return 1;
 }
@@ -399,12 +424,14 @@ int scheduler_init(Scheduler *sch) {
     run->ids = malloc((size_t)T * sizeof *run->ids);
     run->caches = malloc((size_t)T * sizeof *run->caches);
     run->logit_tokens = malloc((size_t)T * sizeof *run->logit_tokens);
+    run->record_sequence = malloc((size_t)T * sizeof *run->record_sequence);
     run->rows = malloc((size_t)T * sizeof *run->rows);
     run->logits = alloc_floats_touched((size_t)T * (size_t)c->vocab_size);
     run->sample_rows = malloc((size_t)B * sizeof *run->sample_rows);
     run->finished = malloc((size_t)B * sizeof *run->finished);
     if (!run->running || !run->computed_prompt || !run->pass_first || !run->ids || !run->caches || !run->logit_tokens ||
-        !run->rows || !run->logits || !run->sample_rows || !run->finished || runstate_init(&run->state, c, T) != 0) {
+        !run->record_sequence || !run->rows || !run->logits || !run->sample_rows || !run->finished ||
+        runstate_init(&run->state, c, T) != 0) {
         scheduler_free(sch);
         return -1;
     }
@@ -455,6 +482,7 @@ void scheduler_free(Scheduler *sch) {
     free(run->ids);
     free(run->caches);
     free(run->logit_tokens);
+    free(run->record_sequence);
     free(run->rows);
     free(run->logits);
     free(run->sample_rows);

@@ -107,6 +107,11 @@ typedef struct {
     const float *logits; /* (n_rows, vocab_size) */
     int n_finished;
     Request *const *finished; /* (n_finished) requests that ended this step; their blocks are free */
+    /* what the step's passes read, for --profile's bytes and FLOPs: */
+    int passes;
+    int logit_rows;     /* rows of logits the head computed */
+    long keys_read;     /* over every token, the keys its attention read */
+    long sequence_keys; /* over every sequence of every pass, the keys its last token read */
 } StepResult;
 
 typedef struct SchedulerRun SchedulerRun;
@@ -125,6 +130,12 @@ typedef struct {
     float temperature;
     int fill; /* every request starts at this position, over a cache of generated entries
                * (kvcache.h's kv_fill_generated) that no pass computed: --fill */
+    /* set by the caller between steps, NULL when off: */
+    StageClock *clock;  /* --profile: the step's stages, model.h's slots */
+    AttnRecord *record; /* --dump-attn: the attention weights of the tokens the step computes
+                         * for the first time (a prompt's, then each new token; not a
+                         * recompute), each under its request's index; emptied every step */
+    int record_step;    /* record in the next step */
     /* results */
     int steps;
     double total_ms; /* from the first step to the last */

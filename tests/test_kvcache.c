@@ -142,6 +142,8 @@ static void test_share_and_copy_on_write(void **state) {
     assert_int_equal(b.blocks[1], a.blocks[1]);
     assert_int_equal(p.refs[a.blocks[1]], 2);
     assert_int_equal(kv_blocks_in_use(&p), 2);
+    assert_int_equal(p.shared_blocks, 2); /* held twice each: 2 blocks saved */
+    assert_int_equal(p.saved_blocks, 2);
     /* b writes position 18: its second block becomes its own copy, the first stays shared */
     assert_int_equal(kv_blocks_needed(&b, 19), 1);
     assert_int_equal(kv_reserve(&b, 19), 0);
@@ -149,6 +151,8 @@ static void test_share_and_copy_on_write(void **state) {
     assert_int_equal(b.blocks[0], a.blocks[0]);
     assert_int_equal(p.refs[a.blocks[1]], 1);
     assert_int_equal(p.refs[a.blocks[0]], 2);
+    assert_int_equal(p.shared_blocks, 1); /* the copy ended the second block's sharing */
+    assert_int_equal(p.saved_blocks, 1);
     for (int t = 0; t < 18; t++) assert_true(K(&b, 3, 0, t)[0] == (float)t); /* the copy holds the prefix */
     K(&b, 3, 0, 18)[0] = -1.0f;
     assert_true(K(&a, 3, 0, 18)[0] == 18.0f); /* a's own position untouched */
@@ -159,6 +163,10 @@ static void test_share_and_copy_on_write(void **state) {
     assert_int_equal(a.blocks[1], before);
     kv_free(&b);
     assert_int_equal(p.refs[a.blocks[0]], 1);
+    assert_int_equal(p.shared_blocks, 0);
+    assert_int_equal(p.saved_blocks, 0);
+    assert_int_equal(p.peak_shared_blocks, 2);
+    assert_int_equal(p.peak_saved_blocks, 2);
     kv_free(&a);
     assert_int_equal(p.n_free, 8);
     kv_pool_free(&p);

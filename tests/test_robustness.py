@@ -207,7 +207,7 @@ def test_out_of_memory_is_reported_as_such(ckpt, stories):
         if p.returncode == 127 and "error while loading shared libraries" in err:
             continue
         started = subprocess.run([RUN, "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 preexec_fn=limit, timeout=60)
+                                 preexec_fn=limit, timeout=120)
         if started.returncode != 0:
             assert p.returncode == started.returncode, (mb, p.returncode, err)  # the same failure before main
             continue

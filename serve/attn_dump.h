@@ -1,0 +1,30 @@
+/* attn_dump.h: --dump-attn FILE, the attention weights of chosen layers, heads, steps and
+ * sequences, in the binary format of docs/PROFILE.md. */
+#ifndef ATTN_DUMP_H
+#define ATTN_DUMP_H
+
+#include <stdio.h>
+
+#include "attention.h"
+#include "model.h"
+#include "serve/cli.h"
+
+typedef struct {
+    FILE *f;
+    const char *path;
+    const Options *o;
+    AttnRecord record; /* the scheduler's: what each step recorded */
+    unsigned char *layers, *heads;
+    long records;
+} AttnDump;
+
+/* Opens the file (opened by the caller, refused when it is an input) and writes the header;
+ * dies with one line (exit 2) when a chosen layer or head is not in the model. */
+void attn_dump_open(AttnDump *d, FILE *f, const Model *m, const Options *o);
+/* Whether step `step` is recorded. */
+int attn_dump_wants_step(const AttnDump *d, int step);
+/* After step `step`: its records of the chosen sequences into the file. */
+void attn_dump_step(AttnDump *d, int step);
+void attn_dump_close(AttnDump *d);
+
+#endif /* ATTN_DUMP_H */
