@@ -205,7 +205,7 @@ def build(args):
         summary, sequences = read_json(args.json)
         title = f"./run {summary['variant']} {summary['mode']} ({summary['checkpoint']})"
         facts = [("steps", summary["steps"]), ("prefill, ms", summary["prefill_ms"]),
-                 ("median decode step, ms", summary["step_ms_median"]), ("tokens/s", summary["tokens_per_s"]),
+                 ("median decode step, ms", summary["step_ms_median"]), ("tokens/s (mean)", summary["tokens_per_s_mean"]),
                  ("KV peak, bytes", summary["kv_peak_bytes"]), ("preemptions", summary["preemptions"])]
         table = "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
                                     for k, v in facts) + "</table>"
