@@ -621,6 +621,7 @@ def _small_tokenizer(d):
 BAD_HF = [
     ("unknown-field", lambda d: _edit_config(d, use_magic=True), "unknown field use_magic"),
     ("heads-do-not-divide", lambda d: _edit_config(d, num_key_value_heads=3), "does not divide"),
+    ("kv-heads-null-is-mha", lambda d: _edit_config(d, num_key_value_heads=None), "wk has shape (32, 64), the config implies (64, 64)"),
     ("attention-bias", lambda d: _edit_config(d, attention_bias=True), "attention_bias = true"),
     ("mlp-bias", lambda d: _edit_config(d, mlp_bias=True), "mlp_bias = true"),
     ("rope-scaling", lambda d: _edit_config(d, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),

@@ -174,7 +174,7 @@ def read_config(d):
         variant = {64: "mla64", 128: "mla128"}.get(dc, "mla")
         c = Config(variant=variant, head_dim=hd, n_kv_heads=0, kv_latent=dc, rope_dim=rd, **common)
     else:
-        Hkv = _int(cfg, "num_key_value_heads", H)
+        Hkv = H if cfg.get("num_key_value_heads") is None else _int(cfg, "num_key_value_heads")  # null: MHA
         hd = cfg.get("head_dim")
         if hd is None:
             if D % H:
