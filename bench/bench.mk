@@ -5,6 +5,7 @@
 #   make bench-quick                             every weights/*.bin, C engine only, 64 decode steps, 3 reps
 #   make bench BENCH_BATCHES=1,16,64             the throughput table at these batch sizes only
 #   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
+#   make bench-scale                             a 1.1B shape's MHA/GQA/MQA/MLA twins, contexts 512 to 32k (bench/scale.py)
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)
 # BENCH_THREADS      threads for the engine, PyTorch and the roofline probe (default: empty = all cores)
@@ -13,6 +14,7 @@
 # BENCH_OUT          where the report goes (default: empty = bench/results, quick bench/results/tmp/quick)
 # BENCH_BATCHES      batch sizes of the throughput table, e.g. 1,4,16 or none (default: empty = 1,4,16,64,256, quick 1,16)
 # BENCH_FLAGS        any further bench/bench.py flags (bench/bench.py -h)
+# BENCH_SCALE        0 leaves the scale section (bench/scale.py, about 20 minutes on 2 cores) out of make bench
 # An empty knob leaves bench.py's own default, which differs between the two targets.
 # Included anywhere in the main Makefile, this fragment leaves its default goal alone.
 _bench_default_goal := $(.DEFAULT_GOAL)
@@ -24,14 +26,20 @@ BENCH_PT_REPS ?=
 BENCH_OUT ?=
 BENCH_BATCHES ?=
 BENCH_FLAGS ?=
+BENCH_SCALE ?= 1
 _bench_knobs = --cc "$(CC)" $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) \
   $(if $(strip $(BENCH_REPS)),--reps $(BENCH_REPS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)) \
   $(if $(strip $(BENCH_BATCHES)),--batches $(BENCH_BATCHES)) \
   $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
-.PHONY: bench bench-quick quality
+.PHONY: bench bench-quick bench-scale quality
 bench: run build/roofline
 	$(PYTHON) bench/bench.py $(if $(strip $(BENCH_PT_REPS)),--pt-reps $(BENCH_PT_REPS)) $(_bench_knobs)
+	$(if $(filter 1,$(BENCH_SCALE)),$(PYTHON) bench/scale.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)))
+
+# the posts' scale: generated 1.1B twins, the cached step from 512 to 32,768 positions
+bench-scale: run build/roofline
+	$(PYTHON) bench/scale.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT))
 
 # the C engine alone, 64 decode steps a run: every checkpoint compared in well under a minute
 bench-quick: run

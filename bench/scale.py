@@ -27,14 +27,18 @@ from bench.engine import engine_json
 from bench.machine import logical_cpus, machine_name_for_scale, mem_available
 
 SHAPE = "tinyllama-1.1b"
-TWINS = (("MHA", "kv_heads=32"), ("GQA", ""), ("MQA", "kv_heads=1"), ("MLA", "latent=256"))
+VARIANTS = ("MHA", "GQA", "MQA", "MLA")
 CONTEXTS = (512, 2048, 8192, 32768)
 BATCH, STEPS, REPS = 4, 8, 3
 SEED = 1
 
 
-def spec(twin):
-    return SHAPE + ("," + twin if twin else "")
+def twins(shape):
+    """(name, --shape spec) of the shape's MHA, GQA (the shape itself), MQA and MLA twins: every
+    query head its own KV head, one KV head, or a latent of 4 heads' width."""
+    base = info(shape, 1024, 1)
+    return (("MHA", f"{shape},kv_heads={base['heads']}"), ("GQA", shape), ("MQA", f"{shape},kv_heads=1"),
+            ("MLA", f"{shape},latent={4 * base['head_dim']}"))
 
 
 def info(shape, ctx, batch):
@@ -72,12 +76,13 @@ def fit_line(xs, ys):
 def measure(args, bandwidth, peak_flops):
     rows, disturbed = [], False
     max_ctx = max(args.contexts)
-    infos = {name: info(spec(twin), max_ctx + args.steps + 1, 1) for name, twin in TWINS}
+    TWINS = twins(args.shape)
+    infos = {name: info(spec, max_ctx + args.steps + 1, 1) for name, spec in TWINS}
     avail = mem_available()
     for batch in (1, args.batch):
         for ctx in args.contexts:
             for rep in range(args.reps + 1):   # a warm-up round first; variants alternate within a round
-                for name, twin in TWINS:
+                for name, twin_spec in TWINS:
                     i = infos[name]
                     need = i["weight_bytes"] + batch * i["kv_bytes_per_token"] * (ctx + args.steps + 16)
                     if need > 0.85 * avail:
@@ -85,7 +90,8 @@ def measure(args, bandwidth, peak_flops):
                             log(f"scale: {name} batch {batch} at {ctx}: needs {need / 2**30:.1f} GiB of "
                                 f"{avail / 2**30:.1f} available: left out")
                         continue
-                    ms, dist = step_ms(spec(twin), max_ctx + args.steps + 1, ctx, batch, args.steps, args.threads)
+                    # the context just past the steps: the pool is sized (and touched) for it
+                    ms, dist = step_ms(twin_spec, ctx + args.steps + 1, ctx, batch, args.steps, args.threads)
                     disturbed |= dist and rep > 0
                     if rep == 0:
                         continue
@@ -94,7 +100,7 @@ def measure(args, bandwidth, peak_flops):
     cells = []
     for batch in (1, args.batch):
         for ctx in args.contexts:
-            for name, _ in TWINS:
+            for name in VARIANTS:
                 got = [r["step_ms"] for r in rows if (r["variant"], r["batch"], r["context"]) == (name, batch, ctx)]
                 if not got:
                     continue
@@ -115,7 +121,7 @@ def crossovers(infos, cells):
     """Per variant: the context where a token's cache bytes times the context equal the weights'
     (formula), and where the measured batch-1 step's context term equals its constant term."""
     out = {}
-    for name, _ in TWINS:
+    for name in VARIANTS:
         i = infos[name]
         formula = i["weight_bytes"] / i["kv_bytes_per_token"]
         pts = [(c["context"], c["step_ms"]) for c in cells if c["variant"] == name and c["batch"] == 1]
@@ -130,7 +136,7 @@ def crossovers(infos, cells):
 def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"{machine}-scale")
-    lines = [f"# The posts' scale: {SHAPE} twins, cached decode step against the context", "",
+    lines = [f"# The posts' scale: {args.shape} twins, cached decode step against the context", "",
              f"Machine: {machine}; {args.threads} threads; bandwidth {bandwidth / 1e9:.1f} GB/s and peak "
              f"{peak_flops / 1e9:.0f} GFLOP/s (build/roofline); bf16 weights (generated, `--shape`) and bf16 cache; "
              f"{args.reps} timed runs a cell after a warm-up, each the median of {args.steps} decode steps after "
@@ -139,7 +145,7 @@ def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
         lines += ["**Disturbed:** some runs saw steps over 3x their median (another process wanted the cores).", ""]
     lines += ["| variant | KV bytes/token | weights, bytes | cache passes weights at (formula) | measured |",
               "|---|---:|---:|---:|---:|"]
-    for name, _ in TWINS:
+    for name in VARIANTS:
         f, m = cross[name]
         lines.append(f"| {name} | {infos[name]['kv_bytes_per_token']:,} | {infos[name]['weight_bytes']:,} | "
                      f"{f:,.0f} | {'-' if m is None else f'{m:,.0f}'} |")
@@ -174,7 +180,7 @@ def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
         log("scale: no matplotlib: no plot")
         return base
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, _ in TWINS:
+    for name in VARIANTS:
         pts = [(c["context"], c["step_ms"]) for c in cells if c["variant"] == name and c["batch"] == 1]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name)
@@ -182,7 +188,7 @@ def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
     ax.set_yscale("log")
     ax.set_xlabel("context (positions in the cache)")
     ax.set_ylabel("cached decode step, ms (batch 1)")
-    ax.set_title(f"{SHAPE} twins, bf16 cache, {machine}")
+    ax.set_title(f"{args.shape} twins, bf16 cache, {machine}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -204,6 +210,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=BATCH, help="the larger batch (default %(default)s)")
     ap.add_argument("--steps", type=int, default=STEPS, help="decode steps a run (default %(default)s)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--shape", default=SHAPE, help="the GQA shape whose twins run (default %(default)s)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(ROOT, "build", "roofline")):
         raise SystemExit("bench/scale.py: build/roofline is missing: run make build/roofline")
