@@ -85,27 +85,25 @@ def size_bytes(text):
     return int(float(m.group(1)) * 1024 ** " KMG".index(m.group(2))) if m else None
 
 
-def mem_total():
+def meminfo(field):
+    """A /proc/meminfo field in bytes, or None."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def mem_total():
+    return meminfo("MemTotal")
+
+
 def mem_available():
-    """MemAvailable from /proc/meminfo, bytes (MemTotal when the kernel does not say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return mem_total() or 0
+    """MemAvailable, bytes (MemTotal when the kernel does not say)."""
+    return meminfo("MemAvailable") or mem_total() or 0
 
 
 def machine_name_for_scale(threads):
