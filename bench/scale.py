@@ -163,6 +163,7 @@ def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
     if ratio:
         lines += ["", "MHA step / GQA step at batch 1: " +
                   ", ".join(f"{r:.2f}x at {ctx:,}" for ctx, r in ratio.items()) + "."]
+    lines += ["", f"![cached step against the context]({os.path.basename(base)}.png)"]
     with open(base + ".md.tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(base + ".md.tmp", base + ".md")
