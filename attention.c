@@ -572,11 +572,11 @@ static void finish_unit(const AttnPass *p, const Unit *u, int nh, int thread, fl
     for (int h = 0; h < nh; h++) softmax_stats(att + (size_t)h * p->a->scores_stride, keys, &chunk_max[h], &chunk_sum[h]);
     if (p->a->record && p->a->record->active) record_chunk(p, u, nh, att, chunk_max, chunk_sum);
     float *out = item_out(p, u->t, u->h0);
+    float *chunk = u->n_chunks > 1 ? p->a->chunk_out + (size_t)thread * ATTN_MAX_HEADS_PER_ITEM * p->a->partial_width : NULL;
     if (u->n_chunks == 1) {
         chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, out);
     } else if (u->split) {
         const int slot = u->slot;
-        float *chunk = p->a->chunk_out + (size_t)thread * ATTN_MAX_HEADS_PER_ITEM * p->a->partial_width;
         chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, chunk);
         for (int h = 0; h < nh; h++) {
             memcpy(partial_out(p, slot, u->h0 + h, u->k), chunk + (size_t)h * w, (size_t)w * sizeof(float));
@@ -587,7 +587,6 @@ static void finish_unit(const AttnPass *p, const Unit *u, int nh, int thread, fl
         chunk_mix(p, u->h0, nh, u->t, 0, thread, att, out);
         for (int h = 0; h < nh; h++) max[h] = chunk_max[h], sum[h] = chunk_sum[h];
     } else {
-        float *chunk = p->a->chunk_out + (size_t)thread * ATTN_MAX_HEADS_PER_ITEM * p->a->partial_width;
         chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, chunk);
         for (int h = 0; h < nh; h++)
             softmax_merge(out + (size_t)h * w, &max[h], &sum[h], chunk + (size_t)h * w, chunk_max[h], chunk_sum[h], w);
@@ -638,7 +637,7 @@ static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim, T));
     for (long lo, hi; share_next(&sh, &lo, &hi);) {
         long i = lo;
-        Unit cur, prev;
+        Unit cur = {0}, prev = {0};
         int have = first_unit(p, i, hi, t0, &cur), have_prev = 0, buf = 0;
         while (have || have_prev) {
             if (have) chunk_scores(p, cur.h0, nh, cur.t, cur.k, thread, att[buf]);

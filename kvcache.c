@@ -160,14 +160,8 @@ void kv_load(const KVPool *p, KVRow row, float *dst) {
     row_dequantize(dst, row.data, row.scales, p->row_width, p->split, p->dtype);
 }
 
-/* splitmix64: a counter-based generator, so that each row's entries depend only on the
- * seed and the row's place */
-static uint64_t mix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
+/* splitmix64's step: the golden-ratio increment, then kernels.h's finalizer */
+static uint64_t splitmix64(uint64_t x) { return mix64(x + 0x9e3779b97f4a7c15ull); }
 
 void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
     const KVPool *p = cache->pool;
@@ -176,9 +170,9 @@ void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
     for (int pos = cache->len; pos < n; pos++)
         for (int l = 0; l < p->n_layers; l++)
             for (int r = 0; r < rows; r++) {
-                uint64_t state = mix64(seed ^ mix64(((uint64_t)pos << 24) ^ ((uint64_t)l << 12) ^ (uint64_t)r));
+                uint64_t state = splitmix64(seed ^ splitmix64(((uint64_t)pos << 24) ^ ((uint64_t)l << 12) ^ (uint64_t)r));
                 for (int e = 0; e < w; e += 2) {
-                    const uint64_t bits = mix64(state + (uint64_t)e);
+                    const uint64_t bits = splitmix64(state + (uint64_t)e);
                     row[e] = (float)(int32_t)(uint32_t)bits * 0x1p-31f;
                     if (e + 1 < w) row[e + 1] = (float)(int32_t)(uint32_t)(bits >> 32) * 0x1p-31f;
                 }

@@ -285,13 +285,6 @@ typedef struct {
 /* 2^64 / the golden ratio: consecutive counters land far apart */
 #define GOLDEN 0x9E3779B97F4A7C15ull
 
-/* splitmix64's finalizer: a counter in, 64 well-mixed bits out */
-static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 /* bf16 of a finite float, rounded to nearest even (the exporter's rounding) */
 static inline uint16_t bf16_of(float f) {
     uint32_t u;

@@ -165,6 +165,15 @@ void swiglu(float *h1, const float *h3, int n);
 /* out[i] = row r of w, widened to fp32 */
 void mat_row_f32(float *out, Mat w, int r);
 
+/* splitmix64's finalizer: a counter in, 64 well-mixed bits out; the generator of every
+ * generated value (--shape's weights, --fill's cache entries), so each depends only on
+ * its seed and its place. */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
 /* n zeroed floats, 64-byte aligned, every page already written. Aligned: malloc puts a
  * large block 16 bytes past a page start, so every 16-float load of an activation row
  * would straddle two cache lines.
