@@ -16,6 +16,12 @@ VARIANTS = ["mha", "gqa", "mqa", "mla64", "mla128"]
 PROMPT = "Once upon a time"
 
 
+def sanitized():
+    """The ASan build: its shadow memory needs the whole address space, its frames more stack."""
+    with open(RUN, "rb") as f:
+        return b"libasan" in f.read()
+
+
 def run(args, check=True, timeout=300):
     """Runs ./run with args; returns the CompletedProcess (bytes)."""
     args = [a if isinstance(a, (str, bytes)) else os.fspath(a) if hasattr(a, "__fspath__") else str(a) for a in args]

@@ -12,15 +12,9 @@ import subprocess
 
 import pytest
 
-from conftest import RUN, run
+from conftest import RUN, run, sanitized
 
 SPM_MAX_TEXT_BYTES = 1 << 18
-
-
-def sanitized():
-    """The ASan build: its shadow memory needs the whole address space, its frames more stack."""
-    with open(RUN, "rb") as f:
-        return b"libasan" in f.read()
 
 
 def one_line_error(p, code, needle):
