@@ -3,11 +3,13 @@
 #include "kernels/threads.h"
 
 #include <errno.h>
+#include <linux/futex.h>
 #include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -25,6 +27,18 @@ struct Team {
     int threads;
     int spin_ns; /* how long a wait spins before it yields its core */
     int closing; /* read by the members after a post */
+    /* the threads that take part in this step, 1..threads, and the leader's barrier count
+     * when it posted the step: both set by team_post, read by the members after it */
+    atomic_int active;
+    unsigned barriers_at_post;
+    /* the leader's policy (team_post): late_step says a barrier of the last step waited past
+     * the spin; a late step shrinks the team by one, and a calm spell of calm_ns grows it
+     * back by one; calm_ns doubles each time a grown team is late again at once */
+    long calm_ns, calm_since_ns;
+    int grown; /* the team grew at the last change: lateness now says the machine is still busy */
+    unsigned join_post; /* the post a member let back in takes first */
+    _Alignas(64) atomic_int late_step;
+    _Alignas(64) atomic_uint roster; /* changes when the team grows or closes: left-out members sleep on it */
     void (*member)(void *arg, Worker *w);
     void *arg;
     _Alignas(64) atomic_uint posted;  /* steps posted so far */
@@ -37,28 +51,52 @@ struct Team {
 
 /* ---- waiting: a spin, then giving the core away ---- */
 
+/* A spin longer than a step's waits on an idle machine; none when the team has more threads
+ * than the machine has CPUs for it, where the thread waited for may not be running at all. */
+enum { SPIN_NS = 1000000 };
+
 static long elapsed_ns(const struct timespec *t0) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
 }
 
-/* Returns once *word differs from seen. Spins for up to t->spin_ns, longer than the waits
- * of a step on an idle machine; past that a team member is late (descheduled on a busy
- * machine), and this thread yields its core at every turn, so the late one (or whatever
- * else wants the core) runs. It stays runnable: a thread asleep in the kernel took
- * milliseconds to be woken on a busy machine (docs/PERFORMANCE.md). */
-static void wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
+/* Returns once *word differs from seen; 1 when it waited past the spin. Spins for up to
+ * t->spin_ns, longer than the waits of a step on an idle machine; past that a team member
+ * is late (descheduled on a busy machine), and this thread yields its core at every turn,
+ * so the late one (or whatever else wants the core) runs. It stays runnable: a thread
+ * asleep in the kernel took milliseconds to be woken on a busy machine
+ * (docs/PERFORMANCE.md). */
+static int wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (unsigned spins = 1;; spins++) {
-        if (atomic_load_explicit(word, memory_order_acquire) != seen) return;
+        if (atomic_load_explicit(word, memory_order_acquire) != seen) return 0;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
         if (spins % 64 == 0 && elapsed_ns(&t0) >= t->spin_ns) break;
     }
     while (atomic_load_explicit(word, memory_order_acquire) == seen) sched_yield();
+    return elapsed_ns(&t0) >= SPIN_NS;
+}
+
+/* A member the team left out sleeps in the kernel until the roster changes: it must not
+ * compete for a core with the threads that run. */
+static void sleep_while_unchanged(atomic_uint *word, unsigned seen) {
+    while (atomic_load_explicit(word, memory_order_acquire) == seen)
+        syscall(SYS_futex, (unsigned *)word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+}
+
+static void wake_all(atomic_uint *word) {
+    atomic_fetch_add_explicit(word, 1, memory_order_seq_cst);
+    syscall(SYS_futex, (unsigned *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
 /* ---- the team ---- */
@@ -69,9 +107,6 @@ static void *member_main(void *arg) {
     return NULL;
 }
 
-/* A spin longer than a step's waits on an idle machine; none when the team has more threads
- * than the machine has CPUs for it, where the thread waited for may not be running at all. */
-enum { SPIN_NS = 1000000 };
 
 Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
     if (n < 1 || n > TEAM_MAX_THREADS) return NULL;
@@ -81,6 +116,8 @@ Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
     t->threads = n;
     t->member = member;
     t->arg = arg;
+    atomic_init(&t->active, n);
+    t->calm_ns = TEAM_CALM_NS_FIRST;
     const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     t->spin_ns = cpus > 0 && n > cpus ? 0 : SPIN_NS;
     for (int i = 0; i < n; i++) t->workers[i] = (Worker){.team = t, .thread = i, .threads = n};
@@ -99,36 +136,83 @@ void team_close(Team *t) {
     if (!t) return;
     t->closing = 1;
     atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+    wake_all(&t->roster);
     for (int i = 1; i < t->threads; i++) pthread_join(t->ids[i], NULL);
     free(t);
 }
 
+/* The team's size for the next step. A late member means another process holds its core:
+ * the team shrinks by one, so the step no longer waits for a thread that is not running;
+ * after a calm spell it grows back by one, and if that step is late at once the machine is
+ * still busy and the next spell is twice as long. The arithmetic does not depend on the
+ * threads (threads.h), so neither do the outputs. */
+static void choose_active(Team *t) {
+    const int late = atomic_exchange_explicit(&t->late_step, 0, memory_order_relaxed);
+    const int active = atomic_load_explicit(&t->active, memory_order_relaxed);
+    const long now = now_ns();
+    if (late && active > 1) {
+        t->calm_ns = t->grown ? (t->calm_ns * 2 < TEAM_CALM_NS_MAX ? t->calm_ns * 2 : TEAM_CALM_NS_MAX) : TEAM_CALM_NS_FIRST;
+        atomic_store_explicit(&t->active, active - 1, memory_order_relaxed);
+        t->grown = 0;
+        t->calm_since_ns = now;
+    } else if (late) {
+        t->calm_since_ns = now;
+    } else if (active < t->threads && now - t->calm_since_ns >= t->calm_ns) {
+        t->join_post = atomic_load_explicit(&t->posted, memory_order_relaxed) + 1;
+        atomic_store_explicit(&t->active, active + 1, memory_order_release); /* after join_post */
+        t->grown = 1;
+        t->calm_since_ns = now;
+        wake_all(&t->roster);
+    } else if (t->grown && now - t->calm_since_ns >= t->calm_ns) {
+        t->grown = 0; /* the grown team stayed calm: the machine is idle again */
+        t->calm_ns = TEAM_CALM_NS_FIRST;
+    }
+}
+
 void team_post(Team *t) {
-    t->workers[0].pending = 0;
+    Worker *lead = &t->workers[0];
+    lead->pending = 0;
+    choose_active(t);
+    lead->threads = atomic_load_explicit(&t->active, memory_order_relaxed);
+    t->barriers_at_post = lead->barriers;
     atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
 }
 
 int team_wait(Worker *w) {
     Team *t = w->team;
     static _Thread_local unsigned seen; /* the posts this thread has taken */
-    wait_for_change(t, &t->posted, seen);
-    seen++;
+    for (;;) {
+        wait_for_change(t, &t->posted, seen);
+        seen++;
+        if (t->closing) return 0;
+        if (w->thread < atomic_load_explicit(&t->active, memory_order_relaxed)) break;
+        /* left out: asleep until the team lets this thread back in, at post join_post */
+        for (;;) {
+            const unsigned roster = atomic_load_explicit(&t->roster, memory_order_acquire);
+            if (t->closing) return 0;
+            if (w->thread < atomic_load_explicit(&t->active, memory_order_acquire)) break;
+            sleep_while_unchanged(&t->roster, roster);
+        }
+        seen = t->join_post - 1;
+    }
     w->pending = 0;
-    return !t->closing;
+    w->threads = atomic_load_explicit(&t->active, memory_order_relaxed);
+    w->barriers = t->barriers_at_post; /* the claims' epochs count barriers the step's threads all passed */
+    return 1;
 }
 
 void team_barrier(Worker *w) {
     Team *t = w->team;
     w->pending = 0;
-    if (!t || t->threads == 1) return;
+    if (!t || w->threads == 1) return;
     w->barriers++;
     const unsigned passed = atomic_load_explicit(&t->passed, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)t->threads) {
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)w->threads) {
         atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
         atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
         return;
     }
-    wait_for_change(t, &t->passed, passed);
+    if (wait_for_change(t, &t->passed, passed)) atomic_store_explicit(&t->late_step, 1, memory_order_relaxed);
 }
 
 /* ---- sharing an operation's items ---- */

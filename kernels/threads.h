@@ -10,7 +10,11 @@
  * wait for it in team_wait, runs its share, and leaves the last barrier with every
  * thread's writes visible. A waiting thread spins for a while, then yields its core at
  * every turn, so that on a busy machine a late team member gets a core instead of a
- * spinning one (docs/PERFORMANCE.md).
+ * spinning one (docs/PERFORMANCE.md). A step whose barrier waited past the spin was
+ * late: the next step runs with one thread fewer (the highest left out, asleep in the
+ * kernel), and after a calm spell the team grows back by one; the spell doubles each time
+ * a grown team is late again at once, from TEAM_CALM_NS_FIRST up to TEAM_CALM_NS_MAX.
+ * Worker.threads is the step's team size.
  *
  * Whether work is worth the other threads is one policy, parallel_mode. A Worker of one
  * thread (worker_alone) runs every share itself and its barriers return at once: the
@@ -23,6 +27,9 @@
 
 /* The most threads a team has: a thread's scratch is sized for this many (attention.h). */
 enum { TEAM_MAX_THREADS = 256 };
+/* The first calm spell after a late step, and the longest: a probe of the grown team costs
+ * at most one late step, so on a machine that stays busy probes take little of the time. */
+enum { TEAM_CALM_NS_FIRST = 20000000, TEAM_CALM_NS_MAX = 1000000000 };
 
 typedef struct Team Team;
 
@@ -49,7 +56,8 @@ void team_close(Team *t);
 /* Thread 0's worker. */
 Worker *team_leader(Team *t);
 
-/* Thread 0: starts a step on every other thread (each returns from team_wait with 1). */
+/* Thread 0: starts a step on the threads the step runs with (each returns from team_wait
+ * with 1); the team's size for the step is then team_leader(t)->threads. */
 void team_post(Team *t);
 /* Threads 1..: waits for the next step; 0 when the team is closing. */
 int team_wait(Worker *w);

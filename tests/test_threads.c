@@ -1,12 +1,19 @@
 /* test_threads.c: the team of a step (kernels/threads.h): every item of a shared operation
  * is done once, by one thread, in every mode and for every team size; a barrier makes every
  * thread's writes visible to all; work done alone by thread 0 is seen by the next shared
- * operation; OMP_NUM_THREADS and OMP_THREAD_LIMIT set the count. */
+ * operation; a late member makes the team shrink, and it grows back when calm, its
+ * left-out members asleep; OMP_NUM_THREADS and OMP_THREAD_LIMIT set the count. */
+#define _GNU_SOURCE /* syscall(SYS_gettid) */
+#include <pthread.h>
 #include <setjmp.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <cmocka.h>
 
 #include "kernels/threads.h"
@@ -124,6 +131,93 @@ static void test_barrier_makes_writes_visible(void **state) {
     }
 }
 
+/* ---- a team that shrinks when a member is late ---- */
+
+enum { LATE_TEAM = 3, LATE_ITEMS = 600 };
+
+typedef struct {
+    int step, late_thread; /* this step, thread late_thread sleeps before its share */
+    atomic_int visits[LATE_ITEMS];
+    int tids[LATE_TEAM]; /* the kernel's thread ids */
+} Late;
+
+static void sleep_ms(double ms) {
+    struct timespec d = {(time_t)(ms / 1000), (long)((ms - 1000 * (int)(ms / 1000)) * 1e6)};
+    while (nanosleep(&d, &d) != 0) {}
+}
+
+/* A step: a shared operation with take-overs (so the claims' epochs must agree after a
+ * member comes back), every item counted. */
+static void late_step(Late *l, Worker *w) {
+    l->tids[w->thread] = (int)syscall(SYS_gettid);
+    if (w->thread == l->late_thread) sleep_ms(4); /* past the 1 ms spin of the others */
+    Share sh = share_begin(w, LATE_ITEMS, SHARE_SPLIT, PARALLEL_TAKE_OVER);
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long i = lo; i < hi; i++) atomic_fetch_add(&l->visits[i], 1);
+    share_end(&sh);
+}
+
+static void late_member(void *arg, Worker *w) {
+    while (team_wait(w)) late_step(arg, w);
+}
+
+/* Posts one step; checks every item was done once more; returns the step's team size. */
+static int post_step(Team *t, Late *l, int late_thread) {
+    l->late_thread = late_thread;
+    team_post(t);
+    Worker *lead = team_leader(t);
+    const int size = lead->threads;
+    late_step(l, lead);
+    l->step++;
+    for (int i = 0; i < LATE_ITEMS; i++)
+        if (atomic_load(&l->visits[i]) != l->step) fail_msg("step %d: item %d done %d times", l->step, i, atomic_load(&l->visits[i]));
+    return size;
+}
+
+/* The kernel's state letter of one of this process's threads: R running or runnable, S asleep. */
+static char thread_state(int tid) {
+    char path[64], line[512];
+    snprintf(path, sizeof path, "/proc/self/task/%d/stat", tid);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    assert_non_null(fgets(line, sizeof line, f));
+    fclose(f);
+    const char *close = strrchr(line, ')'); /* the name may hold spaces */
+    assert_non_null(close);
+    return close[2];
+}
+
+static void test_late_member_shrinks_the_team(void **state) {
+    (void)state;
+    Late *l = calloc(1, sizeof *l);
+    Team *t = team_open(LATE_TEAM, late_member, l);
+    assert_non_null(t);
+    assert_int_equal(post_step(t, l, -1), LATE_TEAM);
+    post_step(t, l, 1); /* thread 1 is late: the others wait 4 ms at the barrier */
+    assert_true(post_step(t, l, -1) < LATE_TEAM);
+    /* the left-out thread sleeps in the kernel, not competing for a core, while steps run
+     * without it (asked before the calm spell ends) */
+    if (team_leader(t)->threads == LATE_TEAM - 1) {
+        sleep_ms(2);
+        char letter = thread_state(l->tids[LATE_TEAM - 1]);
+        for (int i = 0; i < 50 && letter != 'S'; i++) sleep_ms(0.1), letter = thread_state(l->tids[LATE_TEAM - 1]);
+        assert_int_equal(letter, 'S');
+    }
+    /* calm steps: the team grows back to its whole size (within a few seconds, however busy
+     * the machine running the test) */
+    int grown = 0;
+    for (int i = 0; i < 400 && !grown; i++) {
+        sleep_ms(TEAM_CALM_NS_FIRST / 1e6 / 2);
+        grown = post_step(t, l, -1) == LATE_TEAM;
+    }
+    assert_true(grown);
+    /* late again at once after growing: shrinks, and the next calm spell is longer */
+    post_step(t, l, 2);
+    assert_true(post_step(t, l, -1) < LATE_TEAM);
+    team_close(t);
+    free(l);
+}
+
 static void test_mode_policy(void **state) {
     (void)state;
     assert_int_equal(parallel_mode(PARALLEL_MIN_WORK - 1, 256), PARALLEL_ALONE);
@@ -160,6 +254,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_alone_work_seen_by_the_next_shared_operation),
         cmocka_unit_test(test_barrier_makes_writes_visible),
         cmocka_unit_test(test_mode_policy),
+        cmocka_unit_test(test_late_member_shrinks_the_team),
         cmocka_unit_test(test_thread_count_from_the_environment),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
