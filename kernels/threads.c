@@ -3,6 +3,7 @@
 #include "kernels/threads.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <limits.h>
 #include <pthread.h>
@@ -32,12 +33,14 @@ struct Team {
     atomic_int active;
     unsigned barriers_at_post;
     /* the leader's policy (team_post): late_step says a barrier of the last step waited past
-     * the spin; a late step shrinks the team by one, and a calm spell of calm_ns grows it
-     * back by one; calm_ns doubles each time a grown team is late again at once */
-    long calm_ns, calm_since_ns;
-    int grown; /* the team grew at the last change: lateness now says the machine is still busy */
+     * the spin */
+    TeamSize size;
+    int cpus;     /* team_adapt's: CPUs the team may use; 0, no limit */
+    int adaptive; /* team_adapt: the size follows the machine's load */
+    long short_steps; /* steps posted with fewer threads than the team's */
     unsigned join_post; /* the post a member let back in takes first */
     _Alignas(64) atomic_int late_step;
+    _Alignas(64) atomic_int sleepers; /* threads asleep on posted or passed */
     _Alignas(64) atomic_uint roster; /* changes when the team grows or closes: left-out members sleep on it */
     void (*member)(void *arg, Worker *w);
     void *arg;
@@ -63,10 +66,10 @@ static long elapsed_ns(const struct timespec *t0) {
 
 /* Returns once *word differs from seen; 1 when it waited past the spin. Spins for up to
  * t->spin_ns, longer than the waits of a step on an idle machine; past that a team member
- * is late (descheduled on a busy machine), and this thread yields its core at every turn,
- * so the late one (or whatever else wants the core) runs. It stays runnable: a thread
- * asleep in the kernel took milliseconds to be woken on a busy machine
- * (docs/PERFORMANCE.md). */
+ * is late (descheduled on a busy machine), and this thread sleeps in the kernel until the
+ * word changes: its core goes idle, and the scheduler moves the late member onto it (a
+ * thread that yielded instead stayed runnable and held its core, and the late one waited
+ * for its own core's other process, up to tens of milliseconds: docs/PERFORMANCE.md). */
 static int wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -77,7 +80,12 @@ static int wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
 #endif
         if (spins % 64 == 0 && elapsed_ns(&t0) >= t->spin_ns) break;
     }
-    while (atomic_load_explicit(word, memory_order_acquire) == seen) sched_yield();
+    /* the sleeper count before the word's check, the waker's check after its change: one
+     * of the two sees the other (both sequentially consistent) */
+    atomic_fetch_add_explicit(&t->sleepers, 1, memory_order_seq_cst);
+    while (atomic_load_explicit(word, memory_order_seq_cst) == seen)
+        syscall(SYS_futex, (unsigned *)word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+    atomic_fetch_sub_explicit(&t->sleepers, 1, memory_order_relaxed);
     return elapsed_ns(&t0) >= SPIN_NS;
 }
 
@@ -91,6 +99,39 @@ static void sleep_while_unchanged(atomic_uint *word, unsigned seen) {
 static void wake_all(atomic_uint *word) {
     atomic_fetch_add_explicit(word, 1, memory_order_seq_cst);
     syscall(SYS_futex, (unsigned *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Moves *word on and wakes whoever sleeps on it. */
+static void advance(Team *t, atomic_uint *word) {
+    atomic_fetch_add_explicit(word, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&t->sleepers, memory_order_seq_cst) > 0)
+        syscall(SYS_futex, (unsigned *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Threads of other processes running or waiting for a CPU now: /proc/loadavg's count of
+ * runnable tasks, less the one reading it; 0 when it cannot be read. */
+static int others_runnable(void) {
+    char buf[128];
+    const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    const ssize_t got = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (got <= 0) return 0;
+    buf[got] = '\0';
+    const char *p = buf;
+    for (int field = 0; field < 3 && p; field++) p = strchr(p + 1, ' '); /* the fourth: running/total */
+    const long running = p ? strtol(p + 1, NULL, 10) : 1;
+    return running > 1 ? (int)(running - 1) : 0;
+}
+
+/* Whether a team of `size` threads finds a CPU each beside what else runs now: the
+ * runnable count holds this team's members that spin (awake in team_wait or a barrier). */
+static int room_for(const Team *t, int size) {
+    if (t->cpus <= 0) return 1;
+    const int spinning = atomic_load_explicit(&t->active, memory_order_relaxed) - 1 -
+                         atomic_load_explicit(&t->sleepers, memory_order_relaxed);
+    const int others = others_runnable() - (spinning > 0 ? spinning : 0);
+    return (others > 0 ? others : 0) + size <= t->cpus;
 }
 
 static long now_ns(void) {
@@ -117,7 +158,7 @@ Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
     t->member = member;
     t->arg = arg;
     atomic_init(&t->active, n);
-    t->calm_ns = TEAM_CALM_NS_FIRST;
+    t->size = (TeamSize){.size = n, .max = n, .calm_ns = TEAM_CALM_NS_FIRST};
     const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     t->spin_ns = cpus > 0 && n > cpus ? 0 : SPIN_NS;
     for (int i = 0; i < n; i++) t->workers[i] = (Worker){.team = t, .thread = i, .threads = n};
@@ -135,7 +176,7 @@ Worker *team_leader(Team *t) { return &t->workers[0]; }
 void team_close(Team *t) {
     if (!t) return;
     t->closing = 1;
-    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+    advance(t, &t->posted);
     wake_all(&t->roster);
     for (int i = 1; i < t->threads; i++) pthread_join(t->ids[i], NULL);
     free(t);
@@ -146,26 +187,55 @@ void team_close(Team *t) {
  * after a calm spell it grows back by one, and if that step is late at once the machine is
  * still busy and the next spell is twice as long. The arithmetic does not depend on the
  * threads (threads.h), so neither do the outputs. */
-static void choose_active(Team *t) {
-    const int late = atomic_exchange_explicit(&t->late_step, 0, memory_order_relaxed);
-    const int active = atomic_load_explicit(&t->active, memory_order_relaxed);
-    const long now = now_ns();
-    if (late && active > 1) {
-        t->calm_ns = t->grown ? (t->calm_ns * 2 < TEAM_CALM_NS_MAX ? t->calm_ns * 2 : TEAM_CALM_NS_MAX) : TEAM_CALM_NS_FIRST;
-        atomic_store_explicit(&t->active, active - 1, memory_order_relaxed);
-        t->grown = 0;
-        t->calm_since_ns = now;
+void team_adapt(Team *t, int cpus) {
+    t->adaptive = 1;
+    t->cpus = cpus;
+    /* as many threads as find a CPU now (at least one): on a busy machine the first steps
+     * would otherwise wait for a member that has none */
+    int size = t->threads;
+    while (size > 1 && !room_for(t, size)) size--;
+    t->size.size = size;
+    t->size.calm_since_ns = now_ns();
+    atomic_store(&t->active, t->size.size);
+}
+
+long team_short_steps(const Team *t) { return t->short_steps; }
+
+int team_size_may_grow(const TeamSize *z, long now) { return z->size < z->max && now - z->calm_since_ns >= z->calm_ns; }
+
+void team_size_next(TeamSize *z, int late, long now, int room) {
+    if (late && z->size > 1) {
+        z->calm_ns = z->grown ? (z->calm_ns * 2 < TEAM_CALM_NS_MAX ? z->calm_ns * 2 : TEAM_CALM_NS_MAX) : TEAM_CALM_NS_FIRST;
+        z->size--;
+        z->grown = 0;
+        z->calm_since_ns = now;
     } else if (late) {
-        t->calm_since_ns = now;
-    } else if (active < t->threads && now - t->calm_since_ns >= t->calm_ns) {
+        z->calm_since_ns = now;
+    } else if (team_size_may_grow(z, now)) {
+        if (z->grown) z->calm_ns = TEAM_CALM_NS_FIRST; /* the last growth held a whole spell */
+        z->size += room; /* no CPU free for one more: look again after another spell */
+        z->grown = room;
+        z->calm_since_ns = now;
+    } else if (z->grown && now - z->calm_since_ns >= z->calm_ns) {
+        z->grown = 0; /* the grown team stayed calm: the machine is idle again */
+        z->calm_ns = TEAM_CALM_NS_FIRST;
+    }
+}
+
+static void choose_active(Team *t) {
+    if (!t->adaptive) return;
+    const int late = atomic_exchange_explicit(&t->late_step, 0, memory_order_relaxed);
+    const long now = now_ns();
+    const int size = t->size.size;
+    /* /proc/loadavg is read only when the policy would grow the team */
+    const int room = !late && team_size_may_grow(&t->size, now) && room_for(t, size + 1);
+    team_size_next(&t->size, late, now, room);
+    if (t->size.size > size) {
         t->join_post = atomic_load_explicit(&t->posted, memory_order_relaxed) + 1;
-        atomic_store_explicit(&t->active, active + 1, memory_order_release); /* after join_post */
-        t->grown = 1;
-        t->calm_since_ns = now;
+        atomic_store_explicit(&t->active, t->size.size, memory_order_release); /* after join_post */
         wake_all(&t->roster);
-    } else if (t->grown && now - t->calm_since_ns >= t->calm_ns) {
-        t->grown = 0; /* the grown team stayed calm: the machine is idle again */
-        t->calm_ns = TEAM_CALM_NS_FIRST;
+    } else {
+        atomic_store_explicit(&t->active, t->size.size, memory_order_relaxed);
     }
 }
 
@@ -174,8 +244,9 @@ void team_post(Team *t) {
     lead->pending = 0;
     choose_active(t);
     lead->threads = atomic_load_explicit(&t->active, memory_order_relaxed);
+    t->short_steps += lead->threads < t->threads;
     t->barriers_at_post = lead->barriers;
-    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+    advance(t, &t->posted);
 }
 
 int team_wait(Worker *w) {
@@ -209,7 +280,7 @@ void team_barrier(Worker *w) {
     const unsigned passed = atomic_load_explicit(&t->passed, memory_order_acquire);
     if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)w->threads) {
         atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
+        advance(t, &t->passed);
         return;
     }
     if (wait_for_change(t, &t->passed, passed)) atomic_store_explicit(&t->late_step, 1, memory_order_relaxed);
@@ -312,6 +383,12 @@ static int env_threads_verdict(const char *v, int *first) {
         if (*v == '\0') return out_of_range ? ENV_THREADS_OUT_OF_RANGE : ENV_THREADS_FINE;
         if (*v++ != ',') return ENV_THREADS_NOT_A_COUNT;
     }
+}
+
+int threads_chosen(void) {
+    int first;
+    const char *env = getenv("OMP_NUM_THREADS");
+    return chosen_threads > 0 || (env && env_threads_verdict(env, &first) == ENV_THREADS_FINE);
 }
 
 /* --threads, else OMP_NUM_THREADS, else the CPUs this process may run on; at most

@@ -10,11 +10,14 @@
  * wait for it in team_wait, runs its share, and leaves the last barrier with every
  * thread's writes visible. A waiting thread spins for a while, then yields its core at
  * every turn, so that on a busy machine a late team member gets a core instead of a
- * spinning one (docs/PERFORMANCE.md). A step whose barrier waited past the spin was
- * late: the next step runs with one thread fewer (the highest left out, asleep in the
- * kernel), and after a calm spell the team grows back by one; the spell doubles each time
- * a grown team is late again at once, from TEAM_CALM_NS_FIRST up to TEAM_CALM_NS_MAX.
- * Worker.threads is the step's team size.
+ * spinning one (docs/PERFORMANCE.md).
+ *
+ * An adaptive team (team_adapt) follows the machine's load: it starts with as many threads
+ * as find a free CPU, and a step whose barrier waited past the spin was late, so the next
+ * step runs with one thread fewer (the highest left out, asleep in the kernel); after a
+ * calm spell it grows back by one where a CPU is free, the spell doubling each time a
+ * grown team is late again at once, from TEAM_CALM_NS_FIRST up to TEAM_CALM_NS_MAX.
+ * Worker.threads is the step's team size. The outputs do not depend on it.
  *
  * Whether work is worth the other threads is one policy, parallel_mode. A Worker of one
  * thread (worker_alone) runs every share itself and its barriers return at once: the
@@ -51,6 +54,24 @@ static inline Worker worker_alone(void) { return (Worker){.team = NULL, .thread 
  * called once per thread, at its start, not per step. Returns NULL when out of memory or
  * when a thread cannot be started. */
 Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg);
+/* The adaptive team's size, 1..max: a late step shrinks it by one, and a calm spell of
+ * calm_ns since calm_since_ns grows it back by one where room says a CPU is free; calm_ns
+ * doubles each time a grown team is late again at once (grown). */
+typedef struct {
+    int size, max, grown;
+    long calm_ns, calm_since_ns;
+} TeamSize;
+/* Whether the spell is over and the team may grow at `now` (ns): then room is asked. */
+int team_size_may_grow(const TeamSize *z, long now);
+/* The size after a step: late, whether its barrier waited past the spin; room, whether a
+ * CPU is free for one more thread (read only when team_size_may_grow). */
+void team_size_next(TeamSize *z, int late, long now, int room);
+/* Makes the team's size follow the load of a machine of `cpus` CPUs (above): it starts
+ * with the CPUs other processes leave free and grows where one is. cpus 0: no limit, the
+ * team starts whole and grows back whenever calm. */
+void team_adapt(Team *t, int cpus);
+/* Steps posted so far with fewer threads than the team's. */
+long team_short_steps(const Team *t);
 /* Wakes the members with `closing` set, waits for them to return, frees the team. */
 void team_close(Team *t);
 /* Thread 0's worker. */
@@ -130,6 +151,8 @@ void share_end(Share *s);
  * else the CPUs this process may run on. */
 void threads_set(int n);
 int threads_count(void);
+/* Whether the count was chosen (--threads or OMP_NUM_THREADS), which a team then keeps. */
+int threads_chosen(void);
 
 /* OMP_NUM_THREADS: 0 when unset or a list of thread counts 1..TEAM_MAX_THREADS (OpenMP's
  * syntax: one count a nesting level), else -1 and one sentence in err. */

@@ -328,6 +328,9 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
                 "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
                 "cores?): the mean and the totals are not the engine's own\n",
                 f->slow_steps, f->decode_steps);
+    if (sch->short_team_steps)
+        fprintf(out, "busy machine: %ld of %d steps ran on fewer threads than the %d asked for, as other processes "
+                "held their cores\n", sch->short_team_steps, sch->steps, threads_count());
     if (!sch->kv || (f->sequences == 1 && !g->o->verbose)) return;
     const KVPool *pool = sch->pool;
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
@@ -369,7 +372,8 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     const Scheduler *sch = g->sch;
     const Options *o = g->o;
     json_begin("summary", g->model, o, sch->kv ? "kv" : "no-kv");
-    printf(", \"serving\": %s, \"disturbed\": %s", g->serving ? "true" : "false", disturbed(f) ? "true" : "false");
+    printf(", \"serving\": %s, \"disturbed\": %s, \"short_team_steps\": %ld", g->serving ? "true" : "false",
+           disturbed(f) ? "true" : "false", sch->short_team_steps);
     const struct {
         const char *key;
         double value;

@@ -3,6 +3,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels/timer.h"
 
@@ -375,6 +376,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     /* thread 0's share; once it returns the members are done with the step too: they do
      * nothing alone, and every shared operation ended in a barrier thread 0 passed */
     step_share(run, leader);
+    if (run->team) sch->short_team_steps = team_short_steps(run->team);
     if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE ? MODEL_ERR_NONFINITE : -1;
     /* generated entries stand for a prefill that never ran: no step's time */
     const double step_ms = now_ms() - t0 - run->fill_ms;
@@ -410,6 +412,7 @@ int scheduler_init(Scheduler *sch) {
     const Config *c = &sch->model->cfg;
     sch->run = NULL;
     sch->steps = sch->preemptions = 0;
+    sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
     if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)) return -1;
     SchedulerRun *run = calloc(1, sizeof *run);
@@ -440,6 +443,7 @@ int scheduler_init(Scheduler *sch) {
         scheduler_free(sch);
         return -1;
     }
+    if (run->team && !threads_chosen()) team_adapt(run->team, (int)sysconf(_SC_NPROCESSORS_ONLN)); /* a count asked for is kept */
     return 0;
 }
 

@@ -140,6 +140,8 @@ typedef struct {
     int steps;
     double total_ms; /* from the first step to the last */
     int preemptions;
+    long short_team_steps; /* steps run on fewer threads than the team's: the machine was
+                            * busy (threads.h's adaptive team) */
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;

@@ -133,7 +133,7 @@ static void test_barrier_makes_writes_visible(void **state) {
 
 /* ---- a team that shrinks when a member is late ---- */
 
-enum { LATE_TEAM = 3, LATE_ITEMS = 600 };
+enum { LATE_TEAM = 2, LATE_ITEMS = 600 }; /* a team the smallest machine runs without a wait */
 
 typedef struct {
     int step, late_thread; /* this step, thread late_thread sleeps before its share */
@@ -192,8 +192,9 @@ static void test_late_member_shrinks_the_team(void **state) {
     Late *l = calloc(1, sizeof *l);
     Team *t = team_open(LATE_TEAM, late_member, l);
     assert_non_null(t);
+    team_adapt(t, 0); /* no CPU limit: the test decides when the team is late */
     assert_int_equal(post_step(t, l, -1), LATE_TEAM);
-    post_step(t, l, 1); /* thread 1 is late: the others wait 4 ms at the barrier */
+    post_step(t, l, 1); /* thread 1 is late: thread 0 waits 4 ms at the barrier */
     assert_true(post_step(t, l, -1) < LATE_TEAM);
     /* the left-out thread sleeps in the kernel, not competing for a core, while steps run
      * without it (asked before the calm spell ends) */
@@ -203,17 +204,74 @@ static void test_late_member_shrinks_the_team(void **state) {
         for (int i = 0; i < 50 && letter != 'S'; i++) sleep_ms(0.1), letter = thread_state(l->tids[LATE_TEAM - 1]);
         assert_int_equal(letter, 'S');
     }
-    /* calm steps: the team grows back to its whole size (within a few seconds, however busy
-     * the machine running the test) */
+    /* calm steps: the team grows back to its whole size, the left-out thread rejoining with
+     * the others' barrier count (every item still done once) */
     int grown = 0;
     for (int i = 0; i < 400 && !grown; i++) {
         sleep_ms(TEAM_CALM_NS_FIRST / 1e6 / 2);
         grown = post_step(t, l, -1) == LATE_TEAM;
     }
     assert_true(grown);
+    for (int i = 0; i < 5; i++) post_step(t, l, -1);
     /* late again at once after growing: shrinks, and the next calm spell is longer */
-    post_step(t, l, 2);
+    post_step(t, l, 1);
     assert_true(post_step(t, l, -1) < LATE_TEAM);
+    team_close(t);
+    free(l);
+}
+
+/* The policy alone, on a clock the test sets. */
+static void test_team_size_policy(void **state) {
+    (void)state;
+    const long ms = 1000000;
+    TeamSize z = {.size = 4, .max = 4, .calm_ns = TEAM_CALM_NS_FIRST};
+    team_size_next(&z, 0, 1 * ms, 1);
+    assert_int_equal(z.size, 4);
+    team_size_next(&z, 1, 2 * ms, 1); /* late: one fewer */
+    assert_int_equal(z.size, 3);
+    team_size_next(&z, 1, 3 * ms, 1); /* late again: one fewer again, the spell restarts */
+    assert_int_equal(z.size, 2);
+    team_size_next(&z, 0, 3 * ms + TEAM_CALM_NS_FIRST - 1, 1); /* not calm long enough */
+    assert_int_equal(z.size, 2);
+    assert_false(team_size_may_grow(&z, 3 * ms + TEAM_CALM_NS_FIRST - 1));
+    assert_true(team_size_may_grow(&z, 3 * ms + TEAM_CALM_NS_FIRST));
+    team_size_next(&z, 0, 3 * ms + TEAM_CALM_NS_FIRST, 0); /* calm, but no CPU free */
+    assert_int_equal(z.size, 2);
+    long now = 3 * ms + 2 * TEAM_CALM_NS_FIRST;
+    team_size_next(&z, 0, now, 1); /* calm and a CPU free: one more */
+    assert_int_equal(z.size, 3);
+    team_size_next(&z, 1, now + ms, 1); /* late at once after growing: the spell doubles */
+    assert_int_equal(z.size, 2);
+    assert_int_equal(z.calm_ns, 2 * TEAM_CALM_NS_FIRST);
+    assert_false(team_size_may_grow(&z, now + ms + TEAM_CALM_NS_FIRST));
+    for (int i = 0; i < 20; i++) { /* a machine that stays busy: the spell stops at its longest */
+        now = z.calm_since_ns + z.calm_ns;
+        team_size_next(&z, 0, now, 1);
+        assert_int_equal(z.size, 3);
+        team_size_next(&z, 1, now + 1, 1);
+        assert_int_equal(z.size, 2);
+    }
+    assert_int_equal(z.calm_ns, TEAM_CALM_NS_MAX);
+    now = z.calm_since_ns + z.calm_ns;
+    team_size_next(&z, 0, now, 1); /* grown, then calm for a whole spell: idle again */
+    assert_int_equal(z.size, 3);
+    team_size_next(&z, 0, now + z.calm_ns, 1);
+    assert_int_equal(z.size, 4);
+    assert_int_equal(z.calm_ns, TEAM_CALM_NS_FIRST);
+    z.size = 1;
+    team_size_next(&z, 1, now + 2 * z.calm_ns, 1); /* never below one */
+    assert_int_equal(z.size, 1);
+}
+
+/* A team not made adaptive keeps its size through late steps: the thread counts the tests
+ * and --threads ask for are the ones that run. */
+static void test_fixed_team_keeps_its_size(void **state) {
+    (void)state;
+    Late *l = calloc(1, sizeof *l);
+    Team *t = team_open(LATE_TEAM, late_member, l);
+    assert_non_null(t);
+    for (int i = 0; i < 4; i++) assert_int_equal(post_step(t, l, i % 2 ? 1 : -1), LATE_TEAM);
+    assert_int_equal(team_short_steps(t), 0);
     team_close(t);
     free(l);
 }
@@ -255,6 +313,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_barrier_makes_writes_visible),
         cmocka_unit_test(test_mode_policy),
         cmocka_unit_test(test_late_member_shrinks_the_team),
+        cmocka_unit_test(test_fixed_team_keeps_its_size),
+        cmocka_unit_test(test_team_size_policy),
         cmocka_unit_test(test_thread_count_from_the_environment),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
