@@ -3,6 +3,7 @@
 #include "kernels/threads.h"
 
 #include <errno.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <limits.h>
@@ -10,6 +11,8 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -40,7 +43,6 @@ struct Team {
     long short_steps; /* steps posted with fewer threads than the team's */
     unsigned join_post; /* the post a member let back in takes first */
     _Alignas(64) atomic_int late_step;
-    _Alignas(64) atomic_int sleepers; /* threads asleep on posted or passed */
     _Alignas(64) atomic_uint roster; /* changes when the team grows or closes: left-out members sleep on it */
     void (*member)(void *arg, Worker *w);
     void *arg;
@@ -66,10 +68,9 @@ static long elapsed_ns(const struct timespec *t0) {
 
 /* Returns once *word differs from seen; 1 when it waited past the spin. Spins for up to
  * t->spin_ns, longer than the waits of a step on an idle machine; past that a team member
- * is late (descheduled on a busy machine), and this thread sleeps in the kernel until the
- * word changes: its core goes idle, and the scheduler moves the late member onto it (a
- * thread that yielded instead stayed runnable and held its core, and the late one waited
- * for its own core's other process, up to tens of milliseconds: docs/PERFORMANCE.md). */
+ * is late (descheduled on a busy machine), and this thread yields its core at every turn,
+ * so the late one (or whatever else wants the core) runs. It stays runnable: beside
+ * niced background work a futex sleep here was slower (docs/PERFORMANCE.md). */
 static int wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -80,12 +81,7 @@ static int wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
 #endif
         if (spins % 64 == 0 && elapsed_ns(&t0) >= t->spin_ns) break;
     }
-    /* the sleeper count before the word's check, the waker's check after its change: one
-     * of the two sees the other (both sequentially consistent) */
-    atomic_fetch_add_explicit(&t->sleepers, 1, memory_order_seq_cst);
-    while (atomic_load_explicit(word, memory_order_seq_cst) == seen)
-        syscall(SYS_futex, (unsigned *)word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-    atomic_fetch_sub_explicit(&t->sleepers, 1, memory_order_relaxed);
+    while (atomic_load_explicit(word, memory_order_acquire) == seen) sched_yield();
     return elapsed_ns(&t0) >= SPIN_NS;
 }
 
@@ -101,38 +97,52 @@ static void wake_all(atomic_uint *word) {
     syscall(SYS_futex, (unsigned *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Moves *word on and wakes whoever sleeps on it. */
-static void advance(Team *t, atomic_uint *word) {
-    atomic_fetch_add_explicit(word, 1, memory_order_seq_cst);
-    if (atomic_load_explicit(&t->sleepers, memory_order_seq_cst) > 0)
-        syscall(SYS_futex, (unsigned *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-}
-
-/* Threads of other processes running or waiting for a CPU now: /proc/loadavg's count of
- * runnable tasks, less the one reading it; 0 when it cannot be read. */
-static int others_runnable(void) {
-    char buf[128];
-    const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+/* Whether a task's /proc stat line shows it runnable at a nice value of at most `nice`.
+ * A task niced further takes little of a core from this one, as CFS weighs them. */
+static int runnable_at(const char *path, int nice) {
+    char buf[512];
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0;
     const ssize_t got = read(fd, buf, sizeof buf - 1);
     close(fd);
     if (got <= 0) return 0;
     buf[got] = '\0';
-    const char *p = buf;
-    for (int field = 0; field < 3 && p; field++) p = strchr(p + 1, ' '); /* the fourth: running/total */
-    const long running = p ? strtol(p + 1, NULL, 10) : 1;
-    return running > 1 ? (int)(running - 1) : 0;
+    const char *p = strrchr(buf, ')'); /* the name may hold spaces and parentheses */
+    if (!p || p[1] != ' ' || p[2] != 'R') return 0;
+    /* fields after the state: ppid pgrp session tty_nr tpgid flags minflt cminflt majflt
+     * cmajflt utime stime cutime cstime priority nice */
+    p += 3;
+    for (int field = 0; field < 15 && p; field++) p = strchr(p + 1, ' ');
+    return p && strtol(p + 1, NULL, 10) <= nice;
 }
 
-/* Whether a team of `size` threads finds a CPU each beside what else runs now: the
- * runnable count holds this team's members that spin (awake in team_wait or a barrier). */
-static int room_for(const Team *t, int size) {
-    if (t->cpus <= 0) return 1;
-    const int spinning = atomic_load_explicit(&t->active, memory_order_relaxed) - 1 -
-                         atomic_load_explicit(&t->sleepers, memory_order_relaxed);
-    const int others = others_runnable() - (spinning > 0 ? spinning : 0);
-    return (others > 0 ? others : 0) + size <= t->cpus;
+/* Threads of other processes running or waiting for a CPU now at this process's nice
+ * value or below (a /proc scan, about a millisecond: done at the start and once a spell). */
+static int others_runnable(void) {
+    DIR *proc = opendir("/proc");
+    if (!proc) return 0;
+    const int nice = getpriority(PRIO_PROCESS, 0), self = (int)getpid();
+    int count = 0;
+    char path[64];
+    for (struct dirent *e; (e = readdir(proc));) {
+        const int pid = atoi(e->d_name);
+        if (pid <= 0 || pid == self) continue;
+        snprintf(path, sizeof path, "/proc/%d/task", pid);
+        DIR *tasks = opendir(path);
+        if (!tasks) continue;
+        for (struct dirent *t; (t = readdir(tasks));) {
+            if (t->d_name[0] < '0' || t->d_name[0] > '9') continue;
+            snprintf(path, sizeof path, "/proc/%d/task/%.16s/stat", pid, t->d_name);
+            count += runnable_at(path, nice);
+        }
+        closedir(tasks);
+    }
+    closedir(proc);
+    return count;
 }
+
+/* Whether a team of `size` threads finds a CPU each beside what else runs now. */
+static int room_for(const Team *t, int size) { return t->cpus <= 0 || others_runnable() + size <= t->cpus; }
 
 static long now_ns(void) {
     struct timespec t;
@@ -176,7 +186,7 @@ Worker *team_leader(Team *t) { return &t->workers[0]; }
 void team_close(Team *t) {
     if (!t) return;
     t->closing = 1;
-    advance(t, &t->posted);
+    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
     wake_all(&t->roster);
     for (int i = 1; i < t->threads; i++) pthread_join(t->ids[i], NULL);
     free(t);
@@ -213,7 +223,9 @@ void team_size_next(TeamSize *z, int late, long now, int room) {
         z->calm_since_ns = now;
     } else if (team_size_may_grow(z, now)) {
         if (z->grown) z->calm_ns = TEAM_CALM_NS_FIRST; /* the last growth held a whole spell */
-        z->size += room; /* no CPU free for one more: look again after another spell */
+        if (!room) /* no CPU free for one more: look again after a longer spell */
+            z->calm_ns = z->calm_ns * 2 < TEAM_CALM_NS_MAX ? z->calm_ns * 2 : TEAM_CALM_NS_MAX;
+        z->size += room;
         z->grown = room;
         z->calm_since_ns = now;
     } else if (z->grown && now - z->calm_since_ns >= z->calm_ns) {
@@ -246,7 +258,7 @@ void team_post(Team *t) {
     lead->threads = atomic_load_explicit(&t->active, memory_order_relaxed);
     t->short_steps += lead->threads < t->threads;
     t->barriers_at_post = lead->barriers;
-    advance(t, &t->posted);
+    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
 }
 
 int team_wait(Worker *w) {
@@ -280,7 +292,7 @@ void team_barrier(Worker *w) {
     const unsigned passed = atomic_load_explicit(&t->passed, memory_order_acquire);
     if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)w->threads) {
         atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
-        advance(t, &t->passed);
+        atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
         return;
     }
     if (wait_for_change(t, &t->passed, passed)) atomic_store_explicit(&t->late_step, 1, memory_order_relaxed);

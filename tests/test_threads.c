@@ -235,15 +235,16 @@ static void test_team_size_policy(void **state) {
     assert_int_equal(z.size, 2);
     assert_false(team_size_may_grow(&z, 3 * ms + TEAM_CALM_NS_FIRST - 1));
     assert_true(team_size_may_grow(&z, 3 * ms + TEAM_CALM_NS_FIRST));
-    team_size_next(&z, 0, 3 * ms + TEAM_CALM_NS_FIRST, 0); /* calm, but no CPU free */
+    team_size_next(&z, 0, 3 * ms + TEAM_CALM_NS_FIRST, 0); /* calm, but no CPU free: a longer spell */
     assert_int_equal(z.size, 2);
-    long now = 3 * ms + 2 * TEAM_CALM_NS_FIRST;
+    assert_int_equal(z.calm_ns, 2 * TEAM_CALM_NS_FIRST);
+    long now = 3 * ms + 3 * TEAM_CALM_NS_FIRST;
     team_size_next(&z, 0, now, 1); /* calm and a CPU free: one more */
     assert_int_equal(z.size, 3);
     team_size_next(&z, 1, now + ms, 1); /* late at once after growing: the spell doubles */
     assert_int_equal(z.size, 2);
-    assert_int_equal(z.calm_ns, 2 * TEAM_CALM_NS_FIRST);
-    assert_false(team_size_may_grow(&z, now + ms + TEAM_CALM_NS_FIRST));
+    assert_int_equal(z.calm_ns, 4 * TEAM_CALM_NS_FIRST);
+    assert_false(team_size_may_grow(&z, now + ms + 2 * TEAM_CALM_NS_FIRST));
     for (int i = 0; i < 20; i++) { /* a machine that stays busy: the spell stops at its longest */
         now = z.calm_since_ns + z.calm_ns;
         team_size_next(&z, 0, now, 1);
