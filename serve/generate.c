@@ -533,9 +533,10 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     catch_interrupts();
     if (streams_text(&g))
         for (int i = 1; i < list.requests[0].n_prompt; i++) print_text(&g, token_text(&g, list.requests[0].tokens[i]));
-    warm_up(m, pool, o, &list.requests[0], &g);
-
+    /* the run's buffers first: touching them after the warm-up would push the weights it
+     * brought into the caches back out, and the timed prefill would run cold */
     scheduler_open(&sch, m, pool, o, o->batch);
+    warm_up(m, pool, o, &list.requests[0], &g);
     sch.clock = g.profile ? &profile.clock : NULL;
     sch.record = g.attn ? &attn.record : NULL;
     for (int i = 0; i < list.n; i++)
