@@ -61,7 +61,7 @@ run: $(B)/run.o $(ENGINE_OBJS)
 	$(CXX) -pthread $^ -o $@ $(LDLIBS)
 
 # ---- tests ----
-UNIT_TESTS = test_kernels test_threads test_attention test_scheduler test_kvcache test_check test_sampler test_loader test_textfile test_tokenizer test_cli_parse test_utf8 test_shape
+UNIT_TESTS = test_kernels test_threads test_attention test_scheduler test_kvcache test_kvtier test_check test_sampler test_loader test_textfile test_tokenizer test_cli_parse test_utf8 test_shape
 UNIT_BINS = $(UNIT_TESTS:%=$(B)/tests/%)
 
 $(B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS) | $(B)

@@ -423,12 +423,11 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
            sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
-    const KVTier *t = pool->tier;
-    if (t)
-        printf(", \"tier_swaps\": %d, \"tier_swap_failures\": %d, \"tier_blocks_written\": %ld, "
-               "\"tier_blocks_read\": %ld, \"tier_peak_bytes\": %zu, \"tier_wait_ms\": %.3f",
-               sch->swaps, sch->swap_failures, t->blocks_written, t->blocks_read, t->block_bytes * (size_t)t->peak_slots,
-               t->wait_ms);
+    const KVTier none = {0}, *t = pool->tier ? pool->tier : &none; /* zeros without a tier */
+    printf(", \"tier_swaps\": %d, \"tier_swap_failures\": %d, \"tier_blocks_written\": %ld, "
+           "\"tier_blocks_read\": %ld, \"tier_peak_bytes\": %zu, \"tier_wait_ms_total\": %.3f",
+           sch->swaps, sch->swap_failures, t->blocks_written, t->blocks_read, t->block_bytes * (size_t)t->peak_slots,
+           t->wait_ms);
     if (g->profile) profile_json(g->profile);
     json_end();
 }
