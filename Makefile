@@ -23,7 +23,7 @@ B = build
 # (model, attention, kvcache, loader); serve/ (scheduler, sampler, the modes, the command
 # line, output); tokenizer/ on the side; run.c on top.
 KERNELS = kernels/kernels.c kernels/threads.c kernels/fileio.c kernels/utf8.c
-MODEL = model.c attention.c kvcache.c loader.c shape.c
+MODEL = model.c attention.c kvcache.c kvtier.c loader.c shape.c
 SERVE = serve/scheduler.c serve/sampler.c serve/session.c serve/generate.c serve/check.c serve/ppl.c serve/info.c \
   serve/cli.c serve/output.c serve/json.c serve/textfile.c serve/version.c \
   serve/profile.c serve/attn_dump.c serve/indexlist.c
@@ -61,7 +61,7 @@ run: $(B)/run.o $(ENGINE_OBJS)
 	$(CXX) -pthread $^ -o $@ $(LDLIBS)
 
 # ---- tests ----
-UNIT_TESTS = test_kernels test_threads test_attention test_scheduler test_kvcache test_check test_sampler test_loader test_textfile test_tokenizer test_cli_parse test_utf8 test_shape
+UNIT_TESTS = test_kernels test_threads test_attention test_scheduler test_kvcache test_kvtier test_check test_sampler test_loader test_textfile test_tokenizer test_cli_parse test_utf8 test_shape
 UNIT_BINS = $(UNIT_TESTS:%=$(B)/tests/%)
 
 $(B)/tests/%.o: tests/%.c tests/testutil.h $(HEADERS) | $(B)

@@ -54,6 +54,8 @@ typedef struct {
      * first (the blocks sharing saves), now and at their most */
     int shared_blocks, saved_blocks;
     int peak_shared_blocks, peak_saved_blocks;
+    struct KVTier *tier; /* kvtier.h: where a preempted sequence's blocks go (swap); NULL:
+                          * it is recomputed. The pool neither opens nor closes it */
 } KVPool;
 
 /* A sequence's cache: it has seen positions [0, len); blocks[0 .. n_blocks) hold them, or

@@ -17,6 +17,7 @@
 
 #include "kernels/threads.h"
 #include "kvcache.h"
+#include "kvtier.h"
 #include "loader.h"
 #include "model.h"
 #include "serve/cli.h"
@@ -196,6 +197,12 @@ int main(int argc, char **argv) {
         die(1, "out of memory: the KV cache pool of %d blocks takes %.0f bytes", blocks,
             (double)blocks * (double)kv_block_bytes_for(&m.cfg, o.kv_dtype));
     if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks);
+    KVTier tier = {.fd = -1};
+    if (o.kv_offload) {
+        if (kv_tier_open(&tier, o.kv_offload, kv_block_bytes(&pool)) != 0)
+            die(EXIT_USAGE, "--kv-offload %s: cannot create the tier file: %s", o.kv_offload, strerror(errno));
+        if (o.preempt_swap) pool.tier = &tier;
+    }
 
     int status;
     if (o.check_kv)
@@ -208,6 +215,7 @@ int main(int argc, char **argv) {
         status = mode_generate(&m, &pool, &o);
 
     kv_pool_free(&pool);
+    kv_tier_close(&tier);
     model_free(&m);
     free(prompt_text);
     close_written(stdout, "standard output"); /* --info, --ppl and --check-kv print only at the end */

@@ -5,6 +5,7 @@
 #   make bench-quick                             every weights/*.bin, C engine only, 64 decode steps, 3 reps
 #   make bench BENCH_BATCHES=1,16,64             the throughput table at these batch sizes only
 #   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
+#   make bench-offload                           the KV tier: swap against recompute (bench/offload.py)
 #   make bench-scale                             a 1.1B shape's MHA/GQA/MQA/MLA twins, contexts 512 to 32k (bench/scale.py)
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)
@@ -32,7 +33,7 @@ _bench_knobs = --cc "$(CC)" $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THR
   $(if $(strip $(BENCH_BATCHES)),--batches $(BENCH_BATCHES)) \
   $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
-.PHONY: bench bench-quick bench-scale quality
+.PHONY: bench bench-quick bench-scale bench-offload quality
 bench: run build/roofline
 	$(PYTHON) bench/bench.py $(if $(strip $(BENCH_PT_REPS)),--pt-reps $(BENCH_PT_REPS)) $(_bench_knobs)
 	$(if $(filter 1,$(BENCH_SCALE)),$(PYTHON) bench/scale.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)))
@@ -40,6 +41,10 @@ bench: run build/roofline
 # the posts' scale: generated 1.1B twins, the cached step from 512 to 32,768 positions
 bench-scale: run build/roofline
 	$(PYTHON) bench/scale.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT))
+
+# the KV tier: swap out and in against recompute, every weights/*.bin (bench/offload.py)
+bench-offload: run
+	$(PYTHON) bench/offload.py $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)) $(BENCH_CHECKPOINTS)
 
 # the C engine alone, 64 decode steps a run: every checkpoint compared in well under a minute
 bench-quick: run

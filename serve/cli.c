@@ -31,6 +31,10 @@ void cli_usage(FILE *f) {
           "      --mla absorb|expand  MLA form (default: absorb with --kv, expand without)\n"
           "      --batch B         decode B sequences of the prompt together, sequence i with seed s+i, 1..256\n"
           "      --kv-mem MB       the KV cache pool's size in MiB, fractions allowed (default: B full contexts)\n"
+          "      --kv-offload PATH  with --kv: a tier file on disk behind the pool, created anew (an\n"
+          "                        existing PATH is refused) and removed at once, so never left behind\n"
+          "      --preempt swap|recompute  a preempted sequence's cache goes to the tier and comes back,\n"
+          "                        or is recomputed (default: swap with --kv-offload, else recompute)\n"
           "      --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
           "                        with seed s+i (continuous batching)\n"
           "      --kv-dtype fp32|bf16|int8  precision of the cached keys and values (default fp32)\n"
@@ -100,6 +104,8 @@ enum {
     OPT_MLA,
     OPT_BATCH,
     OPT_KV_MEM,
+    OPT_KV_OFFLOAD,
+    OPT_PREEMPT,
     OPT_PROMPTS,
     OPT_KV_DTYPE,
     OPT_WINDOW,
@@ -140,6 +146,8 @@ static const struct option LONG_OPTIONS[] = {
     {"mla", required_argument, NULL, OPT_MLA},
     {"batch", required_argument, NULL, OPT_BATCH},
     {"kv-mem", required_argument, NULL, OPT_KV_MEM},
+    {"kv-offload", required_argument, NULL, OPT_KV_OFFLOAD},
+    {"preempt", required_argument, NULL, OPT_PREEMPT},
     {"prompts", required_argument, NULL, OPT_PROMPTS},
     {"kv-dtype", required_argument, NULL, OPT_KV_DTYPE},
     {"window", required_argument, NULL, OPT_WINDOW},
@@ -240,6 +248,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->seed = (uint64_t)time(NULL);
     int mla_given = 0, policy_given = 0, prompt_flags = 0; /* bit 0: -p, bit 1: -f */
     o->batch = 1;
+    o->preempt_swap = -1;
     o->dump_attn_layers.all = o->dump_attn_heads.all = o->dump_attn_steps.all = o->dump_attn_sequences.all = 1;
     optind = 0; /* 0, not 1: glibc then forgets every earlier scan */
     opterr = 0;
@@ -312,6 +321,15 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case OPT_KV_MEM:
             if (!(rc = parse_float(flag, v, 0.0f, 1048576.0f, &o->kv_mem_mb, err, errlen)) && o->kv_mem_mb == 0.0f)
                 rc = errmsg(err, errlen, 2, "--kv-mem needs a size above 0 MB");
+            break;
+        case OPT_KV_OFFLOAD: o->kv_offload = v; break;
+        case OPT_PREEMPT:
+            if (!strcmp(v, "swap"))
+                o->preempt_swap = 1;
+            else if (!strcmp(v, "recompute"))
+                o->preempt_swap = 0;
+            else
+                rc = errmsg(err, errlen, 2, "--preempt takes swap or recompute, got '%s'", v);
             break;
         case OPT_PROMPTS: o->prompts_path = v; break;
         case OPT_KV_DTYPE:
@@ -390,6 +408,11 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2,
                       "--fill starts a generation with --kv over generated entries: it takes no %s",
                       !o->kv ? "run without --kv" : o->window ? "--window" : o->info ? "--info" : o->check_kv ? "--check-kv" : o->check_batch ? "--check-batch" : "--ppl");
+    if (o->kv_offload && (!o->kv || o->window))
+        return errmsg(err, errlen, 2, "--kv-offload swaps a sequence's cache: it needs --kv and takes no --window");
+    if (o->preempt_swap == 1 && !o->kv_offload)
+        return errmsg(err, errlen, 2, "--preempt swap needs a tier to swap to: give --kv-offload PATH");
+    if (o->preempt_swap < 0) o->preempt_swap = o->kv_offload != NULL;
     if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
         return errmsg(err, errlen, 2,
                       "--window needs --kv: without the cache every step recomputes the whole sequence");

@@ -40,6 +40,8 @@ typedef struct {
     int batch;       /* sequences decoded together (1 = one) */
     int batch_given; /* --batch was on the command line */
     float kv_mem_mb; /* the KV pool's size in MiB; 0 = enough for `batch` full contexts */
+    const char *kv_offload; /* --kv-offload: the tier file behind the pool (kvtier.h); NULL: none */
+    int preempt_swap;       /* --preempt: 1 swap to the tier, 0 recompute; -1 not given */
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */

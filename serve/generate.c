@@ -341,6 +341,12 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
             KV_BLOCK_TOKENS, kv_block_bytes(pool), pool->peak_in_use, pool->n_blocks,
             kv_block_bytes(pool) * (size_t)pool->peak_in_use, sch->max_batch, contiguous, pool->peak_shared_blocks,
             pool->peak_saved_blocks, kv_block_bytes(pool) * (size_t)pool->peak_saved_blocks, sch->preemptions);
+    if (pool->tier)
+        fprintf(out,
+                "kv tier: %d preemptions swapped (%d fell back to recompute) | blocks written %ld, read %ld | "
+                "peak on disk %zu bytes | waiting for the disk %.1f ms\n",
+                sch->swaps, sch->swap_failures, pool->tier->blocks_written, pool->tier->blocks_read,
+                pool->tier->block_bytes * (size_t)pool->tier->peak_slots, pool->tier->wait_ms);
 }
 
 /* The summary on stderr: one line a part in a file or pipe; on a terminal each " | "
@@ -421,6 +427,11 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
            sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
+    const KVTier none = {0}, *t = pool->tier ? pool->tier : &none; /* zeros without a tier */
+    printf(", \"tier_swaps\": %d, \"tier_swap_failures\": %d, \"tier_blocks_written\": %ld, "
+           "\"tier_blocks_read\": %ld, \"tier_peak_bytes\": %zu, \"tier_wait_ms_total\": %.3f",
+           sch->swaps, sch->swap_failures, t->blocks_written, t->blocks_read, t->block_bytes * (size_t)t->peak_slots,
+           t->wait_ms);
     if (g->profile) profile_json(g->profile);
     json_end();
 }

@@ -1,6 +1,8 @@
 /* scheduler.c: continuous batching over the paged KV cache, a step at a time (scheduler.h). */
 #include "serve/scheduler.h"
 
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -103,10 +105,19 @@ static int start_request(const Scheduler *sch, Request *r) {
     return 0;
 }
 
-static void end_request(Request *r) {
+static void end_request(const Scheduler *sch, Request *r) {
+    if (r->swapped.n_blocks) kv_swap_drop(sch->pool->tier, &r->swapped);
     sampler_free(&r->sampler);
     kv_free(&r->cache);
     r->started = 0;
+}
+
+/* A swap that failed leaves the sequence to be recomputed, which gives the same bits: a
+ * warning, the first time, and the run goes on. */
+static void swap_failed(Scheduler *sch, const char *what) {
+    if (!sch->swap_failures++)
+        fprintf(stderr, "run: warning: %s the KV tier failed (%s); the sequence is recomputed instead\n", what,
+                strerror(errno));
 }
 
 /* Admits waiting requests into free slots while the pool and the step's prompt budget
@@ -124,7 +135,9 @@ static int admit(SchedulerRun *run) {
         int shared = 0, pending = 0;
         /* a window's slots are never shared, a scored request computes all its positions, and
          * generated entries are each sequence's own */
-        for (int i = 0; i < run->n_running && sch->kv && !sch->pool->window && !r->score && !sch->fill; i++) {
+        const int swapped = r->swapped.len; /* positions it gets back from the tier */
+        for (int i = 0; i < run->n_running && sch->kv && !sch->pool->window && !r->score && !sch->fill && !swapped;
+             i++) {
             Request *q = run->running[i];
             const int common = min_int(common_prefix(r, q), r->n_tokens - 1);
             if (i >= first_new) { /* computed this step */
@@ -139,7 +152,7 @@ static int admit(SchedulerRun *run) {
             r->waited = 1;
             break;
         }
-        const int compute = r->n_tokens - shared - sch->fill; /* a fill shares nothing, and is not computed */
+        const int compute = r->n_tokens - (swapped ? swapped : shared + sch->fill); /* a fill is not computed */
         if (sch->kv && run->n_running > first_new && compute > budget) break;
         if (start_request(sch, r) != 0) return -1;
         if (source) kv_share_prefix(&r->cache, &source->cache, shared);
@@ -147,6 +160,7 @@ static int admit(SchedulerRun *run) {
             kv_reset(&r->cache);
             break;
         }
+        if (swapped && kv_swap_in(&r->cache, sch->pool->tier, &r->swapped) != 0) swap_failed(sch, "reading a preempted sequence's blocks from");
         if (sch->fill && r->cache.len == 0) {
             const double t0 = now_ms();
             if (kv_reserve(&r->cache, sch->fill) != 0) return -1; /* counted in the blocks needed */
@@ -173,7 +187,12 @@ static int reserve_or_preempt(SchedulerRun *run) {
         while (kv_reserve(&r->cache, r->n_tokens) != 0) {
             if (run->n_running == 1) return -1;
             Request *victim = run->running[run->n_running - 1]; /* running is in admission order */
-            kv_reset(&victim->cache);
+            if (!run->sch->pool->tier)
+                kv_reset(&victim->cache);
+            else if (kv_swap_out(&victim->cache, run->sch->pool->tier, &victim->swapped) == 0)
+                run->sch->swaps++;
+            else
+                swap_failed(run->sch, "writing a preempted sequence's blocks to");
             victim->preemptions++;
             run->sch->preemptions++;
             queue_push_front(run, victim);
@@ -348,7 +367,7 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
             i++;
             continue;
         }
-        end_request(r);
+        end_request(sch, r);
         remove_running(run, i);
         run->finished[out->n_finished++] = r;
     }
@@ -411,7 +430,7 @@ int scheduler_max_tokens(const Config *c, int max_batch) {
 int scheduler_init(Scheduler *sch) {
     const Config *c = &sch->model->cfg;
     sch->run = NULL;
-    sch->steps = sch->preemptions = 0;
+    sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = 0;
     sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
     if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)) return -1;
@@ -468,6 +487,7 @@ int scheduler_add(Scheduler *sch, Request *r) {
     r->started = r->waited = 0;
     r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
     r->decode_steps = r->preemptions = 0;
+    memset(&r->swapped, 0, sizeof r->swapped);
     queue_push_back(sch->run, r);
     return 0;
 }
@@ -476,9 +496,9 @@ void scheduler_free(Scheduler *sch) {
     SchedulerRun *run = sch->run;
     if (!run) return;
     team_close(run->team);
-    for (int i = 0; run->running && i < run->n_running; i++) end_request(run->running[i]);
+    for (int i = 0; run->running && i < run->n_running; i++) end_request(sch, run->running[i]);
     for (Request *r = run->queue; r; r = r->next)
-        if (r->started) end_request(r);
+        if (r->started) end_request(sch, r);
     runstate_free(&run->state);
     free(run->running);
     free(run->computed_prompt);

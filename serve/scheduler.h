@@ -27,7 +27,9 @@
  * blocks are freed and it goes back to the front of the queue with its tokens and its
  * sampler's state, to be recomputed when it is admitted again. A running sequence is
  * never corrupted, and because every forward pass is batch-invariant the recomputed
- * sequence continues with exactly the bits it would have had.
+ * sequence continues with exactly the bits it would have had. With a tier (kvtier.h), its
+ * blocks are written to disk instead and read back when it is admitted again; a swap that
+ * fails (a full disk, a short read, a checksum) warns and falls back to the recompute.
  *
  * Without the cache (kv = 0), each step recomputes every sequence over its whole length
  * on a cache emptied before and after, as many sequences a pass as the pass holds (a
@@ -48,6 +50,7 @@
 
 #include "kernels/threads.h"
 #include "kvcache.h"
+#include "kvtier.h"
 #include "model.h"
 #include "serve/sampler.h"
 
@@ -71,6 +74,7 @@ struct Request {
     int waited;  /* it waited a step for a prefix being computed */
     Sampler sampler;
     KVCache cache;
+    KVSwapped swapped; /* its cache on the tier while preempted with swap; n_blocks 0 otherwise */
     Request *next; /* in the queue */
     /* its timing, from the start of the first step */
     double first_token_ms; /* when its first token was sampled */
@@ -142,6 +146,7 @@ typedef struct {
     int preemptions;
     long short_team_steps; /* steps run on fewer threads than the team's: the machine was
                             * busy (threads.h's adaptive team) */
+    int swaps, swap_failures; /* preemptions swapped out, and swaps that fell back to recompute */
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;

@@ -1,0 +1,109 @@
+"""The KV cache's disk tier (--kv-offload) with swap preemption: a pool of one context for
+four sequences forces preemptions, and the tokens and logits are the same with the tier,
+with recompute and with a pool that never preempts; the tier is never left behind, an
+existing path is refused, and a file size limit (a full disk's stand-in) warns and falls
+back to recompute. The tier's own bookkeeping and failures are tests/test_kvtier.c's."""
+import os
+import resource
+import signal
+
+import pytest
+
+from conftest import PROMPT, VARIANTS, generate_json, json_one, run
+
+
+def small_pool_args(path):
+    """A generation of 4 sequences over a pool of one full context and half a block."""
+    _, info = json_one([path, "--info", "--kv"])
+    block, blocks = info["kv_block_bytes"], info["context"] // info["kv_block_tokens"]
+    mb = f"{(blocks * block + block // 2) / 2**20:.6f}"
+    return [path, "-p", PROMPT, "--kv", "--batch", 4, "--kv-mem", mb, "-n", 40, "--ignore-eos", "-s", 9]
+
+
+def tokens(sequences):
+    return [(s["index"], s["tokens"]) for s in sequences]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_swap_equals_recompute_and_no_preemption(small_checkpoints, variant, tmp_path):
+    path, _ = small_checkpoints[variant]
+    args = small_pool_args(path)
+    tier = tmp_path / "tier"
+    _, swapped, s = generate_json(args + ["--kv-offload", tier, "-q"])
+    assert not tier.exists()
+    assert s["preemptions"] > 0 and s["tier_swaps"] == s["preemptions"] and s["tier_swap_failures"] == 0, s
+    assert s["tier_blocks_written"] == s["tier_blocks_read"] > 0, s
+    assert s["tier_peak_bytes"] > 0 and s["tier_peak_bytes"] % s["kv_block_bytes"] == 0, s
+    _, recomputed, r = generate_json(args + ["--kv-offload", tmp_path / "unused", "--preempt", "recompute", "-q"])
+    assert r["preemptions"] > 0 and r["tier_swaps"] == r["tier_blocks_written"] == 0, r
+    big = [a for a in args]
+    del big[big.index("--kv-mem"):big.index("--kv-mem") + 2]
+    _, alone, b = generate_json(big + ["-q"])
+    assert b["preemptions"] == 0
+    assert tokens(swapped) == tokens(recomputed) == tokens(alone)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("variant", ["mha", "mla64"])
+def test_check_batch_with_swaps_is_bitwise(small_checkpoints, variant, tmp_path):
+    path, _ = small_checkpoints[variant]
+    code, verdict = json_one(small_pool_args(path) + ["--kv-offload", tmp_path / "tier", "--check-batch"],
+                             check=False)
+    assert code == 0 and verdict["identical"] is True, verdict
+    assert all(r["bitwise_identical"] is True for r in verdict["sequences"]), verdict
+    assert not (tmp_path / "tier").exists()
+
+
+def test_existing_path_is_refused(small_checkpoints, tmp_path):
+    path, _ = small_checkpoints["mqa"]
+    tier = tmp_path / "tier"
+    tier.write_bytes(b"keep me")
+    p = run(small_pool_args(path) + ["--kv-offload", tier, "-q"], check=False)
+    assert p.returncode == 2 and p.stdout == b""
+    err = p.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and "--kv-offload" in err[0], err
+    assert tier.read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("flags", [["--preempt", "often"], ["--preempt", "swap"], ["--kv-offload", "{tier}", "--no-kv"],
+                                   ["--kv-offload", "{tier}", "--window", "32"]])
+def test_bad_flags(small_checkpoints, tmp_path, flags):
+    path, _ = small_checkpoints["mqa"]
+    tier = str(tmp_path / "tier")
+    args = [path, "-p", PROMPT, "-n", 2, "-q"]
+    flags = [f.replace("{tier}", tier) for f in flags]
+    if "--no-kv" in flags:
+        flags.remove("--no-kv")
+    else:
+        args.append("--kv")
+    p = run(args + flags, check=False)
+    assert p.returncode == 2 and len(p.stderr.decode().strip().splitlines()) == 1, p.stderr
+    assert not os.path.exists(tier)
+
+
+def test_file_size_limit_falls_back_to_recompute(small_checkpoints, tmp_path):
+    """RLIMIT_FSIZE of a block and a half, SIGXFSZ ignored: the tier's writes fail as on a
+    full disk; one warning, the swaps recomputed, the same tokens."""
+    path, _ = small_checkpoints["gqa"]
+    args = small_pool_args(path)
+    _, info = json_one([path, "--info", "--kv"])
+    limit = info["kv_block_bytes"] * 3 // 2
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    import json
+    import subprocess
+    from conftest import RUN
+    cmd = [RUN] + [str(a) for a in args] + ["--kv-offload", str(tmp_path / "tier"), "-q", "--json"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limited, timeout=300)
+    assert p.returncode == 0, p.stderr
+    warnings = [l for l in p.stderr.decode().splitlines() if "warning" in l]
+    assert len(warnings) == 1 and "KV tier" in warnings[0], p.stderr
+    objs = [json.loads(l) for l in p.stdout.decode().splitlines()]
+    summary = objs[-1]
+    assert summary["tier_swap_failures"] > 0, summary
+    _, recomputed, _ = generate_json(args + ["--preempt", "recompute", "-q"])
+    assert tokens(objs[:-1]) == tokens(recomputed)
+    assert not any(tmp_path.iterdir())
