@@ -10,7 +10,7 @@ static void row_shape(const Config *c, DType dtype, int *rows, int *width, int *
     *rows = KV_BLOCK_TOKENS * (is_mla ? 1 : 2 * c->n_kv_heads);
     *width = is_mla ? c->kv_latent + c->rope_dim : c->head_dim;
     *split = is_mla ? c->kv_latent : *width;
-    *n_scales = dtype != DTYPE_I8 ? 0 : is_mla ? 2 : 1;
+    *n_scales = !dtype_scaled(dtype) ? 0 : is_mla ? 2 : 1;
 }
 
 /* Bytes of one layer of one block; *scales_offset: where its scales start. */

@@ -186,7 +186,7 @@ static inline __attribute__((always_inline)) v16 row_load(const void *row, const
                                                           DType dt, int split) {
     if (dt == DTYPE_F32) return v16_load_f32((const float *)row + col, n);
     if (dt == DTYPE_BF16) return v16_load_bf16((const bf16 *)row + col, n);
-    const v16 x = v16_load_i8((const int8_t *)row + col, n);
+    const v16 x = dt == DTYPE_F8 ? v16_load_f8((const uint8_t *)row + col, n) : v16_load_i8((const int8_t *)row + col, n);
     /* col + n, not col + 16: an empty tail past a one-part row (n = 0) must not read a second scale */
     if (split >= col + n || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
     if (split <= col) return v16_mul(x, v16_set1(scales[1]));
@@ -195,7 +195,7 @@ static inline __attribute__((always_inline)) v16 row_load(const void *row, const
 }
 
 static inline const float *row_scales(const RowBlocks *r, int b, int i) {
-    return r->dtype == DTYPE_I8 ? r->scales[b] + (size_t)i * r->n_scales : NULL;
+    return dtype_scaled(r->dtype) ? r->scales[b] + (size_t)i * r->n_scales : NULL;
 }
 
 /* out[j] = dot(q, row j as floats, width) * scale for the rows of block b, j < m: 16 rows at
@@ -250,6 +250,7 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
             case DTYPE_F32: dot_rows(o, qh, rows.block[b], rows.stride, m, width, scale); break;
             case DTYPE_BF16: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_BF16); break;
             case DTYPE_I8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I8); break;
+            case DTYPE_F8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_F8); break;
             }
         }
     }
@@ -328,6 +329,7 @@ void weighted_sum_row_blocks(float *out, size_t ld_out, const float *p, size_t l
     case DTYPE_F32: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_F32); break;
     case DTYPE_BF16: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_BF16); break;
     case DTYPE_I8: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_I8); break;
+    case DTYPE_F8: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_F8); break;
     }
 }
 
@@ -339,7 +341,22 @@ static bf16 f32_to_bf16(float x) {
     return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static void quantize_part(int8_t *dst, float *scale, const float *src, int n) {
+/* |y| <= 448 to the nearest e4m3 code, ties to even: codes are ordered like the values
+ * they stand for, so a step past a mantissa's end carries into the exponent. */
+static uint8_t f32_to_e4m3(float y) {
+    const float a = fabsf(y);
+    int e;
+    frexpf(a, &e); /* a = f * 2^e, f in [0.5, 1) */
+    unsigned code;
+    if (a < 0x1p-6f) /* subnormal: steps of 2^-9 */
+        code = (unsigned)nearbyintf(a * 0x1p9f);
+    else /* 8 .. 16 steps of 2^(e - 4) in [2^(e-1), 2^e) */
+        code = (unsigned)(e + 6) * 8 + (unsigned)nearbyintf(ldexpf(a, 4 - e)) - 8;
+    if (code > 126) code = 126;
+    return (uint8_t)(code | (y < 0 ? 0x80u : 0u));
+}
+
+static void quantize_part(void *dst, float *scale, const float *src, int n, DType dtype) {
     float max = 0.0f;
     int finite = 1;
     for (int i = 0; i < n; i++) {
@@ -349,9 +366,15 @@ static void quantize_part(int8_t *dst, float *scale, const float *src, int n) {
         else if (a > max)
             max = a;
     }
-    *scale = !finite ? NAN : max / 127.0f;
-    for (int i = 0; i < n; i++)
-        dst[i] = *scale > 0.0f ? (int8_t)fmaxf(-127.0f, fminf(127.0f, nearbyintf(src[i] / *scale))) : 0;
+    const float top = dtype == DTYPE_F8 ? 448.0f : 127.0f;
+    *scale = !finite ? NAN : max / top;
+    for (int i = 0; i < n; i++) {
+        const float y = *scale > 0.0f ? fmaxf(-top, fminf(top, src[i] / *scale)) : 0.0f;
+        if (dtype == DTYPE_F8)
+            ((uint8_t *)dst)[i] = f32_to_e4m3(y);
+        else
+            ((int8_t *)dst)[i] = (int8_t)nearbyintf(y);
+    }
 }
 
 void row_quantize(void *dst, float *scales, const float *src, int n, int split, DType dtype) {
@@ -360,8 +383,8 @@ void row_quantize(void *dst, float *scales, const float *src, int n, int split, 
     } else if (dtype == DTYPE_BF16) {
         for (int i = 0; i < n; i++) ((bf16 *)dst)[i] = f32_to_bf16(src[i]);
     } else {
-        quantize_part(dst, &scales[0], src, split);
-        if (split < n) quantize_part((int8_t *)dst + split, &scales[1], src + split, n - split);
+        quantize_part(dst, &scales[0], src, split, dtype);
+        if (split < n) quantize_part((int8_t *)dst + split, &scales[1], src + split, n - split, dtype);
     }
 }
 

@@ -16,7 +16,9 @@
 #include "kernels/threads.h"
 
 /* Weights are fp32 or bf16; the KV cache may also hold int8 with a scale per vector. */
-typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_I8 = 2 } DType;
+typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_I8 = 2, DTYPE_F8 = 3 } DType;
+/* int8 and fp8 (e4m3) carry scales */
+static inline int dtype_scaled(DType dt) { return dt == DTYPE_I8 || dt == DTYPE_F8; }
 
 /* A weight matrix [rows][cols] in the checkpoint's dtype (a vector is rows = 1), held in
  * the packed layout that matmul streams through memory in order:
@@ -52,7 +54,9 @@ enum { MAT_CHUNK_BYTES = 64 };
 /* Row n floats of src into dst in dtype: bf16 rounded to nearest even; int8 as
  * round-to-nearest-even(x / scale) with scale = max|x| / 127 per part, parts [0, split) and
  * [split, n) with their scales in scales[0] and scales[1] (split = n: one part). A zero
- * part gets scale 0; a part holding Inf or NaN gets a NaN scale, so it reads back as NaN. */
+ * part gets scale 0; a part holding Inf or NaN gets a NaN scale, so it reads back as NaN.
+ * fp8 (e4m3: 4 exponent bits, bias 7, 3 mantissa bits, largest 448) the same way with
+ * scale = max|x| / 448, x / scale rounded to the nearest e4m3, ties to even. */
 void row_quantize(void *dst, float *scales, const float *src, int n, int split, DType dtype);
 /* The floats a stored row stands for (row_quantize's inverse, as the kernels read it). */
 void row_dequantize(float *dst, const void *row, const float *scales, int n, int split, DType dtype);
@@ -124,17 +128,17 @@ void dot_rows_cat(float *out, int n, float scale, const float *q1, const float *
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width);
 
 /* n rows kept in blocks of block_rows rows (the paged KV cache): row j starts at element
- * (j % block_rows) * stride of block[j / block_rows], in dtype. An int8 row stands for
- * the floats scale * int8 (one IEEE product each), with n_scales scales a row: element c
+ * (j % block_rows) * stride of block[j / block_rows], in dtype. An int8 (fp8) row stands for
+ * the floats scale * int8 (scale * e4m3; one IEEE product each), with n_scales scales a row: element c
  * uses the row's first scale for c < split, its second from split on; block b's rows'
  * scales are scales[b][r * n_scales + part]. block_rows is even. */
 typedef struct {
     const void *const *block;
-    const float *const *scales; /* DTYPE_I8 only */
+    const float *const *scales; /* DTYPE_I8 and DTYPE_F8 only */
     int block_rows;
     size_t stride;
     DType dtype;
-    int n_scales, split; /* DTYPE_I8 only */
+    int n_scales, split; /* DTYPE_I8 and DTYPE_F8 only */
 } RowBlocks;
 /* dot_rows and weighted_sum_rows over such rows for n_heads heads that read the same rows
  * (a GQA group, MQA's or MLA's heads): head h's query (or probabilities) at q + h*ld_q

@@ -28,6 +28,14 @@ static inline float bf16_to_f32(bf16 h) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
+/* e4m3 (bias 7) to float, exactly: its bits moved into a float's places (sign; exponent and
+ * mantissa from bit 20) stand for the value times 2^-120 (a subnormal too), so one exact product. */
+static inline float f8_to_f32(uint8_t x) {
+    const uint32_t u = (uint32_t)(x & 0x80u) << 24 | (uint32_t)(x & 0x7Fu) << 20;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f * 0x1p120f;
+}
 
 #if ISA_AVX512
 #include <immintrin.h>
@@ -48,6 +56,13 @@ static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
 static inline v16 v16_load_i8(const int8_t *p, int n) {
     __m128i b = n >= 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(v16_mask(n), p);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+/* the first n (<= 16) e4m3 values, exactly (f8_to_f32); the rest are 0 */
+static inline v16 v16_load_f8(const uint8_t *p, int n) {
+    const __m512i x = _mm512_cvtepu8_epi32(n >= 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(v16_mask(n), p));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
+                                         _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
 }
 
 #define SIMD_PARTS 1
@@ -193,6 +208,19 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
     return v;
 }
+static inline __m256 f8x8_to_ps(__m128i b) {
+    const __m256i x = _mm256_cvtepu8_epi32(b);
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24),
+                                         _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+}
+static inline v16 v16_load_f8(const uint8_t *p, int n) {
+    uint8_t tmp[16] = {0};
+    if (n < 16) memcpy(tmp, p, (size_t)(n > 0 ? n : 0)), p = tmp;
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    v16 v = {f8x8_to_ps(b), f8x8_to_ps(_mm_srli_si128(b, 8))};
+    return v;
+}
 static inline v16 v16_fma(v16 a, v16 b, v16 acc) {
     acc.lo = _mm256_fmadd_ps(a.lo, b.lo, acc.lo);
     acc.hi = _mm256_fmadd_ps(a.hi, b.hi, acc.hi);
@@ -331,6 +359,11 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
 static inline v16 v16_load_i8(const int8_t *p, int n) {
     v16 v = {{0}};
     for (int l = 0; l < 16 && l < n; l++) v.x[l] = (float)p[l];
+    return v;
+}
+static inline v16 v16_load_f8(const uint8_t *p, int n) {
+    v16 v = {{0}};
+    for (int l = 0; l < 16 && l < n; l++) v.x[l] = f8_to_f32(p[l]);
     return v;
 }
 #define SIMD_PARTS 1

@@ -45,7 +45,7 @@ typedef struct {
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
-    DType kv_dtype;           /* of the cached elements: fp32, bf16 or int8 */
+    DType kv_dtype;           /* of the cached elements: fp32, bf16, int8 or fp8 (e4m3) */
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */
     int window_from_model;    /* window is the model's own (Config's window), no --window given */
     int window_sinks;         /* of them, the first positions kept for good (--window-policy sinks) */
@@ -80,7 +80,7 @@ void cli_usage(FILE *f);
 /* The sink positions --window-policy sinks keeps, as StreamingLLM's default. */
 enum { CLI_WINDOW_SINKS = 4 };
 
-/* "fp32", "bf16" or "int8" */
+/* "fp32", "bf16", "int8" or "fp8" */
 const char *kv_dtype_name(DType dtype);
 
 /* "absorb" or "expand", as --mla spells them */

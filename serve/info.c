@@ -88,19 +88,19 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
     printf("parameters     %zu (%.2f M), %zu bytes of weights (%.2f GiB); loaded %zu bytes\n", f.params, f.params / 1e6,
            f.weight_bytes, f.weight_bytes / gib, f.model_bytes);
     if (c->variant == VARIANT_MLA) {
-        if (dt == DTYPE_I8)
+        if (dtype_scaled(dt))
             printf("KV cache       L*(d_c+d_R+8) = %d*(%d+%d+8)", c->n_layers, c->kv_latent, c->rope_dim);
         else
             printf("KV cache       L*(d_c+d_R)*%zu = %d*(%d+%d)*%zu", es, c->n_layers, c->kv_latent, c->rope_dim, es);
     } else {
-        if (dt == DTYPE_I8)
+        if (dtype_scaled(dt))
             printf("KV cache       2*L*H_kv*(d_h+4) = 2*%d*%d*(%d+4)", c->n_layers, c->n_kv_heads, c->head_dim);
         else
             printf("KV cache       2*L*H_kv*d_h*%zu = 2*%d*%d*%d*%zu", es, c->n_layers, c->n_kv_heads, c->head_dim, es);
     }
     printf(" = %zu bytes/token; %zu bytes (%.2f GiB) at the full %s of %d, %zu bytes for %d sequence%s (%s%s)\n",
            f.per_token, f.kv_full, f.kv_full / gib, o->window ? "window" : "context", f.kept, f.kv_batch, batch,
-           batch > 1 ? "s" : "", kv_dtype_name(dt), dt == DTYPE_I8 ? ", a 4-byte scale a vector" : "");
+           batch > 1 ? "s" : "", kv_dtype_name(dt), dtype_scaled(dt) ? ", a 4-byte scale a vector" : "");
     if (o->window)
         printf("window         %d positions a sequence%s, %d of them sinks kept for good; the rest a ring\n", o->window,
                o->window_from_model ? " (the model's own sliding window: the default of --window)" : "",

@@ -8,7 +8,7 @@ from conftest import PROMPT, VARIANTS, generate_json, json_one, read_logits, run
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "fp8"])
 def test_check_kv_bitwise_for_every_dtype(small_checkpoints, variant, dtype):
     path, _ = small_checkpoints[variant]
     code, check = json_one([path, "-p", PROMPT, "--kv", "--kv-dtype", dtype, "--check-kv", "-n", 30, "--ignore-eos"])
@@ -26,13 +26,14 @@ def dump_logits(path, tmp_path, *args):
 
 def test_dtypes_change_the_numbers_a_little(small_checkpoints, tmp_path):
     """The prompt's logits (the same context for every dtype): a little off fp32's, int8
-    more than bf16."""
+    more than bf16; fp8 (3 mantissa bits) more than bf16 (7)."""
     path, _ = small_checkpoints["gqa"]
     fp32 = dump_logits(path, tmp_path, "-n", 1)
     diffs = {}
-    for dtype in ("bf16", "int8"):
+    for dtype in ("bf16", "int8", "fp8"):
         diffs[dtype] = float(np.abs(fp32 - dump_logits(path, tmp_path, "-n", 1, "--kv-dtype", dtype)).max())
     assert 0 < diffs["bf16"] < diffs["int8"] < 0.1 * float(np.abs(fp32).max()), diffs
+    assert diffs["bf16"] < diffs["fp8"] < 0.1 * float(np.abs(fp32).max()), diffs
 
 
 def test_batch_invariance_with_int8_and_windows(small_checkpoints):
@@ -107,7 +108,7 @@ def test_ppl_through_windows(small_checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--kv", "--kv-dtype", "fp16"], "--kv-dtype takes fp32, bf16 or int8, got 'fp16'"),
+    (["--kv", "--kv-dtype", "fp16"], "--kv-dtype takes fp32, bf16, int8 or fp8, got 'fp16'"),
     (["--kv", "--window", "0"], "--window 0 is out of range (1..1048576)"),
     (["--kv", "--window", "65"], "--window 65 is out of range (1..64, the context)"),
     (["--window", "32"], "--window needs --kv: without the cache every step recomputes the whole sequence"),

@@ -557,7 +557,60 @@ static void test_row_quantize(void **state) {
     assert_true(back[0] == 1.0f && back[1] == 1.0f + 4.0f / 256 && back[2] == -2.5f && isnan(back[3]));
 }
 
-/* Rows stored as bf16 or int8 (two scale parts, meeting inside a 16-lane chunk) give the
+/* e4m3 by its definition (bias 7, 3 mantissa bits, no infinities, 0x7F NaN), from the bits */
+static double e4m3_value(uint8_t c) {
+    const int e = (c >> 3) & 15, m = c & 7;
+    const double v = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
+    return c & 0x80 ? -v : v;
+}
+
+/* fp8: scale = max|x| / 448, every element the nearest e4m3 of x / scale (ties to even),
+ * so within half a step, a step being 2^-3 of its binade (2^-9 below 2^-6); the largest
+ * element is exact; zero and non-finite parts as int8; the loaders widen every code exactly. */
+static void test_row_quantize_fp8(void **state) {
+    uint8_t all[256];
+    float back[256], ones[256];
+    for (int i = 0; i < 256; i++) all[i] = (uint8_t)i, ones[i] = 1.0f;
+    row_dequantize(back, all, ones, 256, 256, DTYPE_F8);
+    for (int i = 0; i < 256; i++)
+        if ((i & 0x7F) != 0x7F) assert_true(back[i] == (float)e4m3_value((uint8_t)i));
+    float x[40], scales[2], out[40];
+    uint8_t q[40];
+    uint64_t seed = 9;
+    for (int i = 0; i < 40; i++) x[i] = test_uniform(&seed) * (i < 24 ? 3.0f : 1e-3f) * (i % 5 ? 1.0f : 1e-4f);
+    row_quantize(q, scales, x, 40, 24, DTYPE_F8);
+    row_dequantize(out, q, scales, 40, 24, DTYPE_F8);
+    float max0 = 0, max1 = 0;
+    for (int i = 0; i < 40; i++) *(i < 24 ? &max0 : &max1) = fmaxf(i < 24 ? max0 : max1, fabsf(x[i]));
+    assert_true(scales[0] == max0 / 448.0f && scales[1] == max1 / 448.0f);
+    for (int i = 0; i < 40; i++) {
+        const float s = scales[i < 24 ? 0 : 1];
+        const double y = fabs(x[i] / s), step = y < 0x1p-6 ? 0x1p-9 : ldexp(1.0, ilogb(y) - 3);
+        assert_true(fabs(out[i] / s - x[i] / s) <= 0.5 * step * 1.0001);
+        assert_true(out[i] == (float)(e4m3_value(q[i]) * s)); /* one product */
+        if (fabsf(x[i]) == (i < 24 ? max0 : max1)) assert_true((q[i] & 0x7F) == 126);
+        /* no nearer code: the neighbours are at least as far */
+        for (int d = -1; d <= 1; d += 2) {
+            const int c = (q[i] & 0x7F) + d;
+            if (c >= 0 && c <= 126) assert_true(fabs(e4m3_value((uint8_t)c) - y) >= fabs(e4m3_value(q[i] & 0x7F) - y));
+        }
+    }
+    /* ties go to the even code: 1 + 1/16 lies between 1 (code 56) and 1 + 1/8 (57) */
+    const float tie[2] = {448.0f, 1.0f + 1.0f / 16};
+    row_quantize(q, scales, tie, 2, 2, DTYPE_F8);
+    assert_true(scales[0] == 1.0f && q[0] == 126 && q[1] == 56);
+    float zero[16] = {0}, bad[16];
+    for (int i = 0; i < 16; i++) bad[i] = -1.0f;
+    bad[3] = NAN;
+    row_quantize(q, scales, zero, 16, 16, DTYPE_F8);
+    row_dequantize(out, q, scales, 16, 16, DTYPE_F8);
+    for (int i = 0; i < 16; i++) assert_true(out[i] == 0.0f && scales[0] == 0.0f);
+    row_quantize(q, scales, bad, 16, 16, DTYPE_F8);
+    row_dequantize(out, q, scales, 16, 16, DTYPE_F8);
+    for (int i = 0; i < 16; i++) assert_true(isnan(out[i]));
+}
+
+/* Rows stored as bf16, int8 or fp8 (two scale parts, meeting inside a 16-lane chunk) give the
  * scores and weighted sums of the floats they stand for, bit for bit, for one head and
  * for two and three reading them at once. */
 static void test_typed_rows_equal_their_floats(void **state) {
@@ -566,10 +619,10 @@ static void test_typed_rows_equal_their_floats(void **state) {
     float floats[N * W], scales[N * 2];
     int8_t i8[N * W];
     bf16 h[N * W];
-    const DType types[] = {DTYPE_BF16, DTYPE_I8};
-    for (size_t k = 0; k < 2; k++) {
+    const DType types[] = {DTYPE_BF16, DTYPE_I8, DTYPE_F8};
+    for (size_t k = 0; k < 3; k++) {
         const DType dt = types[k];
-        void *store = dt == DTYPE_I8 ? (void *)i8 : (void *)h;
+        void *store = dtype_scaled(dt) ? (void *)i8 : (void *)h;
         for (int j = 0; j < N; j++) {
             row_quantize((char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, x + (size_t)j * W, W, SPLIT,
                          dt);
@@ -582,7 +635,7 @@ static void test_typed_rows_equal_their_floats(void **state) {
             blocks[b] = (char *)store + (size_t)b * BLOCK * W * dtype_size(dt);
             block_scales[b] = scales + (size_t)b * BLOCK * 2;
         }
-        const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dt == DTYPE_I8 ? 2 : 0, SPLIT};
+        const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT};
         for (int n = 1; n <= N; n += 9)
             for (int nh = 1; nh <= HEADS; nh++) check_heads_read_alike(rows, floats, W, n, W, nh, q, W, p, N, 0.7f);
     }
@@ -607,6 +660,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_dot_rows_and_weighted_sum),
         cmocka_unit_test(test_row_blocks_equal_contiguous_rows),
         cmocka_unit_test(test_row_quantize),
+        cmocka_unit_test(test_row_quantize_fp8),
         cmocka_unit_test(test_typed_rows_equal_their_floats),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);

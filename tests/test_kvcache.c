@@ -192,7 +192,7 @@ static void test_copy_needs_a_block(void **state) {
     kv_pool_free(&p);
 }
 
-/* int8 and bf16 shrink a token's bytes as the formulas say: 2*L*H_kv*(d_h+4) and
+/* int8, fp8 and bf16 shrink a token's bytes as the formulas say: 2*L*H_kv*(d_h+4) and
  * L*(d_c+d_R+8) with a 4-byte scale a vector, and half of fp32 for bf16. */
 static void test_bytes_per_token_by_dtype(void **state) {
     const struct {
@@ -206,6 +206,8 @@ static void test_bytes_per_token_by_dtype(void **state) {
         {shipped(VARIANT_MLA, 0, 64), DTYPE_BF16, 4 * 80 * 2},
         {shipped(VARIANT_MLA, 0, 64), DTYPE_I8, 4 * (80 + 8)},
         {shipped(VARIANT_MLA, 0, 128), DTYPE_I8, 4 * (144 + 8)},
+        {shipped(VARIANT_MHA, 16, 0), DTYPE_F8, 2 * 4 * 16 * (32 + 4)},
+        {shipped(VARIANT_MLA, 0, 64), DTYPE_F8, 4 * (80 + 8)},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         KVPool p;
