@@ -561,3 +561,26 @@ def test_shape_flags_build_the_model_they_name(data, tmp_path):
     cfg = checkpoint.load(str(out / "last.pt"))["config"]
     assert (cfg["n_layers"], cfg["dim"], cfg["n_heads"], cfg["head_dim"], cfg["n_kv_heads"], cfg["hidden_dim"]) == \
         (1, 32, 2, 16, 1, 48)
+
+
+def test_init_starts_from_a_converted_checkpoint(finished, data, tmp_path):
+    """--init loads the weights (train/convert.py's output here): at learning rate 0 the run's
+    weights stay exactly those of the file."""
+    import export
+    conv = tmp_path / "gqa.bin"
+    p = run_py("convert.py", finished[0] / "best.pt", "gqa", conv, "--dtype", "fp32")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "up"
+    p = run_py("train.py", "--variant", "gqa", *TINY, "--steps", "1", "--lr", "0", "--min-lr", "0",
+               "--data", data, "--out", out, "--init", conv)
+    assert p.returncode == 0, p.stderr
+    want = export.load_engine_checkpoint(str(conv)).state_dict()
+    got = torch.load(out / "last.pt")["model"]
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_init_of_another_variant_is_refused(finished, data, tmp_path):
+    p = run_py("train.py", "--variant", "gqa", *TINY, "--steps", "1", "--data", data, "--out", tmp_path / "x",
+               "--init", finished[0] / "best.pt")
+    assert_one_line_error(p, "--init", "mha model, not gqa")

@@ -234,6 +234,8 @@ def main():
                          "(a resumed run keeps the precision it started with)")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/last.pt")
+    ap.add_argument("--init", metavar="CKPT", help="start from these weights (an engine .bin or a train.py .pt of "
+                    "the same variant and shape, e.g. from train/convert.py) instead of random ones")
     ap.add_argument("--force", action="store_true", help="start afresh in an OUT that holds an earlier run")
     ap.add_argument("--small", action="store_true", help="tiny model for smoke tests")
     shape = ap.add_argument_group("the model's shape, for a model other than the protocol's (a speculative "
@@ -341,6 +343,15 @@ def main():
         with open(log_path, "w") as f:
             f.writelines(kept)
     else:
+        if args.init:
+            import export  # noqa: E402
+            try:
+                init = export.load_input(args.init)[0]
+                if init.cfg.variant != cfg.variant:
+                    raise ValueError(f"a {init.cfg.variant} model, not {cfg.variant}")
+                model.load_state_dict(init.state_dict())   # strict: a model of another shape is refused
+            except (OSError, ValueError, RuntimeError) as e:
+                sys.exit(f"train.py: --init: {args.init}: {' '.join(str(e).split())[:160]}")
         with open(log_path, "w") as f:
             f.write("step,minutes,tokens,lr,train_loss,val_loss\n")
     bf16 = precision == "bf16"
