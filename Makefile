@@ -31,7 +31,7 @@ ENGINE = $(KERNELS) $(MODEL) $(SERVE)
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/tokenizer/spm_c.o
 HEADERS = $(wildcard *.h kernels/*.h serve/*.h tokenizer/*.h)
 
-.PHONY: all test test-unit test-isa test-py bench clean demo FORCE
+.PHONY: all test test-unit test-isa test-py bench clean demo report FORCE
 all: run
 
 $(B)/%.o: %.c $(HEADERS) | $(B)
@@ -114,3 +114,20 @@ demo: run
 # make fuzz, make test-asan, make valgrind (docs/ROBUSTNESS.md)
 include fuzz/fuzz.mk fuzz/asan.mk
 include bench/bench.mk
+
+# One page of the five variants on one prompt (the gqa run's steps, every variant's heads
+# side by side) and a --prompts run's pool: build/report.html, self-contained.
+R := build/report
+report: run build/roofline
+	@mkdir -p $(R)
+	build/roofline --mib 64 --reps 3 --flop-seconds 0.05 > $(R)/roofline.txt
+	for v in mha gqa mqa mla64 mla128; do \
+	  ./run weights/$$v.bin -p "Once upon a time" -k 1 -n 60 --kv -q --json --profile \
+	    --profile-peaks $(R)/roofline.txt --log $(R)/$$v.csv --dump-attn $(R)/$$v.attn \
+	    --dump-attn-layers 0 > $(R)/$$v.json || exit 1; done
+	./run weights/gqa.bin --prompts docs/prompts.txt --batch 3 -n 40 --kv -q --json --profile \
+	  --log $(R)/pool.csv > $(R)/pool.json
+	$(PYTHON) tools/report.py --json $(R)/gqa.json --log $(R)/gqa.csv --pool-log $(R)/pool.csv \
+	  --pool-title "gqa, docs/prompts.txt through 3 slots" \
+	  $(foreach v,mha gqa mqa mla64 mla128,--attn $(v)=$(R)/$(v).attn) --out build/report.html
+	@echo "report: build/report.html"

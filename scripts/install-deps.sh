@@ -11,6 +11,7 @@ PACKAGES=(
                                         # the reference BLAS's few): training without bf16 instructions
   clang libclang-rt-14-dev              # libFuzzer and sanitizers (make fuzz, make test-asan)
   valgrind
+  chromium                              # tests/test_report.py opens make report's page headless
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

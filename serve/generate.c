@@ -178,7 +178,11 @@ static void report_step(Generation *g, const StepResult *st) {
         else
             fputs("-1,-1,", g->log_csv);
         fprintf(g->log_csv, "%.4f", st->ms);
-        if (g->profile) profile_csv_row(g->log_csv, g->profile);
+        if (g->profile) { /* and the pool after the step: its blocks in use, and those held by several sequences */
+            profile_csv_row(g->log_csv, g->profile);
+            const KVPool *pool = g->sch->pool;
+            fprintf(g->log_csv, ",%d,%d", g->sch->kv ? kv_blocks_in_use(pool) : 0, g->sch->kv ? pool->shared_blocks : 0);
+        }
         fputc('\n', g->log_csv);
         check_written(g->log_csv, g->o->log_path); /* a line at a time: a stopped run leaves whole lines */
     }
@@ -516,7 +520,10 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     if (o->log_path) {
         g.log_csv = open_output(o->log_path, o, NULL);
         fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms");
-        if (o->profile) profile_csv_header(g.log_csv);
+        if (o->profile) {
+            profile_csv_header(g.log_csv);
+            fputs(",kv_blocks,kv_shared_blocks", g.log_csv);
+        }
         fputc('\n', g.log_csv);
         check_written(g.log_csv, o->log_path);
     }

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One run of ./run as a single self-contained HTML page: per-step latency against
-position, the time split per component, and attention heatmaps per head.
+position, the time split per component, each step's roofline position, the KV pool over
+time of a --prompts run, and attention heatmaps per head (several variants side by side).
 
     ./run weights/gqa.bin -p "Once upon a time" -n 100 --kv -q --json --profile \\
           --log steps.csv --dump-attn attn.bin > run.json
@@ -156,6 +157,89 @@ def split_plot(profile):
     return png(fig)
 
 
+def roofline_plot(rows, profile):
+    """Each step as a point: its FLOPs per byte read (weights + KV cache) against its
+    achieved GFLOP/s, under the machine's roofs when the run had --profile-peaks."""
+    flops = np.array([float(r["flops"]) for r in rows])
+    nbytes = np.array([float(r["weight_bytes"]) + float(r["kv_bytes"]) for r in rows])
+    ms = np.array([float(r["ms"]) for r in rows])
+    ok = (nbytes > 0) & (ms > 0)
+    x, y = flops[ok] / nbytes[ok], flops[ok] / ms[ok] / 1e6
+    decode = np.array([r["phase"] == "decode" for r in rows])[ok]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.loglog(x[decode], y[decode], ".", ms=4, alpha=0.6, label="decode steps")
+    ax.loglog(x[~decode], y[~decode], "o", ms=6, label="prefill / mixed steps")
+    bw, peak = (profile or {}).get("peak_GBps"), (profile or {}).get("peak_GFLOPs")
+    if bw and peak:
+        ai = np.logspace(np.log10(min(x.min(), peak / bw) / 2), np.log10(max(x.max(), peak / bw) * 2), 100)
+        ax.loglog(ai, np.minimum(bw * ai, peak), "k-", lw=1, label=f"roofs: {bw:.1f} GB/s, {peak:.1f} GFLOP/s")
+    else:
+        ax.set_title("(no roofs: the run had no --profile-peaks)", fontsize=8, loc="right")
+    ax.set_xlabel("FLOPs per byte read (weights + KV cache)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title("Roofline position of each step", loc="left")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return png(fig)
+
+
+def pool_plot(rows):
+    """The KV pool after each step: blocks in use, and those shared by a common prefix."""
+    x = [int(r["step"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.step(x, [int(r["kv_blocks"]) for r in rows], where="post", label="blocks in use")
+    ax.step(x, [int(r["kv_shared_blocks"]) for r in rows], where="post", label="blocks shared")
+    ax2 = ax.twinx()
+    ax2.step(x, [int(r["sequences"]) for r in rows], where="post", color="gray", lw=0.8, alpha=0.6,
+             label="sequences in the step")
+    ax2.set_ylabel("sequences")
+    ax.set_xlabel("step")
+    ax.set_ylabel("blocks")
+    ax.set_title("KV pool over time")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="upper right", fontsize=8)
+    return png(fig)
+
+
+def variants_side_by_side(dumps, layer, sequence):
+    """The heads of layer `layer` for each variant's dump, one column a variant: the same
+    prompt seen through each variant's attention. Rows are heads (as many as the widest)."""
+    mats = []
+    for name, (header, records) in dumps:
+        mine = [r for r in records if r[2] == layer and r[1] == sequence]
+        if not mine:
+            raise ReportError(f"{name}: the dump has no records of layer {layer} and sequence {sequence}")
+        heads = sorted({r[3] for r in mine})
+        positions = sorted({r[4] for r in mine})
+        width = max(len(r[5]) for r in mine)
+        per_head = []
+        for h in heads:
+            m = np.full((len(positions), width), np.nan, dtype=np.float32)
+            for r in mine:
+                if r[3] == h:
+                    m[positions.index(r[4]), :len(r[5])] = r[5]
+            per_head.append((h, m))
+        mats.append((name, per_head))
+    n_rows = max(len(ph) for _, ph in mats)
+    fig, axes = plt.subplots(n_rows, len(mats), figsize=(2.0 * len(mats), 1.4 * n_rows), squeeze=False)
+    for col, (name, per_head) in enumerate(mats):
+        axes[0][col].set_title(name, fontsize=10, fontweight="bold")
+        for row in range(n_rows):
+            ax = axes[row][col]
+            if row >= len(per_head):
+                ax.axis("off")
+                continue
+            h, m = per_head[row]
+            ax.imshow(m, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, vmax=np.nanmax(m))
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_ylabel(f"head {h}", fontsize=7)
+    fig.suptitle(f"Attention weights, layer {layer}, sequence {sequence}: query rows, key columns")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / n_rows))
+    return png(fig)
+
+
 def heatmaps(header, records, layer, sequence):
     """One heatmap per head: the attention weights of every recorded query position (rows)
     over its keys (columns) in layer `layer` of sequence `sequence`."""
@@ -218,14 +302,29 @@ def build(args):
         sections.append(("Per-step latency", img(latency_plot(rows), "per-step latency")))
         if all(f"{p}_ms" in rows[0] for p in PARTS):
             sections.append(("Time per component, each step", img(parts_plot(rows), "parts per step")))
-    if args.attn:
-        header, records = read_dump(args.attn)
+            sections.append(("Roofline position of each step",
+                             img(roofline_plot(rows, summary.get("profile") if args.json else None), "roofline")))
+    if args.pool_log:
+        rows = read_log(args.pool_log)
+        if "kv_blocks" not in rows[0]:
+            raise ReportError(f"{args.pool_log}: no kv_blocks column: the --log of a --prompts run with --profile?")
+        sections.append(("KV pool over time" + (f" ({args.pool_title})" if args.pool_title else ""),
+                         img(pool_plot(rows), "pool over time")))
+    dumps = [(a.split("=", 1) if "=" in a else (a, a)) for a in args.attn]
+    if len(dumps) == 1:
+        header, records = read_dump(dumps[0][1])
         layers = [args.layer] if args.layer is not None else sorted({r[2] for r in records})
         for layer in layers:
             sections.append((f"Attention weights, layer {layer}",
                              img(heatmaps(header, records, layer, args.sequence), f"attention layer {layer}")))
+    elif dumps:
+        loaded = [(name, read_dump(path)) for name, path in dumps]
+        layers = [args.layer] if args.layer is not None else sorted({r[2] for r in loaded[0][1][1]})
+        for layer in layers:
+            sections.append((f"Attention weights per head, the variants side by side, layer {layer}",
+                             img(variants_side_by_side(loaded, layer, args.sequence), f"variants layer {layer}")))
     if not sections:
-        raise ReportError("nothing to report: give --json, --log or --attn")
+        raise ReportError("nothing to report: give --json, --log, --pool-log or --attn")
     return page(title, sections)
 
 
@@ -233,7 +332,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="the run's --json output (one object a line)")
     ap.add_argument("--log", help="the run's --log CSV (with --profile: the parts of each step)")
-    ap.add_argument("--attn", help="the run's --dump-attn file")
+    ap.add_argument("--attn", action="append", default=[],
+                    help="a --dump-attn file, or NAME=FILE; given several times, the variants side by side")
+    ap.add_argument("--pool-log", help="the --log CSV (with --profile) of a --prompts run: the pool over time")
+    ap.add_argument("--pool-title", help="what the --pool-log run was, for its heading")
     ap.add_argument("--layer", type=int, help="the layer whose heads to draw (default: every layer recorded)")
     ap.add_argument("--sequence", type=int, default=0, help="the sequence whose weights to draw (default 0)")
     ap.add_argument("--out", required=True, help="the HTML file to write")
