@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "serve/draft.h"
 #include "serve/sampler.h"
 #include "testutil.h"
 
@@ -270,6 +271,32 @@ static void test_speculative_greedy(void **state) {
     sampler_free(&s);
 }
 
+/* Prompt lookup: the longest suffix (up to NGRAM_MAX) found earlier, its most recent
+ * occurrence, and up to k of the tokens that followed it. */
+static void test_draft_ngram(void **state) {
+    int out[8];
+    /* ... 5 6 7 9 ... 6 7 8 1 2 ... 6 7: the 2-gram "6 7" last occurs at 5, so 8 1 2 */
+    const int a[] = {5, 6, 7, 9, 4, 6, 7, 8, 1, 2, 3, 6, 7};
+    assert_int_equal(draft_ngram(a, 13, 3, out), 3);
+    assert_int_equal(out[0], 8);
+    assert_int_equal(out[1], 1);
+    assert_int_equal(out[2], 2);
+    /* a 3-gram beats a more recent 1-gram: "1 2 3" at 0 is followed by 4 */
+    const int b[] = {1, 2, 3, 4, 5, 3, 9, 1, 2, 3};
+    assert_int_equal(draft_ngram(b, 10, 2, out), 2);
+    assert_int_equal(out[0], 4);
+    assert_int_equal(out[1], 5);
+    /* the draft stops at the end of the sequence: "7" at 1 is followed by 8 and 7 only */
+    const int c[] = {6, 7, 8, 7};
+    assert_int_equal(draft_ngram(c, 4, 5, out), 2);
+    assert_int_equal(out[0], 8);
+    assert_int_equal(out[1], 7);
+    /* no match, and too short a sequence: an empty draft */
+    const int d[] = {1, 2, 3, 4};
+    assert_int_equal(draft_ngram(d, 4, 4, out), 0);
+    assert_int_equal(draft_ngram(d, 1, 4, out), 0);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     (void)argv;
@@ -284,6 +311,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_top_k_then_top_p_then_temperature),
         cmocka_unit_test(test_speculative_sampling_follows_the_target),
         cmocka_unit_test(test_speculative_greedy),
+        cmocka_unit_test(test_draft_ngram),
     };
     return cmocka_run_group_tests_name("sampler", tests, NULL, NULL);
 }
