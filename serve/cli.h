@@ -42,6 +42,8 @@ typedef struct {
     float kv_mem_mb; /* the KV pool's size in MiB; 0 = enough for `batch` full contexts */
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
+    int draft;   /* --draft ngram: speculative decoding with prompt lookup (greedy) */
+    int draft_k; /* --draft-k: draft tokens a pass, 1..16 */
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
     DType kv_dtype;           /* of the cached elements: fp32, bf16 or int8 */
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */

@@ -323,6 +323,11 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
         fprintf(out, "stop: %s\n", stop_name(g->list->requests[0].stop));
     else
         print_stops(out, f), fputc('\n', out);
+    if (sch->draft_k)
+        fprintf(out,
+                "speculation: ngram, k %d | %ld draft tokens, %ld accepted (%.1f%%) | %.2f tokens a verifying pass\n",
+                sch->draft_k, sch->drafted, sch->accepted, sch->drafted ? 100.0 * sch->accepted / sch->drafted : 0.0,
+                sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0);
     if (disturbed(f))
         fprintf(out,
                 "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
@@ -417,6 +422,11 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     printf(", \"preemptions\": %d, \"stops\": {\"eos\": %d, \"steps\": %d, "
            "\"context_full\": %d, \"interrupted\": %d}",
            sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
+    printf(", \"draft\": %s, \"draft_k\": %d, \"draft_tokens\": %ld, \"draft_accepted\": %ld, "
+           "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f",
+           sch->draft_k ? "\"ngram\"" : "null", sch->draft_k, sch->drafted, sch->accepted,
+           sch->drafted ? (double)sch->accepted / sch->drafted : 0.0,
+           sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0);
     if (g->profile) profile_json(g->profile);
     json_end();
 }
