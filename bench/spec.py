@@ -48,10 +48,16 @@ def cell(base, extra, reps, what):
 def verify_ratio(model_args, ks, reps, threads, what):
     """{K: median prefill ms of K+1 positions / median cached step ms}."""
     out = {}
+    shape = model_args[0] == "--shape"
     for k in ks:
-        prompt = " a" * k  # BOS and k tokens: K+1 positions in one pass
-        base = model_args + ["-p", prompt, "-k", 1, "-n", 8, "--kv", "--ignore-eos", "-q", "--threads", threads]
-        _, med = cell(base, [], reps, f"{what} verify K={k}")
+        # K+1 positions in one pass: BOS and k tokens; generated weights take token ids, and
+        # when they get no BOS one id more
+        for n in (k, k + 1):
+            prompt = " ".join(["5"] * n) if shape else " a" * n
+            base = model_args + ["-p", prompt, "-k", 1, "-n", 8, "--kv", "--ignore-eos", "-q", "--threads", threads]
+            _, med = cell(base, [], reps, f"{what} verify K={k}")
+            if med["prefill_tokens"] >= k + 1:
+                break
         if med["prefill_tokens"] != k + 1:
             raise BenchError(f"{what}: the prompt {prompt!r} is {med['prefill_tokens']} positions, not {k + 1}")
         out[k] = med["prefill_ms"] / med["step_ms_median"]
