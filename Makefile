@@ -26,7 +26,7 @@ KERNELS = kernels/kernels.c kernels/threads.c kernels/fileio.c kernels/utf8.c
 MODEL = model.c attention.c kvcache.c kvtier.c loader.c shape.c
 SERVE = serve/scheduler.c serve/sampler.c serve/session.c serve/generate.c serve/check.c serve/ppl.c serve/info.c \
   serve/cli.c serve/output.c serve/json.c serve/textfile.c serve/version.c \
-  serve/profile.c serve/attn_dump.c serve/indexlist.c
+  serve/profile.c serve/attn_dump.c serve/indexlist.c serve/draft.c
 ENGINE = $(KERNELS) $(MODEL) $(SERVE)
 ENGINE_OBJS = $(ENGINE:%.c=$(B)/%.o) $(B)/tokenizer/spm_c.o
 HEADERS = $(wildcard *.h kernels/*.h serve/*.h tokenizer/*.h)

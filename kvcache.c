@@ -138,6 +138,12 @@ int kv_reserve(KVCache *cache, int new_len) {
     return 0;
 }
 
+void kv_truncate(KVCache *cache, int len) {
+    const int keep = kv_blocks_for(len);
+    while (cache->n_blocks > keep) release_block(cache->pool, cache->blocks[--cache->n_blocks]);
+    cache->len = len;
+}
+
 void kv_share_prefix(KVCache *dst, const KVCache *src, int len) {
     kv_reset(dst);
     for (int i = 0; i < kv_blocks_for(len); i++) {

@@ -98,6 +98,11 @@ void kv_reset(KVCache *cache);
  * block that holds position len. Returns -1, changing nothing, when new_len is past
  * max_len or the pool has too few free blocks. */
 int kv_reserve(KVCache *cache, int new_len);
+/* Rolls the cache back to its first len positions (len <= cache->len; no window): blocks
+ * past them go back to the pool, and a shared block that still holds position len is
+ * copied by the next kv_reserve before it is written. Speculative decoding drops the
+ * positions of rejected draft tokens with it. */
+void kv_truncate(KVCache *cache, int len);
 /* Blocks a reservation up to new_len would take from the pool (copies included). */
 int kv_blocks_needed(const KVCache *cache, int new_len);
 /* dst (empty, same pool, no window) shares src's positions [0, len): it holds len

@@ -7,6 +7,7 @@
 #   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
 #   make bench-offload                           the KV tier: swap against recompute (bench/offload.py)
 #   make bench-scale                             a 1.1B shape's MHA/GQA/MQA/MLA twins, contexts 512 to 32k (bench/scale.py)
+#   make bench-spec                              speculative decoding against plain cached decoding (bench/spec.py)
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)
 # BENCH_THREADS      threads for the engine, PyTorch and the roofline probe (default: empty = all cores)
@@ -33,7 +34,7 @@ _bench_knobs = --cc "$(CC)" $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THR
   $(if $(strip $(BENCH_BATCHES)),--batches $(BENCH_BATCHES)) \
   $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
-.PHONY: bench bench-quick bench-scale bench-offload quality
+.PHONY: bench bench-quick bench-scale bench-offload bench-spec quality
 bench: run build/roofline
 	$(PYTHON) bench/bench.py $(if $(strip $(BENCH_PT_REPS)),--pt-reps $(BENCH_PT_REPS)) $(_bench_knobs)
 	$(if $(filter 1,$(BENCH_SCALE)),$(PYTHON) bench/scale.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)))
@@ -64,3 +65,7 @@ build/roofline: bench/roofline.c
 	$(CC) -O3 -march=native -fopenmp -std=c11 $< -o $@
 
 .DEFAULT_GOAL := $(_bench_default_goal)
+
+# speculative decoding (issue 43): speedup, acceptance and verify cost by K, batch 1, 16, 64
+bench-spec: run
+	$(PYTHON) bench/spec.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT))

@@ -62,6 +62,8 @@ void cli_usage(FILE *f) {
           "      --check-kv        greedy runs with and without the cache: the same tokens, bitwise the same\n"
           "                        logits? Exit 1 when not\n"
           "      --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
+          "      --draft ngram     with --kv, greedy: speculative decoding, drafts by prompt lookup\n"
+          "      --draft-k K       draft tokens verified a pass, 1..16 (default 4)\n"
           "      --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
           "                        by <|endoftext|> lines), each story scored in windows of the context\n"
           "      --info            configuration, parameters and KV cache sizes\n"
@@ -117,6 +119,8 @@ enum {
     OPT_IGNORE_EOS,
     OPT_CHECK_KV,
     OPT_CHECK_BATCH,
+    OPT_DRAFT,
+    OPT_DRAFT_K,
     OPT_PPL,
     OPT_INFO,
     OPT_VERSION,
@@ -162,6 +166,8 @@ static const struct option LONG_OPTIONS[] = {
     {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
     {"check-kv", no_argument, NULL, OPT_CHECK_KV},
     {"check-batch", no_argument, NULL, OPT_CHECK_BATCH},
+    {"draft", required_argument, NULL, OPT_DRAFT},
+    {"draft-k", required_argument, NULL, OPT_DRAFT_K},
     {"ppl", required_argument, NULL, OPT_PPL},
     {"info", no_argument, NULL, OPT_INFO},
     {"help", no_argument, NULL, 'h'},
@@ -368,6 +374,14 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case OPT_IGNORE_EOS: o->ignore_eos = 1; break;
         case OPT_CHECK_KV: o->check_kv = 1; break;
         case OPT_CHECK_BATCH: o->check_batch = 1; break;
+        case OPT_DRAFT:
+            if (strcmp(v, "ngram") != 0)
+                rc = errmsg(err, errlen, 2, "--draft takes ngram (a draft model is not supported yet), got '%s'", v);
+            o->draft = 1;
+            break;
+        case OPT_DRAFT_K:
+            if (!(rc = parse_long(flag, v, 1, 16, &n, err, errlen))) o->draft_k = (int)n;
+            break;
         case OPT_PPL: o->ppl_path = v; break;
         case OPT_INFO: o->info = 1; break;
         case OPT_PROFILE:
@@ -398,6 +412,13 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->prompt_given = prompt_flags != 0;
     if (o->quiet && o->verbose) return errmsg(err, errlen, 2, "-q and -v cannot be combined");
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
+    if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram");
+    if (o->draft && !o->draft_k) o->draft_k = 4;
+    if (o->draft && (!o->kv || o->window || o->ppl_path || o->info || o->check_kv || o->check_batch))
+        return errmsg(err, errlen, 2, "--draft speculates on the cache: it needs --kv and takes no %s",
+                      !o->kv ? "run without it" : o->window ? "--window (a ring cannot be rolled back)" : "other mode");
+    if (o->draft && o->top_k != 1 && o->temperature != 0.0f)
+        return errmsg(err, errlen, 2, "--draft is greedy only for now: give -k 1 or -t 0");
     if (o->prompts_path && o->prompt_given)
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");

@@ -44,6 +44,8 @@ typedef struct {
     int preempt_swap;       /* --preempt: 1 swap to the tier, 0 recompute; -1 not given */
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
+    int draft;   /* --draft ngram: speculative decoding with prompt lookup (greedy) */
+    int draft_k; /* --draft-k: draft tokens a pass, 1..16 */
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
     DType kv_dtype;           /* of the cached elements: fp32, bf16, int8 or fp8 (e4m3) */
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */

@@ -327,6 +327,11 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
         fprintf(out, "stop: %s\n", stop_name(g->list->requests[0].stop));
     else
         print_stops(out, f), fputc('\n', out);
+    if (sch->draft_k)
+        fprintf(out,
+                "speculation: ngram, k %d | %ld draft tokens, %ld accepted (%.1f%%) | %.2f tokens a verifying pass\n",
+                sch->draft_k, sch->drafted, sch->accepted, sch->drafted ? 100.0 * sch->accepted / sch->drafted : 0.0,
+                sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0);
     if (disturbed(f))
         fprintf(out,
                 "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
@@ -436,6 +441,11 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            "\"tier_blocks_read\": %ld, \"tier_peak_bytes\": %zu, \"tier_wait_ms_total\": %.3f",
            sch->swaps, sch->swap_failures, t->blocks_written, t->blocks_read, t->block_bytes * (size_t)t->peak_slots,
            t->wait_ms);
+    printf(", \"draft\": %s, \"draft_k\": %d, \"draft_tokens\": %ld, \"draft_accepted\": %ld, "
+           "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f",
+           sch->draft_k ? "\"ngram\"" : "null", sch->draft_k, sch->drafted, sch->accepted,
+           sch->drafted ? (double)sch->accepted / sch->drafted : 0.0,
+           sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0);
     if (g->profile) profile_json(g->profile);
     json_end();
 }

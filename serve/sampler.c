@@ -111,3 +111,40 @@ int sampler_sample(Sampler *s, const float *logits) {
     }
     return s->top[n - 1].index; /* rounding */
 }
+
+void sampler_probs(Sampler *s, const float *logits, float *probs) {
+    for (int i = 0; i < s->vocab_size; i++) probs[i] = 0.0f;
+    if (s->top_k == 1 || s->temperature == 0.0f) {
+        probs[sampler_argmax(logits, s->vocab_size)] = 1.0f;
+        return;
+    }
+    select_top_k(s->top, s->top_k, logits, s->vocab_size);
+    const int n = top_p_count(s->top, s->top_k, s->top_p);
+    const float max = s->top[0].value;
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += probs[s->top[i].index] = expf((s->top[i].value - max) / s->temperature);
+    for (int i = 0; i < n; i++) probs[s->top[i].index] /= sum;
+}
+
+int sampler_draw(Sampler *s, const float *probs) {
+    float sum = 0.0f, cdf = 0.0f;
+    int last = 0;
+    for (int i = 0; i < s->vocab_size; i++) sum += probs[i];
+    const float r = sampler_random_f32(&s->rng_state) * sum;
+    for (int i = 0; i < s->vocab_size; i++) {
+        if (probs[i] <= 0.0f) continue;
+        cdf += probs[i];
+        last = i;
+        if (r < cdf) return i;
+    }
+    return last; /* rounding */
+}
+
+int sampler_accept(Sampler *s, const float *p, const float *q, int x, float *residual, int *accepted) {
+    /* q[x] > 0 since x was drawn from q; r < p/q without dividing, and never for p[x] = 0 */
+    *accepted = p[x] > 0.0f && (p[x] >= q[x] || sampler_random_f32(&s->rng_state) * q[x] < p[x]);
+    if (*accepted) return x;
+    float sum = 0.0f;
+    for (int i = 0; i < s->vocab_size; i++) sum += residual[i] = p[i] > q[i] ? p[i] - q[i] : 0.0f;
+    return sum > 0.0f ? sampler_draw(s, residual) : sampler_draw(s, p); /* p = q: only by rounding */
+}

@@ -31,4 +31,18 @@ int sampler_argmax(const float *logits, int n); /* the first index of the maximu
 int sampler_sample(Sampler *s, const float *logits);
 float sampler_random_f32(uint64_t *state); /* uniform in [0, 1) */
 
+/* The distribution sampler_sample draws from, over the whole vocabulary: zero outside the
+ * tokens top-k and top-p keep, softmax at the temperature inside; greedy: one-hot at the
+ * argmax. Speculative decoding transforms draft and target logits by the same sampler
+ * settings, so that acceptance compares the two distributions the tokens come from. */
+void sampler_probs(Sampler *s, const float *logits, float *probs);
+/* Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): draft token x was drawn
+ * from q; it is kept with probability min(1, p[x] / q[x]), else a token is drawn from
+ * max(0, p - q) normalized. Either way the token returned follows p exactly. *accepted
+ * says which; residual: (vocab_size) scratch. With one-hot p and q (greedy) x is kept
+ * exactly when it is the target's argmax, which is returned otherwise. */
+int sampler_accept(Sampler *s, const float *p, const float *q, int x, float *residual, int *accepted);
+/* A draw from probs (vocab_size, summing to about 1). */
+int sampler_draw(Sampler *s, const float *probs);
+
 #endif /* SAMPLER_H */

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "kernels/timer.h"
+#include "serve/draft.h"
 
 struct SchedulerRun {
     Scheduler *sch;
@@ -35,7 +36,8 @@ struct SchedulerRun {
     StepRow *rows; /* (max_tokens) */
     int n_rows;
     float *logits;    /* (max_tokens, vocab_size) */
-    int *sample_rows; /* (max_batch) the rows the step samples from */
+    int *sample_rows; /* (max_batch * (1 + draft_k)) the rows the step samples from */
+    int *drafts;      /* (max_batch * draft_k) the step's draft tokens, draft_k a slot */
     int n_sample;
     Request **finished; /* (max_batch) */
     int rc;             /* of the step's passes: 0, or model.h's error */
@@ -220,6 +222,15 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         Request *r = run->running[i];
         const int from = r->cache.len, want = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
         const int count = want > 1 ? min_int(want, budget) : want;
+        /* a decoding sequence's drafts follow its last token, if the context and the pool
+         * have room for them (kv_reserve changes nothing when it has not) */
+        int *draft = run->drafts + (size_t)i * sch->draft_k, d = 0;
+        if (sch->draft_k && count == 1 && r->generated > 0 && !r->score) {
+            d = draft_ngram(r->tokens, r->n_tokens,
+                            min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens), draft);
+            if (d > 0 && kv_reserve(&r->cache, r->n_tokens + d) != 0) d = 0;
+        }
+        r->drafted = d;
         if (count > 1) budget -= count;
         left |= from + count < r->n_tokens;
         run->computed_prompt[i] = r->generated == 0;
@@ -234,10 +245,21 @@ static int lay_out_pass(SchedulerRun *run, int p) {
             run->record_sequence[T] = sch->record_step && (r->generated == 0 || pos + 1 == r->n_tokens) ? r->index : -1;
             if (r->score || (pos + 1 == r->n_tokens)) {
                 if (!r->score) run->sample_rows[run->n_sample++] = run->n_rows;
-                run->rows[run->n_rows++] = (StepRow){r, pos, -1};
+                run->rows[run->n_rows++] = (StepRow){r, pos, -1, d ? draft[0] : -1};
                 run->logit_tokens[n_logits++] = T;
             }
         }
+        for (int j = 0; j < d; j++, T++) { /* the drafts, a row of logits each */
+            run->ids[T] = draft[j];
+            run->caches[T] = &r->cache;
+            run->keys_read += kv_window_length(sch->pool, from + count + j);
+            run->record_sequence[T] = -1;
+            run->sample_rows[run->n_sample++] = run->n_rows;
+            run->rows[run->n_rows++] = (StepRow){r, from + count + j, -1, j + 1 < d ? draft[j + 1] : -1};
+            run->logit_tokens[n_logits++] = T;
+        }
+        run->n_tokens += d;
+        if (d > 0) run->sequence_keys += kv_window_length(sch->pool, from + count + d - 1) - kv_window_length(sch->pool, from + count - 1);
     }
     /* a pass in which every sequence is still inside its prompt reports nothing, but
      * computes at least one row of logits */
@@ -342,8 +364,25 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
         else
             r->decode_ms += step_ms, r->decode_steps++;
     }
+    /* speculation: a sequence's rows after its first draft token the target disagrees
+     * with (or after its end) were computed on a wrong token; they are dropped, the rows
+     * and logits that stay moved up in order */
+    const int V = c->vocab_size;
+    int kept = 0;
+    Request *dropping = NULL;
     for (int k = 0; k < run->n_rows; k++) {
         Request *r = run->rows[k].request;
+        if (r == dropping || (!r->score && r->stop != STOP_NONE)) continue; /* ended at an earlier row */
+        dropping = NULL;
+        if (kept != k) {
+            run->rows[kept] = run->rows[k];
+            memmove(run->logits + (size_t)kept * V, run->logits + (size_t)k * V, (size_t)V * sizeof(float));
+        }
+        kept++;
+        if (run->rows[k].draft >= 0) {
+            const int agrees = run->rows[k].token == run->rows[k].draft && r->stop == STOP_NONE;
+            if (!agrees) dropping = r;
+        }
         if (r->score) {
             if (!sch->kv || r->cache.len == r->n_tokens) r->stop = STOP_STEPS; /* all of it computed */
             continue;
@@ -359,6 +398,17 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
             r->stop = STOP_STEPS;
         else if (!sch->pool->window && r->n_tokens > c->max_seq_len)
             r->stop = STOP_CONTEXT; /* no position left for it */
+        if (run->rows[k].draft >= 0 && r->stop == STOP_NONE && next == run->rows[k].draft) sch->accepted++;
+        if (run->rows[k].draft >= 0 && r->stop != STOP_NONE) dropping = r;
+    }
+    run->n_rows = kept;
+    /* the cache holds every token but the last: the rejected drafts' positions go */
+    for (int i = 0; i < run->n_running; i++) {
+        Request *r = run->running[i];
+        if (!r->drafted) continue;
+        sch->drafted += r->drafted;
+        sch->verify_passes++;
+        if (r->cache.len > r->n_tokens - 1) kv_truncate(&r->cache, r->n_tokens - 1);
     }
     out->n_finished = 0;
     for (int i = 0; i < run->n_running;) {
@@ -433,13 +483,14 @@ int scheduler_init(Scheduler *sch) {
     sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = 0;
     sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
+    sch->drafted = sch->accepted = sch->verify_passes = 0;
     if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)) return -1;
     SchedulerRun *run = calloc(1, sizeof *run);
     if (!run) return -1;
     run->sch = sch;
     sch->run = run;
     run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
-    const int T = scheduler_max_tokens(c, sch->max_batch), B = sch->max_batch;
+    const int B = sch->max_batch, T = scheduler_max_tokens(c, B) + B * sch->draft_k;
     run->running = malloc((size_t)B * sizeof *run->running);
     run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
     run->pass_first = malloc((size_t)(B + 1) * sizeof *run->pass_first);
@@ -449,10 +500,11 @@ int scheduler_init(Scheduler *sch) {
     run->record_sequence = malloc((size_t)T * sizeof *run->record_sequence);
     run->rows = malloc((size_t)T * sizeof *run->rows);
     run->logits = alloc_floats_touched((size_t)T * (size_t)c->vocab_size);
-    run->sample_rows = malloc((size_t)B * sizeof *run->sample_rows);
+    run->sample_rows = malloc((size_t)B * (1 + sch->draft_k) * sizeof *run->sample_rows);
+    run->drafts = malloc((size_t)(B * sch->draft_k + 1) * sizeof *run->drafts);
     run->finished = malloc((size_t)B * sizeof *run->finished);
     if (!run->running || !run->computed_prompt || !run->pass_first || !run->ids || !run->caches || !run->logit_tokens ||
-        !run->record_sequence || !run->rows || !run->logits || !run->sample_rows || !run->finished ||
+        !run->record_sequence || !run->rows || !run->logits || !run->sample_rows || !run->drafts || !run->finished ||
         runstate_init(&run->state, c, T) != 0) {
         scheduler_free(sch);
         return -1;
@@ -510,6 +562,7 @@ void scheduler_free(Scheduler *sch) {
     free(run->rows);
     free(run->logits);
     free(run->sample_rows);
+    free(run->drafts);
     free(run->finished);
     free(run);
     sch->run = NULL;

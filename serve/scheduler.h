@@ -82,6 +82,7 @@ struct Request {
     double decode_ms;      /* its decode steps, summed */
     int decode_steps;
     int preemptions;
+    int drafted; /* draft tokens in this step's pass (speculation) */
 };
 
 /* The prompt tokens one pass computes at most (a sequence's prompt, or its recompute
@@ -96,6 +97,7 @@ typedef struct {
     Request *request;
     int pos;
     int token;
+    int draft; /* speculation: the draft token the pass put at pos + 1, or -1 */
 } StepRow;
 
 /* What one step did. Valid until the next step. */
@@ -132,6 +134,10 @@ typedef struct {
     int top_k;
     float top_p;
     float temperature;
+    int draft_k; /* greedy speculation with prompt lookup (draft.h): up to draft_k draft
+                  * tokens after each decoding sequence's last one, verified in the same
+                  * pass; the longest prefix the target agrees with is kept, the rest of
+                  * the cache rolled back (kv_truncate). 0 = off; needs kv, no window. */
     int fill; /* every request starts at this position, over a cache of generated entries
                * (kvcache.h's kv_fill_generated) that no pass computed: --fill */
     /* set by the caller between steps, NULL when off: */
@@ -148,6 +154,8 @@ typedef struct {
                             * busy (threads.h's adaptive team) */
     int swaps, swap_failures; /* preemptions swapped out, and swaps that fell back to recompute */
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
+    long drafted, accepted; /* speculation: draft tokens verified, and of them accepted */
+    long verify_passes;     /* sequences' passes that verified at least one draft token */
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;
 

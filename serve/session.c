@@ -147,6 +147,7 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options 
                        .top_k = o->top_k,
                        .top_p = o->top_p,
                        .temperature = o->temperature,
+                       .draft_k = o->draft ? o->draft_k : 0,
                        .fill = o->fill};
     if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);
 }

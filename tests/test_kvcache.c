@@ -404,6 +404,97 @@ static void test_scrambled_blocks_window(void **state) {
     kv_pool_free(&p);
 }
 
+/* Rollback (speculative decoding): a verify pass appends K+1 positions, then the cache is
+ * truncated to the accepted ones. Blocks past the new length go back to the pool, the
+ * positions kept are untouched, and the next pass writes at the new length. */
+static void test_truncate_positions_and_blocks(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache a;
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
+    assert_int_equal(kv_init(&a, &p, 64), 0);
+    /* 10 positions, then a verify pass of 5 (positions 10..14), all rejected at the first
+     * draft token: only position 10 (the token the pass verified from) stays */
+    assert_int_equal(kv_reserve(&a, 15), 0);
+    for (int t = 0; t < 15; t++) K(&a, 0, 0, t)[0] = (float)t;
+    a.len = 15;
+    kv_truncate(&a, 11);
+    assert_int_equal(a.len, 11);
+    assert_int_equal(a.n_blocks, 1);
+    assert_int_equal(kv_blocks_in_use(&p), 1);
+    for (int t = 0; t < 11; t++) assert_true(K(&a, 0, 0, t)[0] == (float)t);
+    /* a rejection at a block boundary: positions 11..19 written over two blocks, 16 kept,
+     * so the second block goes back to the pool; 17 would have kept it */
+    assert_int_equal(kv_reserve(&a, 20), 0);
+    assert_int_equal(a.n_blocks, 2);
+    const int second = a.blocks[1];
+    a.len = 20;
+    kv_truncate(&a, 17);
+    assert_int_equal(a.n_blocks, 2);
+    assert_int_equal(p.refs[second], 1);
+    kv_truncate(&a, 16);
+    assert_int_equal(a.n_blocks, 1);
+    assert_int_equal(p.refs[second], 0);
+    assert_int_equal(p.n_free, 3);
+    /* the next pass reserves again from the new length: one block, then writes at 16 */
+    assert_int_equal(kv_blocks_needed(&a, 18), 1);
+    assert_int_equal(kv_reserve(&a, 18), 0);
+    assert_int_equal(a.n_blocks, 2);
+    kv_truncate(&a, 0);
+    assert_int_equal(a.n_blocks, 0);
+    assert_int_equal(p.n_free, 4);
+    kv_free(&a);
+    assert_int_equal(p.n_free, 4);
+    kv_pool_free(&p);
+}
+
+/* Rollback into a shared prefix: dropping a shared block lowers its count (and the
+ * sharing figures), and writing again into a still-shared block copies it first, so the
+ * sequence it shares with never sees the rolled-back or the new positions. */
+static void test_truncate_shared_prefix(void **state) {
+    Config c = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache a, b;
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 8), 0);
+    assert_int_equal(kv_init(&a, &p, 64), 0);
+    assert_int_equal(kv_init(&b, &p, 64), 0);
+    assert_int_equal(kv_reserve(&a, 20), 0);
+    for (int t = 0; t < 20; t++) K(&a, 2, 0, t)[0] = (float)t;
+    a.len = 20;
+    kv_share_prefix(&b, &a, 20);
+    assert_int_equal(p.shared_blocks, 2);
+    /* b verifies 6 drafts at 20..25: its second block is copied before the write */
+    assert_int_equal(kv_reserve(&b, 26), 0);
+    assert_int_not_equal(b.blocks[1], a.blocks[1]);
+    for (int t = 20; t < 26; t++) K(&b, 2, 0, t)[0] = -1.0f;
+    b.len = 26;
+    kv_truncate(&b, 21); /* keeps its own copy */
+    assert_int_equal(b.n_blocks, 2);
+    assert_int_equal(p.refs[b.blocks[1]], 1);
+    /* b rolls back into the first block, still shared: its copy goes back to the pool */
+    const int copy = b.blocks[1];
+    kv_truncate(&b, 10);
+    assert_int_equal(b.n_blocks, 1);
+    assert_int_equal(p.refs[copy], 0);
+    assert_int_equal(p.refs[a.blocks[0]], 2);
+    assert_int_equal(p.shared_blocks, 1);
+    assert_int_equal(p.saved_blocks, 1);
+    /* and writing at 10 copies the shared block before it is written */
+    assert_int_equal(kv_blocks_needed(&b, 12), 1);
+    assert_int_equal(kv_reserve(&b, 12), 0);
+    assert_int_not_equal(b.blocks[0], a.blocks[0]);
+    assert_int_equal(p.refs[a.blocks[0]], 1);
+    assert_int_equal(p.shared_blocks, 0);
+    K(&b, 2, 0, 10)[0] = -2.0f;
+    K(&b, 2, 0, 11)[0] = -2.0f;
+    for (int t = 0; t < 10; t++) assert_true(K(&b, 2, 0, t)[0] == (float)t);
+    for (int t = 0; t < 20; t++) assert_true(K(&a, 2, 0, t)[0] == (float)t); /* a untouched */
+    kv_free(&b);
+    kv_free(&a);
+    assert_int_equal(p.n_free, 8);
+    kv_pool_free(&p);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     (void)argv;
@@ -420,6 +511,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_scrambled_blocks_latents_land_in_their_blocks),
         cmocka_unit_test(test_scrambled_blocks_share_and_copy),
         cmocka_unit_test(test_scrambled_blocks_window),
+        cmocka_unit_test(test_truncate_positions_and_blocks),
+        cmocka_unit_test(test_truncate_shared_prefix),
     };
     return cmocka_run_group_tests_name("kvcache", tests, NULL, NULL);
 }

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "serve/draft.h"
 #include "serve/sampler.h"
 #include "testutil.h"
 
@@ -192,6 +193,110 @@ static void test_random_range(void **state) {
     assert_true(fabs(sum / 100000 - 0.5) < 0.01);
 }
 
+/* Speculative sampling: draft tokens drawn from q, kept or replaced by sampler_accept,
+ * must come out distributed as the target's p. Pearson's chi-square over `draws` with
+ * fixed seeds against the 99.99% point of its distribution (29.88 for 7 degrees of
+ * freedom): a sampler that keeps every draft token (so follows q), or resamples from p
+ * instead of the residual, lands in the thousands. */
+static double chi_square_of_speculation(const float *target, const float *draft, int top_k, float temperature,
+                                        const double *expect, int draws) {
+    enum { N = 8 };
+    Sampler ts, ds;
+    assert_int_equal(sampler_init(&ts, N, top_k, 1.0f, temperature, 11), 0);
+    assert_int_equal(sampler_init(&ds, N, top_k, 1.0f, temperature, 29), 0);
+    float p[N], q[N], residual[N];
+    sampler_probs(&ts, target, p);
+    sampler_probs(&ds, draft, q);
+    long count[N] = {0}, kept = 0;
+    for (int i = 0; i < draws; i++) {
+        const int x = sampler_draw(&ds, q);
+        int accepted;
+        count[sampler_accept(&ts, p, q, x, residual, &accepted)]++;
+        kept += accepted;
+    }
+    double chi = 0.0;
+    for (int i = 0; i < N; i++) {
+        if (expect[i] == 0.0) {
+            assert_int_equal(count[i], 0); /* outside top-k: never emitted */
+            continue;
+        }
+        const double e = expect[i] * draws;
+        chi += (count[i] - e) * (count[i] - e) / e;
+    }
+    assert_true(kept > 0 && kept < draws); /* both branches taken */
+    sampler_free(&ts);
+    sampler_free(&ds);
+    return chi;
+}
+
+/* The expected distribution computed here, not by the sampler: softmax of logits / T over
+ * the k largest. */
+static void softmax_top_k(const float *logits, int n, int k, float t, double *out) {
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        int above = 0;
+        for (int j = 0; j < n; j++) above += logits[j] > logits[i];
+        out[i] = above < k ? exp(logits[i] / t) : 0.0;
+        sum += out[i];
+    }
+    for (int i = 0; i < n; i++) out[i] /= sum;
+}
+
+static void test_speculative_sampling_follows_the_target(void **state) {
+    const float target[8] = {2.0f, 1.0f, 0.5f, -1.0f, 0.0f, 1.5f, -0.5f, 0.2f};
+    const float draft[8] = {0.0f, 2.0f, 0.5f, 1.0f, -1.0f, 0.0f, 1.0f, 0.3f}; /* quite another shape */
+    double expect[8];
+    softmax_top_k(target, 8, 8, 1.0f, expect);
+    const double chi = chi_square_of_speculation(target, draft, 8, 1.0f, expect, 200000);
+    if (chi > 29.88) fail_msg("chi-square %.1f over 7 degrees of freedom", chi);
+    /* top-k 5 at temperature 0.7, the same transform for both; 4 degrees: 99.99% at 23.51 */
+    softmax_top_k(target, 8, 5, 0.7f, expect);
+    const double chi_k = chi_square_of_speculation(target, draft, 5, 0.7f, expect, 200000);
+    if (chi_k > 23.51) fail_msg("top-k 5: chi-square %.1f over 4 degrees of freedom", chi_k);
+}
+
+/* Greedy: one-hot p and q keep x exactly when it is the target's argmax, else emit it. */
+static void test_speculative_greedy(void **state) {
+    Sampler s;
+    assert_int_equal(sampler_init(&s, 4, 1, 1.0f, 0.0f, 1), 0);
+    const float target[4] = {0.0f, 3.0f, 1.0f, 2.0f}, draft[4] = {0.0f, 1.0f, 1.0f, 2.0f};
+    float p[4], q[4], residual[4];
+    sampler_probs(&s, target, p);
+    sampler_probs(&s, draft, q);
+    int accepted;
+    assert_int_equal(sampler_accept(&s, p, q, 3, residual, &accepted), 1);
+    assert_int_equal(accepted, 0);
+    assert_int_equal(sampler_accept(&s, p, p, 1, residual, &accepted), 1);
+    assert_int_equal(accepted, 1);
+    sampler_free(&s);
+}
+
+/* Prompt lookup: the longest suffix (up to NGRAM_MAX) found earlier, its most recent
+ * occurrence, and up to k of the tokens that followed it. */
+static void test_draft_ngram(void **state) {
+    int out[8];
+    /* ... 5 6 7 9 ... 6 7 8 1 2 ... 6 7: the 2-gram "6 7" last occurs at 5, so 8 1 2 */
+    const int a[] = {5, 6, 7, 9, 4, 6, 7, 8, 1, 2, 3, 6, 7};
+    assert_int_equal(draft_ngram(a, 13, 3, out), 3);
+    assert_int_equal(out[0], 8);
+    assert_int_equal(out[1], 1);
+    assert_int_equal(out[2], 2);
+    /* a 3-gram beats a more recent 1-gram: "1 2 3" at 0 is followed by 4 */
+    const int b[] = {1, 2, 3, 4, 5, 3, 9, 1, 2, 3};
+    assert_int_equal(draft_ngram(b, 10, 2, out), 2);
+    assert_int_equal(out[0], 4);
+    assert_int_equal(out[1], 5);
+    /* the draft stops at the end of the sequence: "7" at 1 is followed by 8 and 7 only */
+    const int c[] = {6, 7, 8, 7};
+    assert_int_equal(draft_ngram(c, 4, 5, out), 2);
+    assert_int_equal(out[0], 8);
+    assert_int_equal(out[1], 7);
+    /* no match, and too short a sequence: an empty draft */
+    const int d[] = {1, 2, 3, 4};
+    assert_int_equal(draft_ngram(d, 4, 4, out), 0);
+    assert_int_equal(draft_ngram(d, 1, 4, out), 0);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     (void)argv;
@@ -204,6 +309,9 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_top_p_keeps_the_nucleus),
         cmocka_unit_test(test_top_p_at_an_exact_boundary),
         cmocka_unit_test(test_top_k_then_top_p_then_temperature),
+        cmocka_unit_test(test_speculative_sampling_follows_the_target),
+        cmocka_unit_test(test_speculative_greedy),
+        cmocka_unit_test(test_draft_ngram),
     };
     return cmocka_run_group_tests_name("sampler", tests, NULL, NULL);
 }

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""bench/spec.py: speculative decoding (issue 43) against plain cached decoding, greedy.
+
+For each trained target: decode tokens/s of plain `--kv` decoding and of `--draft ngram` at
+each K, their ratio (the speedup), the acceptance rate and the tokens a verifying pass keeps;
+at batch 16 and 64 the same at one K; the cost of a pass over K+1 positions against one
+cached step (a prefill of K+1 tokens over the median step); and that ratio for a generated
+~1B shape (--shape tinyllama-1.1b), whose step reads its weights from DRAM, with the speedup
+the measured acceptance rates would give there: a projection from two measurements.
+
+    /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,4,8] [--n 96] [--batches 16,64]
+                                   [--targets mha,gqa,...] [--threads N] [--out DIR]
+
+Medians of --reps timed runs after one untimed warm-up run a cell. `make bench-spec` runs it.
+Writes DIR/<machine>-spec.md. Tokens are checked equal to plain decoding in every run."""
+import argparse
+import os
+import statistics
+import sys
+
+if __package__ in (None, ""):
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench.common import BenchError, ORDER, PROMPT, ROOT, log, md_table, rel
+from bench.engine import engine_json
+from bench.machine import machine_name_for_scale
+
+SHAPE = "tinyllama-1.1b"
+
+
+def generate(args, what):
+    objs = engine_json(args, what, "summary")
+    return [o["tokens"] for o in objs if o.get("type") == "sequence"], objs[-1]
+
+
+def cell(base, extra, reps, what):
+    """(tokens, median summary fields) over reps timed runs after a warm-up."""
+    generate(base + extra, what)
+    runs = [generate(base + extra, what) for _ in range(reps)]
+    tokens = runs[0][0]
+    if any(t != tokens for t, _ in runs):
+        raise BenchError(f"{what}: greedy tokens differ between runs")
+    med = {k: statistics.median(s[k] for _, s in runs)
+           for k in ("tokens_per_s_mean", "step_ms_median", "prefill_ms", "prefill_tokens", "acceptance_rate", "tokens_per_verify_pass")}
+    return tokens, med
+
+
+def verify_ratio(model_args, ks, reps, threads, what):
+    """{K: median prefill ms of K+1 positions / median cached step ms}."""
+    out = {}
+    shape = model_args[0] == "--shape"
+    for k in ks:
+        # K+1 positions in one pass: BOS and k tokens; generated weights take token ids, and
+        # when they get no BOS one id more
+        for n in (k, k + 1):
+            prompt = " ".join(["5"] * n) if shape else " a" * n
+            base = model_args + ["-p", prompt, "-k", 1, "-n", 8, "--kv", "--ignore-eos", "-q", "--threads", threads]
+            _, med = cell(base, [], reps, f"{what} verify K={k}")
+            if med["prefill_tokens"] >= k + 1:
+                break
+        if med["prefill_tokens"] != k + 1:
+            raise BenchError(f"{what}: the prompt {prompt!r} is {med['prefill_tokens']} positions, not {k + 1}")
+        out[k] = med["prefill_ms"] / med["step_ms_median"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--n", type=int, default=96, help="tokens generated a run")
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--batch-k", type=int, default=4, help="K of the batched runs")
+    ap.add_argument("--targets", default=",".join(ORDER))
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--shape", default=SHAPE, help="'' leaves the ~1B verify cost and projection out")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    a = ap.parse_args()
+    ks = [int(x) for x in a.ks.split(",") if x]
+    batches = [int(x) for x in a.batches.split(",") if x]
+    targets = [t for t in a.targets.split(",") if t]
+    lines = [f"# Speculative decoding, greedy (bench/spec.py)", "",
+             f"Drafter: prompt lookup (`--draft ngram`). {a.n} tokens a sequence from \"{PROMPT}\", "
+             f"--threads {a.threads}, medians of {a.reps} runs after a warm-up. Speedup: decode tokens/s "
+             f"over plain `--kv` decoding's. Every run's tokens equal plain decoding's.", ""]
+    accept = {}
+    rows = []
+    for t in targets:
+        ck = os.path.join(ROOT, "weights", f"{t}.bin")
+        base = [ck, "-p", PROMPT, "-k", 1, "-n", a.n, "--kv", "--ignore-eos", "-q", "--threads", a.threads]
+        plain_tokens, plain = cell(base, [], a.reps, f"{t} plain")
+        log(f"{t}: plain {plain['tokens_per_s_mean']:.1f} tokens/s")
+        for k in ks:
+            tokens, med = cell(base, ["--draft", "ngram", "--draft-k", k], a.reps, f"{t} K={k}")
+            if tokens != plain_tokens:
+                raise BenchError(f"{t} K={k}: speculative tokens differ from plain decoding")
+            accept.setdefault(k, []).append(med["tokens_per_verify_pass"])
+            rows.append([t, 1, k, f"{plain['tokens_per_s_mean']:.1f}", f"{med['tokens_per_s_mean']:.1f}",
+                         f"{med['tokens_per_s_mean'] / plain['tokens_per_s_mean']:.2f}x",
+                         f"{100 * med['acceptance_rate']:.1f}%", f"{med['tokens_per_verify_pass']:.2f}"])
+        for b in batches:
+            bb = base + ["--batch", b]
+            _, p = cell(bb, [], a.reps, f"{t} batch {b} plain")
+            _, s = cell(bb, ["--draft", "ngram", "--draft-k", a.batch_k], a.reps, f"{t} batch {b}")
+            rows.append([t, b, a.batch_k, f"{p['tokens_per_s_mean']:.1f}", f"{s['tokens_per_s_mean']:.1f}",
+                         f"{s['tokens_per_s_mean'] / p['tokens_per_s_mean']:.2f}x",
+                         f"{100 * s['acceptance_rate']:.1f}%", f"{s['tokens_per_verify_pass']:.2f}"])
+    lines += [md_table(["target", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
+                        "tokens a verifying pass"], rows), ""]
+    lines += ["## The cost of verifying K+1 positions against one cached step", "",
+              "A prefill of K+1 positions (BOS and K tokens) over the median cached step of the same run.", ""]
+    vrows = []
+    for t in targets:
+        r = verify_ratio([os.path.join(ROOT, "weights", f"{t}.bin")], ks, a.reps, a.threads, t)
+        vrows.append([t] + [f"{r[k]:.2f}" for k in ks])
+    if a.shape:
+        shape_r = verify_ratio(["--shape", a.shape], ks, max(1, a.reps // 2), a.threads, a.shape)
+        vrows.append([f"{a.shape} (generated)"] + [f"{shape_r[k]:.2f}" for k in ks])
+    lines += [md_table(["model"] + [f"K={k}" for k in ks], vrows), ""]
+    if not a.shape:
+        return write(a, lines)
+    lines += [f"## Projection for {a.shape} (not measured end to end)", "",
+              "Speedup = (tokens a verifying pass, mean over the trained targets at that K) / "
+              f"(verify-cost ratio of {a.shape} at that K); the drafter's own cost (prompt lookup: "
+              "microseconds) left out. A projection from two measurements, not a run.", ""]
+    prow = []
+    for k in ks:
+        tpp = statistics.mean(accept[k]) if accept.get(k) else 0.0
+        prow.append([k, f"{tpp:.2f}", f"{shape_r[k]:.2f}", f"{tpp / shape_r[k]:.2f}x"])
+    lines += [md_table(["K", "tokens a verifying pass", "verify cost", "projected speedup"], prow), ""]
+    write(a, lines)
+
+
+def write(a, lines):
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"{machine_name_for_scale(a.threads)}-spec.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    log(f"wrote {rel(path)}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BenchError as e:
+        print(f"bench/spec.py: {e}", file=sys.stderr)
+        sys.exit(1)
