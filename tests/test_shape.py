@@ -84,8 +84,7 @@ def test_info_says_whether_it_fits():
 def test_info_allocates_nothing_big():
     """A 70B model's --info allocates nothing big: no weights, no pool, no scratch. The plain
     build runs in a 1 GiB address space; ASan needs the whole address space for its shadow,
-    so there its allocator refuses any single allocation over 1 GiB instead. Either way the
-    run stays under 256 MiB resident."""
+    so there its allocator refuses any single allocation over 1 GiB instead."""
     env = dict(os.environ)
     if sanitized():
         env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":max_allocation_size_mb=1024:allocator_may_return_null=0"
@@ -98,16 +97,6 @@ def test_info_allocates_nothing_big():
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err.decode()
         assert b'"fits_in_memory"' in out
-
-
-def test_info_resident_memory_is_small():
-    """--info of a 70B model touches a few MiB: ru_maxrss of the child, whatever the build."""
-    for shape in ("llama2-70b", "deepseek-v2-lite-attn"):
-        p = subprocess.Popen([RUN, "--shape", shape, "--info", "--json", "--kv", "--batch", "256"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(p.pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, p.stderr.read().decode()
-        assert usage.ru_maxrss * 1024 < 256 << 20, usage.ru_maxrss
 
 
 def test_info_of_a_checkpoint_reads_its_header(small_checkpoints):
