@@ -117,7 +117,8 @@ static int runnable_at(const char *path, int nice) {
 }
 
 /* Threads of other processes running or waiting for a CPU now at this process's nice
- * value or below (a /proc scan, about a millisecond: done at the start and once a spell). */
+ * value or below. It reads every task's stat file, so it runs only at the start and once a
+ * calm spell, never in a step (its cost: docs/PERFORMANCE.md). */
 static int others_runnable(void) {
     DIR *proc = opendir("/proc");
     if (!proc) return 0;

@@ -379,10 +379,6 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
             memmove(run->logits + (size_t)kept * V, run->logits + (size_t)k * V, (size_t)V * sizeof(float));
         }
         kept++;
-        if (run->rows[k].draft >= 0) {
-            const int agrees = run->rows[k].token == run->rows[k].draft && r->stop == STOP_NONE;
-            if (!agrees) dropping = r;
-        }
         if (r->score) {
             if (!sch->kv || r->cache.len == r->n_tokens) r->stop = STOP_STEPS; /* all of it computed */
             continue;
@@ -398,8 +394,14 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
             r->stop = STOP_STEPS;
         else if (!sch->pool->window && r->n_tokens > c->max_seq_len)
             r->stop = STOP_CONTEXT; /* no position left for it */
-        if (run->rows[k].draft >= 0 && r->stop == STOP_NONE && next == run->rows[k].draft) sch->accepted++;
-        if (run->rows[k].draft >= 0 && r->stop != STOP_NONE) dropping = r;
+        /* the next row was computed on this row's draft: kept only if the target sampled it
+         * and the sequence goes on (an EOS above ended it, and its later rows with it) */
+        if (run->rows[k].draft >= 0) {
+            if (r->stop == STOP_NONE && next == run->rows[k].draft)
+                sch->accepted++;
+            else
+                dropping = r;
+        }
     }
     run->n_rows = kept;
     /* the cache holds every token but the last: the rejected drafts' positions go */

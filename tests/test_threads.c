@@ -134,6 +134,9 @@ static void test_barrier_makes_writes_visible(void **state) {
 /* ---- a team that shrinks when a member is late ---- */
 
 enum { LATE_TEAM = 2, LATE_ITEMS = 600 }; /* a team the smallest machine runs without a wait */
+/* How long the late member sleeps: several times the team's spin (threads.c's SPIN_NS), so
+ * the others' wait at the barrier counts as late however the test machine is loaded. */
+enum { LATE_SLEEP_MS = 4 };
 
 typedef struct {
     int step, late_thread; /* this step, thread late_thread sleeps before its share */
@@ -150,7 +153,7 @@ static void sleep_ms(double ms) {
  * member comes back), every item counted. */
 static void late_step(Late *l, Worker *w) {
     l->tids[w->thread] = (int)syscall(SYS_gettid);
-    if (w->thread == l->late_thread) sleep_ms(4); /* past the 1 ms spin of the others */
+    if (w->thread == l->late_thread) sleep_ms(LATE_SLEEP_MS);
     Share sh = share_begin(w, LATE_ITEMS, SHARE_SPLIT, PARALLEL_TAKE_OVER);
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long i = lo; i < hi; i++) atomic_fetch_add(&l->visits[i], 1);
@@ -194,7 +197,7 @@ static void test_late_member_shrinks_the_team(void **state) {
     assert_non_null(t);
     team_adapt(t, 0); /* no CPU limit: the test decides when the team is late */
     assert_int_equal(post_step(t, l, -1), LATE_TEAM);
-    post_step(t, l, 1); /* thread 1 is late: thread 0 waits 4 ms at the barrier */
+    post_step(t, l, 1); /* thread 1 is late: thread 0 waits past its spin at the barrier */
     assert_true(post_step(t, l, -1) < LATE_TEAM);
     /* the left-out thread sleeps in the kernel, not competing for a core, while steps run
      * without it (asked before the calm spell ends) */
