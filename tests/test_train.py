@@ -184,6 +184,20 @@ def test_resume_of_another_run_is_refused(finished, data, change, words):
     assert {f: (out / f).read_bytes() for f in before} == before
 
 
+def test_resume_of_a_run_saved_before_newer_config_keys(finished, data, tmp_path):
+    """A last.pt saved before Config gained a key (untied_head, window) holds that key's default:
+    it resumes, as old checkpoints keep loading, instead of being called another run's."""
+    out = tmp_path / "old"
+    shutil.copytree(finished[0], out)
+    ck = torch.load(out / "last.pt")
+    for key in ("untied_head", "window"):
+        del ck["config"][key]
+    torch.save(ck, out / "last.pt")
+    p = run_py("train.py", "--variant", "mha", *TINY, "--steps", "3", "--data", data, "--out", out, "--resume")
+    assert p.returncode == 0, p.stderr
+    assert "resumed at step 3" in p.stdout
+
+
 def test_missing_inputs_say_what_to_run(data, tmp_path):
     p = run_py("train.py", "--variant", "mha", *TINY, "--data", tmp_path / "nodata", "--out", tmp_path / "o")
     assert_one_line_error(p, "train.bin is missing", "train/prepare.py")

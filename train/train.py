@@ -154,7 +154,10 @@ def refuse_other_run(ck, cfg, args, last_path):
     if saved.get("variant") != cfg.variant:
         sys.exit(f"train.py: --resume: {last_path} is a {saved.get('variant')} run, not {cfg.variant}; "
                  f"resume it with --variant {saved.get('variant')}")
-    diff = [f"{k} {saved.get(k)} (last.pt) vs {v}" for k, v in cfg.__dict__.items() if saved.get(k) != v]
+    # a key added to Config after the run started is missing from its last.pt: it had the default
+    defaults = type(cfg)().__dict__
+    diff = [f"{k} {saved.get(k, defaults[k])} (last.pt) vs {v}" for k, v in cfg.__dict__.items()
+            if saved.get(k, defaults[k]) != v]
     if diff:
         sys.exit(f"train.py: --resume: {last_path} holds another model config ({', '.join(diff)}); "
                  "resume with the options it started with (--small, --ctx, --dropout, the shape's)")
