@@ -99,9 +99,15 @@ int kv_init(KVCache *cache, KVPool *pool, int max_len) {
 }
 
 void kv_reset(KVCache *cache) {
-    for (int i = 0; i < cache->n_blocks; i++) release_block(cache->pool, cache->blocks[i]);
-    cache->n_blocks = 0;
+    for (int i = cache->n_disk; i < cache->n_blocks; i++) release_block(cache->pool, cache->blocks[i]);
+    cache->n_blocks = cache->n_disk = 0;
     cache->len = 0;
+    cache->stage = NULL;
+}
+
+void kv_drop_oldest(KVCache *cache) {
+    release_block(cache->pool, cache->blocks[cache->n_disk]);
+    cache->blocks[cache->n_disk++] = -1;
 }
 
 void kv_free(KVCache *cache) {
@@ -114,7 +120,7 @@ void kv_free(KVCache *cache) {
  * shared. */
 static int first_write_is_shared(const KVCache *cache) {
     const int b = kv_slot(cache->pool, cache->len) / KV_BLOCK_TOKENS;
-    return b < cache->n_blocks && cache->pool->refs[cache->blocks[b]] > 1;
+    return b < cache->n_blocks && b >= cache->n_disk && cache->pool->refs[cache->blocks[b]] > 1;
 }
 
 int kv_blocks_needed(const KVCache *cache, int new_len) {
@@ -140,7 +146,7 @@ int kv_reserve(KVCache *cache, int new_len) {
 
 void kv_truncate(KVCache *cache, int len) {
     const int keep = kv_blocks_for(len);
-    while (cache->n_blocks > keep) release_block(cache->pool, cache->blocks[--cache->n_blocks]);
+    while (cache->n_blocks > keep && cache->n_blocks > cache->n_disk) release_block(cache->pool, cache->blocks[--cache->n_blocks]);
     cache->len = len;
 }
 

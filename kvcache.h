@@ -56,6 +56,8 @@ typedef struct {
     int peak_shared_blocks, peak_saved_blocks;
     struct KVTier *tier; /* kvtier.h: where a preempted sequence's blocks go (swap); NULL:
                           * it is recomputed. The pool neither opens nor closes it */
+    struct KVStream *stream; /* kvtier.h: where the oldest blocks of a sequence the pool
+                              * cannot hold go (one slot); NULL: a sequence must fit */
 } KVPool;
 
 /* A sequence's cache: it has seen positions [0, len); blocks[0 .. n_blocks) hold them, or
@@ -65,6 +67,12 @@ typedef struct {
     int *blocks; /* (max_blocks) block table */
     int n_blocks, max_blocks;
     int len; /* positions seen */
+    /* streaming (kvtier.h's KVStream): blocks [0, n_disk) live on the tier, not in the pool
+     * (their entries in blocks mean nothing), and attention reads the layer it is at from
+     * stage, a copy of that layer of each of them, (n_disk, layer_bytes) */
+    int n_disk;
+    const unsigned char *stage;
+    struct KVStream *stream;
 } KVCache;
 
 /* Bytes of one block for model c with elements in dtype. */
@@ -92,8 +100,12 @@ int kv_blocks_per_sequence(const KVPool *pool, int positions);
 int kv_init(KVCache *cache, KVPool *pool, int max_len);
 /* Gives its blocks back and frees the table. */
 void kv_free(KVCache *cache);
-/* Gives its blocks back: len 0. */
+/* Gives its blocks back: len 0. Blocks on the tier (n_disk) are the stream's to give
+ * back (kv_stream_drop), before. */
 void kv_reset(KVCache *cache);
+/* Streaming: the oldest block still in the pool, blocks[n_disk], goes back to it and
+ * counts as on the tier from now on (kv_stream_spill has written it there). */
+void kv_drop_oldest(KVCache *cache);
 /* Makes positions [len, new_len) writable: new blocks, and a private copy of a shared
  * block that holds position len. Returns -1, changing nothing, when new_len is past
  * max_len or the pool has too few free blocks. */
@@ -145,8 +157,9 @@ typedef struct {
 
 static inline KVRow kv_row(const KVCache *c, int layer, int row, int pos) {
     const KVPool *p = c->pool;
-    const int slot = kv_slot(p, pos);
-    unsigned char *l = p->data + ((size_t)c->blocks[slot / KV_BLOCK_TOKENS] * p->n_layers + layer) * p->layer_bytes;
+    const int slot = kv_slot(p, pos), b = slot / KV_BLOCK_TOKENS;
+    unsigned char *l = b < c->n_disk ? (unsigned char *)c->stage + (size_t)b * p->layer_bytes /* streamed: this layer's copy */
+                                     : p->data + ((size_t)c->blocks[b] * p->n_layers + layer) * p->layer_bytes;
     const int r = row * KV_BLOCK_TOKENS + slot % KV_BLOCK_TOKENS;
     const KVRow out = {l + (size_t)r * p->row_bytes,
                        p->n_scales ? (float *)(l + p->scales_offset) + (size_t)r * p->n_scales : NULL};

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -141,4 +142,181 @@ int kv_swap_in(KVCache *cache, KVTier *t, KVSwapped *s) {
     kv_swap_drop(t, s);
     errno = e;
     return rc;
+}
+
+/* ---- streaming ---- */
+
+static off_t stream_offset(const KVStream *s, int layer, int block) {
+    return ((off_t)layer * s->max_blocks + block) * (off_t)s->layer_bytes;
+}
+
+/* n bytes at off, in as many preads as it takes; -1 on an error or a short read (EIO) */
+static int read_fully(int fd, unsigned char *p, size_t n, off_t off) {
+    while (n > 0) {
+        const ssize_t r = pread(fd, p, n, off);
+        if (r <= 0) {
+            if (r == 0) errno = EIO; /* the file ends early: truncated */
+            if (r < 0 && errno == EINTR) continue;
+            return -1;
+        }
+        p += r, n -= (size_t)r, off += r;
+    }
+    return 0;
+}
+
+/* The reader: layer k of the pass into stage[k % 2], once attention is done with layer
+ * k - 2 (used), as one read of the n_pass blocks, each layer's checksum checked. */
+static void *stream_reader(void *arg) {
+    KVStream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->closing && !(s->read < s->asked && s->read < s->used + 2)) pthread_cond_wait(&s->cv, &s->mu);
+        if (s->closing) break;
+        const long k = s->read;
+        const int l = (int)(k % s->n_layers), n = s->n_pass, failed = s->err != 0;
+        pthread_mutex_unlock(&s->mu);
+        unsigned char *stage = s->stage[k % 2];
+        int err = 0;
+        if (!failed) {
+            const double t0 = now_ms();
+            const off_t off = stream_offset(s, l, 0);
+            if (read_fully(s->tier->fd, stage, (size_t)n * s->layer_bytes, off) != 0)
+                err = errno;
+            for (int b = 0; b < n && !err; b++)
+                if (kv_tier_checksum(stage + (size_t)b * s->layer_bytes, s->layer_bytes) !=
+                    s->sums[(size_t)l * s->max_blocks + b])
+                    err = EBADMSG;
+            /* read once a pass: its pages would only take RAM from the pool */
+            posix_fadvise(s->tier->fd, off, (off_t)n * (off_t)s->layer_bytes, POSIX_FADV_DONTNEED);
+            s->read_ms += now_ms() - t0;
+        }
+        pthread_mutex_lock(&s->mu);
+        if (err && !s->err) s->err = err;
+        if (!failed) s->layers_read += n;
+        s->read++;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+size_t kv_stream_stage_bytes(const KVPool *p, int max_blocks) { return 2 * (size_t)max_blocks * p->layer_bytes; }
+
+int kv_stream_open(KVStream *s, KVTier *t, const KVPool *p, int max_blocks) {
+    memset(s, 0, sizeof *s);
+    s->tier = t;
+    s->n_layers = p->n_layers;
+    s->max_blocks = max_blocks;
+    s->layer_bytes = p->layer_bytes;
+    s->sums = malloc((size_t)p->n_layers * (size_t)max_blocks * sizeof *s->sums);
+    for (int i = 0; i < 2; i++) s->stage[i] = aligned_alloc(64, (size_t)max_blocks * p->layer_bytes);
+    if (!s->sums || !s->stage[0] || !s->stage[1] || pthread_mutex_init(&s->mu, NULL) != 0) {
+        kv_stream_close(s);
+        errno = ENOMEM;
+        return -1;
+    }
+    pthread_cond_init(&s->cv, NULL);
+    s->started = pthread_create(&s->reader, NULL, stream_reader, s) == 0;
+    if (!s->started) {
+        kv_stream_close(s);
+        errno = EAGAIN;
+        return -1;
+    }
+    return 0;
+}
+
+void kv_stream_close(KVStream *s) {
+    if (s->started) {
+        pthread_mutex_lock(&s->mu);
+        s->closing = 1;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(s->reader, NULL);
+        pthread_cond_destroy(&s->cv);
+        pthread_mutex_destroy(&s->mu);
+    }
+    free(s->sums);
+    free(s->stage[0]);
+    free(s->stage[1]);
+    memset(s, 0, sizeof *s);
+}
+
+int kv_stream_spill(KVStream *s, KVCache *cache, int blocks) {
+    const KVPool *p = cache->pool;
+    int moved = 0;
+    while (moved < blocks && (cache->n_disk + 1) * KV_BLOCK_TOKENS <= cache->len && cache->n_disk < cache->n_blocks) {
+        const int b = cache->n_disk;
+        const unsigned char *block = block_data(p, cache->blocks[b]);
+        const double t0 = now_ms();
+        for (int l = 0; l < s->n_layers; l++) {
+            const unsigned char *layer = block + (size_t)l * s->layer_bytes;
+            const ssize_t w = pwrite(s->tier->fd, layer, s->layer_bytes, stream_offset(s, l, b));
+            if (w != (ssize_t)s->layer_bytes) {
+                if (w >= 0) errno = EIO; /* a short write: the disk filled up mid-layer */
+                s->tier->wait_ms += now_ms() - t0;
+                return -1;
+            }
+            s->sums[(size_t)l * s->max_blocks + b] = kv_tier_checksum(layer, s->layer_bytes);
+        }
+        s->tier->wait_ms += now_ms() - t0;
+        kv_drop_oldest(cache);
+        cache->stream = s;
+        s->n = cache->n_disk;
+        s->unsettled++;
+        s->blocks_written++;
+        if (s->n > s->peak_blocks) s->peak_blocks = s->n;
+        moved++;
+    }
+    return moved;
+}
+
+void kv_stream_drop(KVStream *s, KVCache *cache) {
+    if (cache->stream != s) return;
+    s->n = 0;
+    cache->stream = NULL;
+    kv_reset(cache); /* the tier's region is reused from its start by the next sequence */
+}
+
+void kv_stream_begin(KVCache *cache) {
+    KVStream *s = cache->stream;
+    if (!s || !cache->n_disk) return;
+    cache->stage = NULL;
+    if (s->unsettled) { /* what was spilled goes to the disk, and out of the page cache */
+        const double t0 = now_ms();
+        if (fdatasync(s->tier->fd) != 0 && !s->err) s->err = errno;
+        posix_fadvise(s->tier->fd, 0, 0, POSIX_FADV_DONTNEED);
+        s->tier->wait_ms += now_ms() - t0;
+        s->unsettled = 0;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->n_pass = cache->n_disk;
+    s->asked += s->n_layers;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void kv_stream_layer(KVCache *cache, int l) {
+    KVStream *s = cache->stream;
+    if (!s || !cache->n_disk) return;
+    const long k = s->asked - s->n_layers + l;
+    const double t0 = now_ms();
+    pthread_mutex_lock(&s->mu);
+    s->used = k; /* layer k - 1 is done: its staging is free */
+    pthread_cond_broadcast(&s->cv);
+    while (s->read <= k) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    s->wait_ms += now_ms() - t0;
+    cache->stage = s->stage[k % 2];
+}
+
+int kv_stream_end(KVCache *cache) {
+    KVStream *s = cache->stream;
+    if (!s || !cache->n_disk) return 0;
+    pthread_mutex_lock(&s->mu);
+    s->used = s->asked;
+    const int err = s->err;
+    pthread_mutex_unlock(&s->mu);
+    cache->stage = NULL;
+    if (err) errno = err;
+    return err ? -1 : 0;
 }

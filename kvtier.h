@@ -13,6 +13,7 @@
 #ifndef KVTIER_H
 #define KVTIER_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -59,5 +60,71 @@ int kv_swap_out(KVCache *cache, KVTier *t, KVSwapped *s);
 int kv_swap_in(KVCache *cache, KVTier *t, KVSwapped *s);
 /* Gives s's slots back without reading them. */
 void kv_swap_drop(KVTier *t, KVSwapped *s);
+
+/* Streaming: one sequence whose cache outgrows the pool (--kv-offload at --batch 1).
+ *
+ * When the pool runs short, the sequence's oldest blocks go to the tier (kv_stream_spill)
+ * and stay there: a query reads every position, oldest first, so the oldest blocks are
+ * the ones each layer reads first, and read-ahead starts from them; the newest block,
+ * which the pass writes, is always in the pool. Every pass reads each layer of them once,
+ * in order, into a staging area the cache's rows then point into (KVCache's stage), so
+ * attention sees the same rows in the same order as from the pool: the same bits.
+ *
+ * On the tier the streamed blocks lie layer-major, (n_layers, max_blocks, layer_bytes), so
+ * a layer of them is one sequential read. A reader thread reads layer k of a pass into
+ * stage[k % 2] with pread while attention computes layer k - 1 from the other: one layer
+ * of read-ahead, double-buffered; the staging area (2 * max_blocks * layer_bytes) is part
+ * of the RAM budget (--kv-mem). Each layer of each block has a checksum; a short read or a
+ * mismatch ends the pass with an error (model.h's MODEL_ERR_TIER), never with an output.
+ *
+ * The page cache is bypassed in effect: the reader drops each layer's pages after reading
+ * them (POSIX_FADV_DONTNEED), and spilled blocks are written back and dropped
+ * (fdatasync, then DONTNEED) before the next pass reads them, so the cache the tier holds
+ * takes no RAM and every read comes from the disk.
+ *
+ * Streaming uses the tier file from offset 0; it is only opened where no sequence is
+ * ever swapped (one slot: nothing to preempt). */
+typedef struct KVStream {
+    KVTier *tier;
+    int n_layers, max_blocks;
+    size_t layer_bytes;
+    uint64_t *sums;          /* (n_layers, max_blocks) checksum of each streamed block's layers */
+    int n;                   /* blocks on the tier: the sequence's first n */
+    int unsettled;           /* of them, spilled since the last write-back */
+    unsigned char *stage[2]; /* (max_blocks, layer_bytes) each */
+    pthread_t reader;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int started, closing;
+    long asked, read, used; /* layers since open: asked of the reader, read by it, done with */
+    int n_pass;             /* blocks the layers of the pass being run cover */
+    int err;                /* errno of the first failed read, write or checksum; 0 */
+    /* what it did, for the summary */
+    int peak_blocks;
+    long blocks_written;     /* blocks spilled */
+    long layers_read;        /* block layers read */
+    double wait_ms, read_ms; /* attention waiting for a layer; the reader reading */
+} KVStream;
+
+/* Staging bytes of a stream of up to max_blocks blocks. */
+size_t kv_stream_stage_bytes(const KVPool *p, int max_blocks);
+/* A stream over t for sequences of up to max_blocks blocks of pool p: allocates the
+ * staging area and starts the reader. Returns -1 (errno set). */
+int kv_stream_open(KVStream *s, KVTier *t, const KVPool *p, int max_blocks);
+void kv_stream_close(KVStream *s);
+/* Moves up to `blocks` of cache's oldest pool blocks to the tier (those its next pass does
+ * not write: wholly below len), between passes. Returns how many it moved, or -1 when a
+ * write fails (errno set: ENOSPC, EFBIG, EIO), the cache unchanged. */
+int kv_stream_spill(KVStream *s, KVCache *cache, int blocks);
+/* Gives the tier's blocks of cache back (before kv_reset / kv_free). */
+void kv_stream_drop(KVStream *s, KVCache *cache);
+/* A pass over cache (thread 0, after the pass is laid out): asks the reader for each
+ * layer of its tier blocks. Nothing for a cache without any. */
+void kv_stream_begin(KVCache *cache);
+/* Before layer l's attention (thread 0): the previous layer's staging goes back to the
+ * reader, and waits until layer l is read; cache->stage points at it. */
+void kv_stream_layer(KVCache *cache, int l);
+/* After the pass (thread 0): 0, or -1 when a read failed (the pass's outputs are void). */
+int kv_stream_end(KVCache *cache);
 
 #endif /* KVTIER_H */

@@ -1,6 +1,8 @@
 /* model.c: the forward pass (model.h). */
 #include "model.h"
 
+#include "kvtier.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -67,9 +69,15 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
     residual_rmsnorm(wk, s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c); /* xb = RMSNorm(x): (T, D) */
     stage_end(clock, wk->thread, pass_stage_slot(c, PASS_STAGE_EMBEDDING));
 
+    int streamed = 0; /* a cache whose oldest blocks are on the tier (kvtier.h) */
+    for (int t = 0; t < T; t++) streamed |= b->cache[t]->n_disk > 0;
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *w = &m->w.layers[l];
         const Layer layer = {c, w, &m->rope, l};
+        /* a streamed cache's oldest blocks: this layer of them, read while the last one ran */
+        if (streamed && team_alone(wk))
+            for (int t = 0; t < T; t++)
+                if (t == 0 || b->cache[t] != b->cache[t - 1]) kv_stream_layer(b->cache[t], l);
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
         attention(&layer, &s->attn, &slots, s->xb, s->heads, form, wk); /* heads: (T, HD) */
         matmul(wk, s->xb, D, s->heads, HD, w->wo, T);                   /* (T, D) */
@@ -121,12 +129,18 @@ int model_prepare(const Model *m, RunState *s, const Batch *b) {
         const TokenSlots slots = {T, b->cache, s->pos};
         if (attn_record_plan(s->attn.record, &m->cfg, &slots, b->record_sequence) != 0) return MODEL_ERR_BATCH;
     }
+    for (int t = 0; t < T; t++)
+        if (t == 0 || b->cache[t] != b->cache[t - 1]) kv_stream_begin(b->cache[t]);
     return 0;
 }
 
 int model_finish(const Model *m, RunState *s, const Batch *b, const float *logits) {
+    int tier = 0;
+    for (int t = 0; t < b->n_tokens; t++)
+        if (t == 0 || b->cache[t] != b->cache[t - 1]) tier |= kv_stream_end(b->cache[t]);
     for (int t = 0; t < b->n_tokens; t++) b->cache[t]->len = s->pos[t] + 1;
     if (s->attn.record) attn_record_finish(s->attn.record);
+    if (tier) return MODEL_ERR_TIER;
     if (first_nonfinite(logits, (size_t)b->n_logits * (size_t)m->cfg.vocab_size, DTYPE_F32) >= 0)
         return MODEL_ERR_NONFINITE;
     return 0;

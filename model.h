@@ -66,10 +66,11 @@ typedef struct {
                                  * attention weights are recorded under, or -1 for none */
 } Batch;
 
-/* What a forward pass can fail with: a batch it cannot run, or logits that are not finite
+/* What a forward pass can fail with: a batch it cannot run, logits that are not finite
  * numbers (finite weights whose arithmetic overflows float), which no sampler or NLL may
- * take for a result. */
-enum { MODEL_ERR_BATCH = -1, MODEL_ERR_NONFINITE = -2 };
+ * take for a result, or a streamed cache (kvtier.h) the tier did not give back whole
+ * (errno says why): its logits are void. */
+enum { MODEL_ERR_BATCH = -1, MODEL_ERR_NONFINITE = -2, MODEL_ERR_TIER = -3 };
 
 /* A pass in three calls, so that a team of threads can run it (threads.h):
  *   model_prepare, on thread 0: checks the batch (MODEL_ERR_BATCH when it is malformed,

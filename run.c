@@ -103,16 +103,37 @@ static void check_limits(const Config *c, const Options *o) {
         die(EXIT_USAGE, "--ppl scores text, and generated weights (--shape) have no tokenizer to read it with");
 }
 
-/* Blocks of the KV cache pool: --kv-mem MiB, or the full contexts (or windows) of the batch
- * (one without the cache, whose passes empty it after them). */
+/* Whether a sequence the pool cannot hold streams its oldest blocks from the tier
+ * (kvtier.h's KVStream): one generation at --batch 1 with --kv-offload, no window. */
+static int streams(const Options *o) {
+    return o->kv && o->kv_offload && o->batch == 1 && !o->prompts_path && !o->window && !o->check_kv &&
+           !o->check_batch && !o->ppl_path;
+}
+
+/* Bytes of the staging area a stream reads the tier's blocks into (kvtier.h): two layers
+ * of a full context's blocks. */
+static double stage_bytes(const Config *c, const Options *o) {
+    return streams(o) ? 2.0 * kv_blocks_for(c->max_seq_len) * (double)kv_block_bytes_for(c, o->kv_dtype) / c->n_layers
+                      : 0.0;
+}
+
+/* Blocks of the KV cache pool: --kv-mem MiB (less a stream's staging area), or the full
+ * contexts (or windows) of the batch (one without the cache, whose passes empty it after
+ * them). */
 static int pool_blocks(const Config *c, const Options *o) {
     const size_t block_bytes = kv_block_bytes_for(c, o->kv_dtype);
     const int one_sequence = kv_blocks_for(o->window ? o->window : c->max_seq_len);
-    const double blocks = o->kv_mem_mb > 0.0f ? floor((double)o->kv_mem_mb * 1048576.0 / (double)block_bytes)
-                                              : (double)(o->kv ? o->batch : 1) * one_sequence;
-    if (blocks < one_sequence)
+    const double blocks = o->kv_mem_mb > 0.0f
+                              ? floor(((double)o->kv_mem_mb * 1048576.0 - stage_bytes(c, o)) / (double)block_bytes)
+                              : (double)(o->kv ? o->batch : 1) * one_sequence;
+    if (streams(o) && blocks < 2)
+        die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes beside the tier's staging area (%.0f bytes); "
+                        "streaming needs 2 at least",
+            (double)o->kv_mem_mb, blocks, block_bytes, stage_bytes(c, o));
+    if (blocks < one_sequence && !streams(o))
         die(EXIT_USAGE,
-            "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d",
+            "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d (or "
+            "--kv-offload PATH, which streams the rest from disk at --batch 1 alone: no --window, --prompts or checks)",
             (double)o->kv_mem_mb, blocks, block_bytes, o->window ? "window" : "context",
             o->window ? o->window : c->max_seq_len, one_sequence);
     if (blocks > INT_MAX)
@@ -123,7 +144,8 @@ static int pool_blocks(const Config *c, const Options *o) {
 /* Refuses, before anything big is allocated, a run whose weights, pool and scratch exceed
  * the memory this machine has free. */
 static void check_memory(const Config *c, const Options *o, int blocks) {
-    const double weights = (double)model_bytes_for(c), pool = (double)blocks * (double)kv_block_bytes_for(c, o->kv_dtype),
+    const double weights = (double)model_bytes_for(c),
+                 pool = (double)blocks * (double)kv_block_bytes_for(c, o->kv_dtype) + stage_bytes(c, o),
                  scratch = (double)scheduler_scratch_bytes(c, o->batch);
     double available, total;
     if (machine_memory(&available, &total) != 0 || weights + pool + scratch <= available) return;
@@ -198,10 +220,17 @@ int main(int argc, char **argv) {
             (double)blocks * (double)kv_block_bytes_for(&m.cfg, o.kv_dtype));
     if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks);
     KVTier tier = {.fd = -1};
+    KVStream stream = {0};
     if (o.kv_offload) {
         if (kv_tier_open(&tier, o.kv_offload, kv_block_bytes(&pool)) != 0)
             die(EXIT_USAGE, "--kv-offload %s: cannot create the tier file: %s", o.kv_offload, strerror(errno));
         if (o.preempt_swap) pool.tier = &tier;
+        if (streams(&o)) {
+            if (kv_stream_open(&stream, &tier, &pool, kv_blocks_for(m.cfg.max_seq_len)) != 0)
+                die(1, "out of memory (or no thread could be started) for the tier's staging area of %.0f bytes",
+                    stage_bytes(&m.cfg, &o));
+            pool.stream = &stream;
+        }
     }
 
     int status;
@@ -215,6 +244,7 @@ int main(int argc, char **argv) {
         status = mode_generate(&m, &pool, &o);
 
     kv_pool_free(&pool);
+    kv_stream_close(&stream);
     kv_tier_close(&tier);
     model_free(&m);
     free(prompt_text);

@@ -340,6 +340,14 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
     if (sch->short_team_steps)
         fprintf(out, "busy machine: %ld of %d steps ran on fewer threads than the %d asked for, as other processes "
                 "held their cores\n", sch->short_team_steps, sch->steps, threads_count());
+    const KVStream *st = sch->pool->stream;
+    if (st && st->blocks_written)
+        fprintf(out,
+                "kv tier streaming: %ld blocks spilled, peak on disk %zu bytes | read %.0f bytes in %.1f ms | attention "
+                "waited %.1f ms for the disk | staging %zu bytes\n",
+                st->blocks_written, kv_block_bytes(sch->pool) * (size_t)st->peak_blocks,
+                (double)st->layers_read * (double)st->layer_bytes, st->read_ms, st->wait_ms,
+                2 * (size_t)st->max_blocks * st->layer_bytes);
     if (!sch->kv || (f->sequences == 1 && !g->o->verbose)) return;
     const KVPool *pool = sch->pool;
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
@@ -437,10 +445,18 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            "\"context_full\": %d, \"interrupted\": %d}",
            sch->preemptions, f->stops[STOP_EOS], f->stops[STOP_STEPS], f->stops[STOP_CONTEXT], f->stops[STOP_NONE]);
     const KVTier none = {0}, *t = pool->tier ? pool->tier : &none; /* zeros without a tier */
+    const KVStream no_stream = {0}, *st = pool->stream ? pool->stream : &no_stream;
+    /* a stream and swaps never share a run (one slot has nothing to preempt): the peak is one or the other's */
+    const size_t stream_peak = kv_block_bytes(pool) * (size_t)st->peak_blocks,
+                 swap_peak = t->block_bytes * (size_t)t->peak_slots;
     printf(", \"tier_swaps\": %d, \"tier_swap_failures\": %d, \"tier_blocks_written\": %ld, "
            "\"tier_blocks_read\": %ld, \"tier_peak_bytes\": %zu, \"tier_wait_ms_total\": %.3f",
-           sch->swaps, sch->swap_failures, t->blocks_written, t->blocks_read, t->block_bytes * (size_t)t->peak_slots,
-           t->wait_ms);
+           sch->swaps, sch->swap_failures, t->blocks_written, t->blocks_read,
+           stream_peak > swap_peak ? stream_peak : swap_peak, t->wait_ms + st->wait_ms);
+    printf(", \"tier_stream_blocks\": %ld, \"tier_stream_peak_blocks\": %d, \"tier_stream_bytes_read\": %.0f, "
+           "\"tier_stream_read_ms_total\": %.3f, \"tier_stream_wait_ms_total\": %.3f, \"tier_stage_bytes\": %zu",
+           st->blocks_written, st->peak_blocks, (double)st->layers_read * (double)st->layer_bytes, st->read_ms,
+           st->wait_ms, 2 * (size_t)st->max_blocks * st->layer_bytes);
     printf(", \"draft\": %s, \"draft_k\": %d, \"draft_tokens\": %ld, \"draft_accepted\": %ld, "
            "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f",
            sch->draft_k ? "\"ngram\"" : "null", sch->draft_k, sch->drafted, sch->accepted,
@@ -576,6 +592,9 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
         if ((rc = scheduler_step(&sch, &st)) <= 0) break;
         report_step(&g, &st);
     }
+    if (rc == MODEL_ERR_TIER && !interrupted_by)
+        die(1, "--kv-offload: the tier failed under a streamed cache (%s); its blocks have no other copy, so the run "
+               "cannot go on", strerror(sch.tier_errno));
     if (!interrupted_by) check_model(rc < 0 ? rc : 0);
     if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) { /* the text so far, as it is */
         print_text(&g, stream_end(&g));

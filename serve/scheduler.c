@@ -110,6 +110,7 @@ static int start_request(const Scheduler *sch, Request *r) {
 
 static void end_request(const Scheduler *sch, Request *r) {
     if (r->swapped.n_blocks) kv_swap_drop(sch->pool->tier, &r->swapped);
+    if (sch->pool->stream) kv_stream_drop(sch->pool->stream, &r->cache);
     sampler_free(&r->sampler);
     kv_free(&r->cache);
     r->started = 0;
@@ -121,6 +122,22 @@ static void swap_failed(Scheduler *sch, const char *what) {
     if (!sch->swap_failures++)
         fprintf(stderr, "run: warning: %s the KV tier failed (%s); the sequence is recomputed instead\n", what,
                 strerror(errno));
+}
+
+/* Reserves r's positions up to new_len; where the pool is short and the sequence streams
+ * (kvtier.h), its oldest blocks go to the tier first. Returns 0; -1 when it does not fit;
+ * MODEL_ERR_TIER when a write to the tier failed (errno in sch->tier_errno). */
+static int reserve_streaming(Scheduler *sch, Request *r, int new_len) {
+    while (kv_reserve(&r->cache, new_len) != 0) {
+        const int short_by = kv_blocks_needed(&r->cache, new_len) - sch->pool->n_free;
+        const int moved = sch->pool->stream ? kv_stream_spill(sch->pool->stream, &r->cache, short_by) : 0;
+        if (moved < 0) {
+            sch->tier_errno = errno;
+            return MODEL_ERR_TIER;
+        }
+        if (moved == 0) return -1;
+    }
+    return 0;
 }
 
 /* Admits waiting requests into free slots while the pool and the step's prompt budget
@@ -159,15 +176,22 @@ static int admit(SchedulerRun *run) {
         if (sch->kv && run->n_running > first_new && compute > budget) break;
         if (start_request(sch, r) != 0) return -1;
         if (source) kv_share_prefix(&r->cache, &source->cache, shared);
-        if (sch->kv && kv_blocks_needed(&r->cache, r->n_tokens) + blocks_for_running(run) > sch->pool->n_free) {
+        /* a sequence that streams is alone: it makes room by spilling its oldest blocks */
+        if (sch->kv && !sch->pool->stream &&
+            kv_blocks_needed(&r->cache, r->n_tokens) + blocks_for_running(run) > sch->pool->n_free) {
             kv_reset(&r->cache);
             break;
         }
         if (swapped && kv_swap_in(&r->cache, sch->pool->tier, &r->swapped) != 0) swap_failed(sch, "reading a preempted sequence's blocks from");
         if (sch->fill && r->cache.len == 0) {
             const double t0 = now_ms();
-            if (kv_reserve(&r->cache, sch->fill) != 0) return -1; /* counted in the blocks needed */
-            kv_fill_generated(&r->cache, sch->fill, r->seed);
+            /* a block at a time, so that a streamed cache spills the ones filled already */
+            for (int to = 0; to < sch->fill;) {
+                to = min_int(sch->fill, to + KV_BLOCK_TOKENS);
+                const int rc = reserve_streaming(sch, r, to); /* counted in the blocks needed */
+                if (rc != 0) return rc;
+                kv_fill_generated(&r->cache, to, r->seed);
+            }
             run->fill_ms += now_ms() - t0;
         }
         queue_pop(run);
@@ -188,7 +212,7 @@ static int reserve_or_preempt(SchedulerRun *run) {
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
         while (kv_reserve(&r->cache, r->n_tokens) != 0) {
-            if (run->n_running == 1) return -1;
+            if (run->n_running == 1) return reserve_streaming(run->sch, r, r->n_tokens);
             Request *victim = run->running[run->n_running - 1]; /* running is in admission order */
             if (!run->sch->pool->tier)
                 kv_reset(&victim->cache);
@@ -432,9 +456,10 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     const double t0 = now_ms();
     if (sch->steps == 0) run->start = t0;
     run->fill_ms = 0.0;
-    if (admit(run) != 0) return -1;
+    int rc = admit(run);
+    if (rc != 0) return rc == MODEL_ERR_TIER ? rc : -1;
     if (run->n_running == 0) return run->queue ? -1 : 0;
-    if (sch->kv && reserve_or_preempt(run) != 0) return -1;
+    if (sch->kv && (rc = reserve_or_preempt(run)) != 0) return rc == MODEL_ERR_TIER ? rc : -1;
     run->n_rows = run->n_sample = run->n_tokens = run->prefill_tokens = 0;
     run->passes = run->logit_rows = 0;
     run->keys_read = run->sequence_keys = 0;
@@ -449,7 +474,8 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
      * nothing alone, and every shared operation ended in a barrier thread 0 passed */
     step_share(run, leader);
     if (run->team) sch->short_team_steps = team_short_steps(run->team) - run->short_steps_before;
-    if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE ? MODEL_ERR_NONFINITE : -1;
+    if (run->rc == MODEL_ERR_TIER) sch->tier_errno = sch->pool->stream->err;
+    if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE || run->rc == MODEL_ERR_TIER ? run->rc : -1;
     /* generated entries stand for a prefill that never ran: no step's time */
     const double step_ms = now_ms() - t0 - run->fill_ms;
     sch->fill_ms += run->fill_ms;
@@ -489,6 +515,8 @@ static void zero_figures(Scheduler *sch) {
 
 void scheduler_restart_figures(Scheduler *sch) {
     zero_figures(sch);
+    KVStream *st = sch->pool->stream;
+    if (st) st->blocks_written = st->layers_read = st->peak_blocks = 0, st->wait_ms = st->read_ms = 0.0;
     if (sch->run->team) sch->run->short_steps_before = team_short_steps(sch->run->team);
 }
 
@@ -496,7 +524,9 @@ int scheduler_init(Scheduler *sch) {
     const Config *c = &sch->model->cfg;
     sch->run = NULL;
     zero_figures(sch);
-    if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)) return -1;
+    if (sch->max_batch < 1 ||
+        (!sch->pool->stream && sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)))
+        return -1;
     SchedulerRun *run = calloc(1, sizeof *run);
     if (!run) return -1;
     run->sch = sch;

@@ -30,6 +30,9 @@
  * sequence continues with exactly the bits it would have had. With a tier (kvtier.h), its
  * blocks are written to disk instead and read back when it is admitted again; a swap that
  * fails (a full disk, a short read, a checksum) warns and falls back to the recompute.
+ * With one slot and a stream (the pool's, kvtier.h), nothing is preempted: the sequence
+ * that outgrows the pool spills its oldest blocks to the tier and reads them back every
+ * pass; a tier that fails then ends the run, since the blocks it lost have no copy.
  *
  * Without the cache (kv = 0), each step recomputes every sequence over its whole length
  * on a cache emptied before and after, as many sequences a pass as the pass holds (a
@@ -153,6 +156,7 @@ typedef struct {
     long short_team_steps; /* steps run on fewer threads than the team's: the machine was
                             * busy (threads.h's adaptive team) */
     int swaps, swap_failures; /* preemptions swapped out, and swaps that fell back to recompute */
+    int tier_errno;           /* why the step returned MODEL_ERR_TIER: streaming's tier failed */
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
     long drafted, accepted; /* speculation: draft tokens verified, and of them accepted */
     long verify_passes;     /* sequences' passes that verified at least one draft token */
@@ -172,7 +176,8 @@ int scheduler_init(Scheduler *sch);
 int scheduler_add(Scheduler *sch, Request *r);
 /* Runs one step. Returns 1 and fills *out; 0 when no request is left; -1 when out of
  * memory; MODEL_ERR_NONFINITE (model.h) when a forward pass gives logits that are not
- * finite (nothing is sampled from them). */
+ * finite (nothing is sampled from them); MODEL_ERR_TIER when a streamed cache's tier
+ * failed (a write, a read or a checksum: tier_errno), which the run cannot go on from. */
 int scheduler_step(Scheduler *sch, StepResult *out);
 /* Starts the figures over (steps, times, counts) once every request has ended: the
  * warm-up runs on the scheduler the timed run uses, so its buffers and team are warm. */
