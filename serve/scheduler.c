@@ -212,7 +212,8 @@ static int reserve_or_preempt(SchedulerRun *run) {
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
         while (kv_reserve(&r->cache, r->n_tokens) != 0) {
-            if (run->n_running == 1) return reserve_streaming(run->sch, r, r->n_tokens);
+            if (run->n_running == 1) /* alone: a streamed prompt comes a pool's worth a step */
+                return reserve_streaming(run->sch, r, min_int(r->n_tokens, r->cache.len + run->prompt_budget));
             Request *victim = run->running[run->n_running - 1]; /* running is in admission order */
             if (!run->sch->pool->tier)
                 kv_reset(&victim->cache);
@@ -532,6 +533,8 @@ int scheduler_init(Scheduler *sch) {
     run->sch = sch;
     sch->run = run;
     run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
+    /* a streamed sequence's pass writes into the pool alone: what it holds, less the block in part written */
+    if (sch->pool->stream) run->prompt_budget = min_int(run->prompt_budget, (sch->pool->n_blocks - 1) * KV_BLOCK_TOKENS);
     const int B = sch->max_batch, T = scheduler_max_tokens(c, B) + B * sch->draft_k;
     run->running = malloc((size_t)B * sizeof *run->running);
     run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
