@@ -107,3 +107,75 @@ def test_file_size_limit_falls_back_to_recompute(small_checkpoints, tmp_path):
     _, recomputed, _ = generate_json(args + ["--preempt", "recompute", "-q"])
     assert tokens(objs[:-1]) == tokens(recomputed)
     assert not any(tmp_path.iterdir())
+
+
+# ---- streaming: one sequence whose cache outgrows the pool (--batch 1) ----
+
+def stream_mb(model):
+    """--kv-mem for the staging area (two layers of a context's blocks) and 2 blocks and a half beside it."""
+    _, info = json_one(model + ["--info", "--kv"])
+    block, blocks = info["kv_block_bytes"], info["context"] // info["kv_block_tokens"]
+    return f"{(2 * blocks * block / info['layers'] + 2.5 * block) / 2**20:.6f}", info
+
+
+def assert_streaming_is_bitwise(model, args, tmp_path):
+    """A generation streamed from a tier over a pool of 2 blocks has the logits it has alone."""
+    mb, _ = stream_mb(model)
+    tier = tmp_path / "tier"
+    _, _, s = generate_json(model + args + ["--kv-mem", mb, "--kv-offload", tier, "--dump-logits", tmp_path / "s"])
+    _, _, a = generate_json(model + args + ["--dump-logits", tmp_path / "a"])
+    assert not tier.exists()
+    assert s["kv_pool_blocks"] == 2 and a["kv_pool_blocks"] > 2, (s, a)
+    assert s["tier_stream_blocks"] > 0 and s["tier_stream_bytes_read"] > 0, s
+    assert s["tier_stream_peak_blocks"] * s["kv_block_bytes"] == s["tier_peak_bytes"], s
+    assert a["tier_stream_blocks"] == 0, a
+    streamed, alone = (tmp_path / "s").read_bytes(), (tmp_path / "a").read_bytes()
+    assert len(streamed) > 0 and streamed == alone
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_streaming_is_bitwise(small_checkpoints, variant, dtype, tmp_path):
+    path, _ = small_checkpoints[variant]
+    args = ["-p", PROMPT, "--kv", "-k", 1, "-n", 60, "--ignore-eos", "-s", 3, "-q"]
+    assert_streaming_is_bitwise([path, "--kv-dtype", dtype], args, tmp_path)
+
+
+@pytest.mark.parametrize("shape", ["layers=2,dim=64,heads=4,kv_heads=2,vocab=256,ctx=512",
+                                   "layers=3,dim=64,heads=4,latent=32,vocab=256,ctx=512"])
+def test_streaming_shape_with_fill_is_bitwise(shape, tmp_path):
+    args = ["-p", "1 2 3", "--kv", "--fill", 400, "-k", 1, "-n", 8, "-s", 5, "-q"]
+    assert_streaming_is_bitwise(["--shape", shape], args, tmp_path)
+
+
+def test_streaming_full_disk_ends_the_run(small_checkpoints, tmp_path):
+    """A file size limit below the tier's first write: one line, exit 1, nothing left behind."""
+    path, _ = small_checkpoints["mha"]
+    mb, info = stream_mb([path])
+    limit = info["kv_block_bytes"] // 4
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    import subprocess
+    from conftest import RUN
+    cmd = [RUN, path, "-p", PROMPT, "--kv", "-n", "60", "--ignore-eos", "--kv-mem", mb, "--kv-offload",
+           str(tmp_path / "tier"), "-q", "--json"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limited, timeout=300)
+    err = [l for l in p.stderr.decode().strip().splitlines() if l.startswith("run:")]  # after the settings line
+    assert p.returncode == 1 and len(err) == 1 and "--kv-offload" in err[0] and "cannot go on" in err[0], p.stderr
+    assert b"summary" not in p.stdout
+    assert not any(tmp_path.iterdir())
+
+
+def test_streaming_needs_one_slot(small_checkpoints, tmp_path):
+    """A pool below a context streams at --batch 1 alone; at --batch 2 it is refused in one line."""
+    path, _ = small_checkpoints["mqa"]
+    _, info = stream_mb([path])
+    mb = f"{2.5 * info['kv_block_bytes'] / 2**20:.6f}"
+    p = run([path, "-p", PROMPT, "--kv", "-n", 2, "-q", "--kv-mem", mb, "--kv-offload", tmp_path / "tier",
+             "--batch", 2], check=False)
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "--kv-mem" in err[0] and "--batch 1" in err[0], p.stderr
+    assert not any(tmp_path.iterdir())

@@ -1,6 +1,7 @@
 /* The KV cache's disk tier: exclusive creation, slots and their reuse, swap out and in
  * restoring every byte, and the failures it must catch (a truncated file, a block that
- * changed on disk, a file size limit) instead of handing back wrong blocks. */
+ * changed on disk, a file size limit) instead of handing back wrong blocks; the same for
+ * a streamed cache, and which of its blocks are on the tier. */
 #define _GNU_SOURCE
 #include <setjmp.h>
 #include <stdarg.h>
@@ -197,13 +198,147 @@ static void test_file_size_limit(void **state) {
     kv_pool_free(&p);
 }
 
+/* ---- streaming ---- */
+
+/* a cache of `len` generated positions in a pool of its own blocks: what a streamed one
+ * must read back */
+static void filled(KVPool *p, KVCache *a, int blocks, int len, uint64_t seed) {
+    const Config c = small_mha();
+    assert_int_equal(kv_pool_init(p, &c, DTYPE_F32, blocks), 0);
+    assert_int_equal(kv_init(a, p, 64), 0);
+    assert_int_equal(kv_reserve(a, len), 0);
+    kv_fill_generated(a, len, seed);
+}
+
+/* every row of layer l of positions [0, len): the same bytes in a and ref */
+static void assert_layer_equal(const KVCache *a, const KVCache *ref, int l, int len) {
+    const KVPool *p = ref->pool;
+    for (int pos = 0; pos < len; pos++)
+        for (int r = 0; r < 2 * p->n_kv_heads; r++)
+            assert_memory_equal(kv_row(a, l, r, pos).data, kv_row(ref, l, r, pos).data, p->row_bytes);
+}
+
+/* which blocks are on the tier: only whole ones below len, oldest first, each given back
+ * to the pool; a pass reads every layer of them back, the same bytes, pass after pass;
+ * dropping the stream gives the pool everything back */
+static void test_stream_bookkeeping(void **state) {
+    KVPool p, rp;
+    KVCache a, ref;
+    filled(&p, &a, 3, 40, 11);
+    filled(&rp, &ref, 4, 40, 11);
+    char path[256];
+    tier_path(path, sizeof path);
+    KVTier t;
+    assert_int_equal(kv_tier_open(&t, path, kv_block_bytes(&p)), 0);
+    KVStream s;
+    assert_int_equal(kv_stream_open(&s, &t, &p, a.max_blocks), 0);
+    assert_int_equal(kv_blocks_in_use(&p), 3);
+    assert_int_equal(kv_stream_spill(&s, &a, 1), 1);
+    assert_int_equal(a.n_disk, 1);
+    assert_int_equal(s.n, 1);
+    assert_int_equal(kv_blocks_in_use(&p), 2);
+    assert_int_equal(kv_stream_spill(&s, &a, 5), 1); /* block 2 holds position 40, written next */
+    assert_int_equal(a.n_disk, 2);
+    assert_int_equal(kv_stream_spill(&s, &a, 5), 0);
+    assert_int_equal(kv_blocks_in_use(&p), 1);
+    assert_int_equal(s.peak_blocks, 2);
+    assert_int_equal(s.blocks_written, 2);
+    assert_int_equal(kv_reserve(&a, 64), 0); /* the pool holds the rest of the context now */
+    for (int pass = 0; pass < 3; pass++) {
+        kv_stream_begin(&a);
+        for (int l = 0; l < p.n_layers; l++) {
+            kv_stream_layer(&a, l);
+            assert_non_null(a.stage);
+            assert_layer_equal(&a, &ref, l, 40);
+        }
+        assert_int_equal(kv_stream_end(&a), 0);
+        assert_null(a.stage);
+    }
+    assert_int_equal(s.layers_read, 3 * p.n_layers * 2);
+    kv_stream_drop(&s, &a);
+    assert_int_equal(a.n_disk, 0);
+    assert_int_equal(s.n, 0);
+    assert_int_equal(kv_blocks_in_use(&p), 0);
+    kv_free(&a);
+    kv_free(&ref);
+    kv_stream_close(&s);
+    kv_tier_close(&t);
+    kv_pool_free(&p);
+    kv_pool_free(&rp);
+}
+
+/* a pass over streamed blocks that cannot be read whole (a truncated file), or one that
+ * changed on disk, ends with an error instead of attending over them */
+static void test_stream_truncated_and_corrupt(void **state) {
+    for (int corrupt = 0; corrupt < 2; corrupt++) {
+        KVPool p;
+        KVCache a;
+        filled(&p, &a, 4, 40, 5);
+        char path[256];
+        tier_path(path, sizeof path);
+        KVTier t;
+        assert_int_equal(kv_tier_open(&t, path, kv_block_bytes(&p)), 0);
+        KVStream s;
+        assert_int_equal(kv_stream_open(&s, &t, &p, a.max_blocks), 0);
+        assert_int_equal(kv_stream_spill(&s, &a, 2), 2);
+        if (corrupt) {
+            const unsigned char flip = 0x5a;
+            assert_int_equal(pwrite(t.fd, &flip, 1, (off_t)p.layer_bytes + 3), 1); /* layer 0 of block 1 */
+        } else {
+            assert_int_equal(ftruncate(t.fd, (off_t)p.layer_bytes), 0);
+        }
+        kv_stream_begin(&a);
+        for (int l = 0; l < p.n_layers; l++) kv_stream_layer(&a, l);
+        assert_int_equal(kv_stream_end(&a), -1);
+        assert_int_equal(errno, corrupt ? EBADMSG : EIO);
+        kv_stream_drop(&s, &a);
+        kv_free(&a);
+        kv_stream_close(&s);
+        kv_tier_close(&t);
+        kv_pool_free(&p);
+    }
+}
+
+/* a spill that crosses a file size limit (a full disk) fails and leaves the cache as it was */
+static void test_stream_file_size_limit(void **state) {
+    KVPool p;
+    KVCache a;
+    filled(&p, &a, 4, 40, 9);
+    char path[256];
+    tier_path(path, sizeof path);
+    KVTier t;
+    assert_int_equal(kv_tier_open(&t, path, kv_block_bytes(&p)), 0);
+    KVStream s;
+    assert_int_equal(kv_stream_open(&s, &t, &p, a.max_blocks), 0);
+    struct rlimit old, lim;
+    getrlimit(RLIMIT_FSIZE, &old);
+    lim = old;
+    lim.rlim_cur = (rlim_t)p.layer_bytes; /* layer 1 of block 0 lies past it */
+    void (*was)(int) = signal(SIGXFSZ, SIG_IGN);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    const int rc = kv_stream_spill(&s, &a, 1);
+    const int e = errno;
+    setrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, was);
+    assert_int_equal(rc, -1);
+    assert_true(e == EFBIG || e == EIO);
+    assert_int_equal(a.n_disk, 0);
+    assert_int_equal(s.n, 0);
+    assert_int_equal(kv_blocks_in_use(&p), 3);
+    kv_free(&a);
+    kv_stream_close(&s);
+    kv_tier_close(&t);
+    kv_pool_free(&p);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     (void)argv;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_open_is_exclusive_and_unlinked), cmocka_unit_test(test_slot_bookkeeping),
         cmocka_unit_test(test_swap_round_trip),                cmocka_unit_test(test_truncated_and_corrupt),
-        cmocka_unit_test(test_file_size_limit),
+        cmocka_unit_test(test_file_size_limit),                cmocka_unit_test(test_stream_bookkeeping),
+        cmocka_unit_test(test_stream_truncated_and_corrupt),   cmocka_unit_test(test_stream_file_size_limit),
     };
     return cmocka_run_group_tests_name("kvtier", tests, NULL, NULL);
 }
