@@ -103,20 +103,6 @@ static void check_limits(const Config *c, const Options *o) {
         die(EXIT_USAGE, "--ppl scores text, and generated weights (--shape) have no tokenizer to read it with");
 }
 
-/* Whether a sequence the pool cannot hold streams its oldest blocks from the tier
- * (kvtier.h's KVStream): one generation at --batch 1 with --kv-offload, no window. */
-static int streams(const Options *o) {
-    return o->kv && o->kv_offload && o->batch == 1 && !o->prompts_path && !o->window && !o->check_kv &&
-           !o->check_batch && !o->ppl_path;
-}
-
-/* Bytes of the staging area a stream reads the tier's blocks into (kvtier.h): two layers
- * of a full context's blocks. */
-static double stage_bytes(const Config *c, const Options *o) {
-    return streams(o) ? 2.0 * kv_blocks_for(c->max_seq_len) * (double)kv_block_bytes_for(c, o->kv_dtype) / c->n_layers
-                      : 0.0;
-}
-
 /* Blocks of the KV cache pool: --kv-mem MiB (less a stream's staging area), or the full
  * contexts (or windows) of the batch (one without the cache, whose passes empty it after
  * them). */
@@ -124,13 +110,13 @@ static int pool_blocks(const Config *c, const Options *o) {
     const size_t block_bytes = kv_block_bytes_for(c, o->kv_dtype);
     const int one_sequence = kv_blocks_for(o->window ? o->window : c->max_seq_len);
     const double blocks = o->kv_mem_mb > 0.0f
-                              ? floor(((double)o->kv_mem_mb * 1048576.0 - stage_bytes(c, o)) / (double)block_bytes)
+                              ? floor(((double)o->kv_mem_mb * 1048576.0 - (double)stream_stage_bytes(c, o)) / (double)block_bytes)
                               : (double)(o->kv ? o->batch : 1) * one_sequence;
-    if (streams(o) && blocks < 2)
+    if (run_streams(o) && blocks < 2)
         die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes beside the tier's staging area (%.0f bytes); "
                         "streaming needs 2 at least",
-            (double)o->kv_mem_mb, blocks, block_bytes, stage_bytes(c, o));
-    if (blocks < one_sequence && !streams(o))
+            (double)o->kv_mem_mb, blocks, block_bytes, (double)stream_stage_bytes(c, o));
+    if (blocks < one_sequence && !run_streams(o))
         die(EXIT_USAGE,
             "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d (or "
             "--kv-offload PATH, which streams the rest from disk at --batch 1 alone: no --window, --prompts or checks)",
@@ -145,7 +131,7 @@ static int pool_blocks(const Config *c, const Options *o) {
  * the memory this machine has free. */
 static void check_memory(const Config *c, const Options *o, int blocks) {
     const double weights = (double)model_bytes_for(c),
-                 pool = (double)blocks * (double)kv_block_bytes_for(c, o->kv_dtype) + stage_bytes(c, o),
+                 pool = (double)blocks * (double)kv_block_bytes_for(c, o->kv_dtype) + (double)stream_stage_bytes(c, o),
                  scratch = (double)scheduler_scratch_bytes(c, o->batch);
     double available, total;
     if (machine_memory(&available, &total) != 0 || weights + pool + scratch <= available) return;
@@ -225,10 +211,10 @@ int main(int argc, char **argv) {
         if (kv_tier_open(&tier, o.kv_offload, kv_block_bytes(&pool)) != 0)
             die(EXIT_USAGE, "--kv-offload %s: cannot create the tier file: %s", o.kv_offload, strerror(errno));
         if (o.preempt_swap) pool.tier = &tier;
-        if (streams(&o)) {
+        if (run_streams(&o)) {
             if (kv_stream_open(&stream, &tier, &pool, kv_blocks_for(m.cfg.max_seq_len)) != 0)
                 die(1, "out of memory (or no thread could be started) for the tier's staging area of %.0f bytes",
-                    stage_bytes(&m.cfg, &o));
+                    (double)stream_stage_bytes(&m.cfg, &o));
             pool.stream = &stream;
         }
     }

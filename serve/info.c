@@ -19,6 +19,8 @@ typedef struct {
     int kept;                     /* positions a sequence keeps: the context, or the window */
     size_t kv_full, kv_batch;     /* one sequence's, the batch's, by the formula */
     size_t kv_contiguous;         /* the batch's full caches in the pool's layout */
+    size_t stage_bytes;           /* streaming (kvtier.h): the staging area, part of --kv-mem */
+    size_t tier_bytes_full;       /* streaming: one full context's bytes on the tier beside the pool */
     double available, total;      /* this machine's memory; -1 when unknown */
     int fits;                     /* needed <= available */
 } InfoFigures;
@@ -35,7 +37,10 @@ static InfoFigures figures_of(const Config *c, const Options *o, int pool_blocks
     f.kv_batch = f.kv_full * (size_t)o->batch;
     f.kv_contiguous = f.per_token_allocated * (size_t)f.kept * (size_t)o->batch;
     f.scratch_bytes = scheduler_scratch_bytes(c, o->batch);
-    f.needed = f.model_bytes + f.pool_bytes + f.scratch_bytes;
+    f.stage_bytes = stream_stage_bytes(c, o);
+    const int over = kv_blocks_for(c->max_seq_len) - pool_blocks;
+    f.tier_bytes_full = run_streams(o) && over > 0 ? (size_t)over * f.block_bytes : 0;
+    f.needed = f.model_bytes + f.pool_bytes + f.stage_bytes + f.scratch_bytes;
     if (machine_memory(&f.available, &f.total) != 0) f.available = f.total = -1.0;
     f.fits = f.available >= 0 && (double)f.needed <= f.available;
     return f;
@@ -51,12 +56,14 @@ static void info_json(const Config *c, const Options *o, int pool_blocks, const 
            "\"model_bytes\": %zu, \"kv_bytes_per_token\": %zu, \"kv_bytes_full\": %zu, \"kv_bytes_batch\": %zu, "
            "\"kv_bytes_per_token_allocated\": %zu, \"kv_pool_blocks\": %d, \"kv_block_tokens\": %d, "
            "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"batch\": %d, \"kv_bytes_contiguous\": %zu, "
-           "\"scratch_bytes\": %zu, \"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
+           "\"scratch_bytes\": %zu, \"tier_stage_bytes\": %zu, \"tier_bytes_full\": %zu, "
+           "\"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
            c->dtype == DTYPE_BF16 ? "bf16" : "fp32", c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
            c->kv_latent, config_rope_width(c), c->hidden_dim, c->vocab_size, (double)c->rope_theta, c->window,
            o->window_from_model ? "true" : "false", f->params, f->weight_bytes, f->model_bytes, f->per_token,
            f->kv_full, f->kv_batch, f->per_token_allocated, pool_blocks, KV_BLOCK_TOKENS, f->block_bytes,
-           f->pool_bytes, o->batch, f->kv_contiguous, f->scratch_bytes, f->needed, kernels_simd_name());
+           f->pool_bytes, o->batch, f->kv_contiguous, f->scratch_bytes, f->stage_bytes, f->tier_bytes_full, f->needed,
+           kernels_simd_name());
     if (f->available < 0)
         fputs(", \"memory_available_bytes\": null, \"memory_total_bytes\": null, \"fits_in_memory\": null", stdout);
     else
@@ -110,6 +117,10 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
            "for %d sequence%s would take %zu bytes\n",
            pool_blocks, KV_BLOCK_TOKENS, f.block_bytes, f.pool_bytes, o->window ? "window" : "context", batch,
            batch > 1 ? "s" : "", f.kv_contiguous);
+    if (f.tier_bytes_full)
+        printf("KV tier        streams a sequence's oldest blocks from --kv-offload: %zu bytes on disk at the full "
+               "context, read each pass through a staging area of %zu bytes (in --kv-mem)\n",
+               f.tier_bytes_full, f.stage_bytes);
     if (f.available >= 0)
         printf("memory         weights, pool and scratch (%.2f GiB) need %.2f GiB; this machine has %.2f GiB "
                "available of %.2f GiB: %s\n",

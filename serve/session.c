@@ -188,6 +188,16 @@ size_t scheduler_scratch_bytes(const Config *c, int max_batch) {
     return T * floats * sizeof(float);
 }
 
+int run_streams(const Options *o) {
+    return o->kv && o->kv_offload && o->batch == 1 && !o->prompts_path && !o->window && !o->check_kv &&
+           !o->check_batch && !o->ppl_path;
+}
+
+size_t stream_stage_bytes(const Config *c, const Options *o) {
+    return run_streams(o) ? 2 * (size_t)kv_blocks_for(c->max_seq_len) * (kv_block_bytes_for(c, o->kv_dtype) / c->n_layers)
+                          : 0;
+}
+
 int machine_memory(double *available, double *total) {
     FILE *f = fopen("/proc/meminfo", "r");
     char line[256];

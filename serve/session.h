@@ -52,6 +52,12 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
 /* About the bytes of the scheduler's scratch: the logits and activations of a pass's
  * tokens (scheduler_max_tokens). */
 size_t scheduler_scratch_bytes(const Config *c, int max_batch);
+/* Whether a sequence the pool cannot hold streams its oldest blocks from the tier
+ * (kvtier.h's KVStream): a generation at --batch 1 with --kv-offload, no window. */
+int run_streams(const Options *o);
+/* The staging area a stream reads the tier's blocks into, part of --kv-mem: two layers of
+ * a full context's blocks; 0 when the run does not stream. */
+size_t stream_stage_bytes(const Config *c, const Options *o);
 /* The memory this machine has for a new allocation (MemAvailable) and in all (MemTotal),
  * in bytes, from /proc/meminfo, or sysconf's pages where it cannot be read. 0 or -1. */
 int machine_memory(double *available, double *total);
