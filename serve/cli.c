@@ -35,7 +35,8 @@ void cli_usage(FILE *f) {
           "                        existing PATH is refused) and removed at once, so never left behind;\n"
           "                        at --batch 1 a cache larger than --kv-mem streams its oldest blocks from it\n"
           "      --preempt swap|recompute  a preempted sequence's cache goes to the tier and comes back,\n"
-          "                        or is recomputed (default: swap with --kv-offload, else recompute)\n"
+          "                        or is recomputed (default with --kv-offload: whichever the tier's measured\n"
+          "                        speed says is faster for that sequence; without: recompute)\n"
           "      --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
           "                        with seed s+i (continuous batching)\n"
           "      --kv-dtype fp32|bf16|int8|fp8  precision of the cached keys and values (default fp32)\n"
@@ -436,7 +437,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2, "--kv-offload swaps a sequence's cache: it needs --kv and takes no --window");
     if (o->preempt_swap == 1 && !o->kv_offload)
         return errmsg(err, errlen, 2, "--preempt swap needs a tier to swap to: give --kv-offload PATH");
-    if (o->preempt_swap < 0) o->preempt_swap = o->kv_offload != NULL;
+    if (o->preempt_swap < 0 && !o->kv_offload) o->preempt_swap = 0; /* with a tier, -1: the measured rule */
     if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
         return errmsg(err, errlen, 2,
                       "--window needs --kv: without the cache every step recomputes the whole sequence");

@@ -41,7 +41,8 @@ typedef struct {
     int batch_given; /* --batch was on the command line */
     float kv_mem_mb; /* the KV pool's size in MiB; 0 = enough for `batch` full contexts */
     const char *kv_offload; /* --kv-offload: the tier file behind the pool (kvtier.h); NULL: none */
-    int preempt_swap;       /* --preempt: 1 swap to the tier, 0 recompute; -1 not given */
+    int preempt_swap;       /* --preempt: 1 swap to the tier, 0 recompute; -1 not given, with a tier: the
+                             * measured rule (scheduler.h's preempt_rule) */
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
     int draft;   /* --draft ngram: speculative decoding with prompt lookup (greedy) */

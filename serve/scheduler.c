@@ -206,6 +206,19 @@ static void remove_running(SchedulerRun *run, int i) {
     run->n_running--;
 }
 
+/* --preempt's default: swap r when writing its blocks and reading them back, at the
+ * tier's own pace so far (its writes' and reads' time a block), takes less than
+ * recomputing its positions at the prefill's pace so far; until both are measured, swap
+ * (the first swap measures the tier). The recompute's pace is the prefill's of shorter
+ * prompts, so long contexts, whose attention costs more a token, lean to swap the more. */
+static int swap_pays(const Scheduler *sch, const Request *r) {
+    const KVTier *t = sch->pool->tier;
+    const long blocks = t->blocks_written + t->blocks_read;
+    if (blocks == 0 || sch->prefill_tokens == 0) return 1;
+    const double swap_ms = 2.0 * kv_blocks_for(r->cache.len) * (t->wait_ms / (double)blocks);
+    return swap_ms < r->cache.len * (sch->prefill_ms / (double)sch->prefill_tokens);
+}
+
 /* Reserves every running sequence's positions, preempting the latest admitted while the
  * pool is short. Returns -1 when even one sequence alone does not fit. */
 static int reserve_or_preempt(SchedulerRun *run) {
@@ -217,6 +230,8 @@ static int reserve_or_preempt(SchedulerRun *run) {
             Request *victim = run->running[run->n_running - 1]; /* running is in admission order */
             if (!run->sch->pool->tier)
                 kv_reset(&victim->cache);
+            else if (run->sch->preempt_rule && !swap_pays(run->sch, victim))
+                kv_reset(&victim->cache), run->sch->rule_recomputes++;
             else if (kv_swap_out(&victim->cache, run->sch->pool->tier, &victim->swapped) == 0)
                 run->sch->swaps++;
             else
@@ -481,6 +496,8 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     const double step_ms = now_ms() - t0 - run->fill_ms;
     sch->fill_ms += run->fill_ms;
     run->start += run->fill_ms;
+    if (run->prefill_tokens && run->prefill_tokens == run->n_tokens)
+        sch->prefill_ms += step_ms, sch->prefill_tokens += run->prefill_tokens;
     const int sequences = run->n_sample, running = run->n_running;
     if (retire(run, out, step_ms) != 0) return -1;
     out->running = running;
@@ -508,7 +525,7 @@ int scheduler_max_tokens(const Config *c, int max_batch) {
 }
 
 static void zero_figures(Scheduler *sch) {
-    sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = 0;
+    sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = sch->rule_recomputes = 0;
     sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
     sch->drafted = sch->accepted = sch->verify_passes = 0;

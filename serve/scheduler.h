@@ -141,6 +141,9 @@ typedef struct {
                   * tokens after each decoding sequence's last one, verified in the same
                   * pass; the longest prefix the target agrees with is kept, the rest of
                   * the cache rolled back (kv_truncate). 0 = off; needs kv, no window. */
+    int preempt_rule; /* with a tier, swap a preempted sequence only when the measured rule says
+                       * it is faster than its recompute (--preempt's default; scheduler.c's
+                       * swap_pays); 0: always swap */
     int fill; /* every request starts at this position, over a cache of generated entries
                * (kvcache.h's kv_fill_generated) that no pass computed: --fill */
     /* set by the caller between steps, NULL when off: */
@@ -157,6 +160,11 @@ typedef struct {
                             * busy (threads.h's adaptive team) */
     int swaps, swap_failures; /* preemptions swapped out, and swaps that fell back to recompute */
     int tier_errno;           /* why the step returned MODEL_ERR_TIER: streaming's tier failed */
+    int rule_recomputes;      /* preemptions preempt_rule recomputed instead of swapping */
+    /* the prefill's rate, measured over every step that computed only prompt tokens since
+     * scheduler_init (the warm-up's included): the recompute's cost in preempt_rule */
+    double prefill_ms;
+    long prefill_tokens;
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
     long drafted, accepted; /* speculation: draft tokens verified, and of them accepted */
     long verify_passes;     /* sequences' passes that verified at least one draft token */

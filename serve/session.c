@@ -148,7 +148,8 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options 
                        .top_p = o->top_p,
                        .temperature = o->temperature,
                        .draft_k = o->draft ? o->draft_k : 0,
-                       .fill = o->fill};
+                       .fill = o->fill,
+                       .preempt_rule = o->kv_offload && o->preempt_swap < 0};
     if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);
 }
 

@@ -29,8 +29,9 @@ def test_swap_equals_recompute_and_no_preemption(small_checkpoints, variant, tmp
     path, _ = small_checkpoints[variant]
     args = small_pool_args(path)
     tier = tmp_path / "tier"
-    _, swapped, s = generate_json(args + ["--kv-offload", tier, "-q"])
+    _, swapped, s = generate_json(args + ["--kv-offload", tier, "--preempt", "swap", "-q"])
     assert not tier.exists()
+    assert s["tier_rule_recomputes"] == 0, s
     assert s["preemptions"] > 0 and s["tier_swaps"] == s["preemptions"] and s["tier_swap_failures"] == 0, s
     assert s["tier_blocks_written"] == s["tier_blocks_read"] > 0, s
     assert s["tier_peak_bytes"] > 0 and s["tier_peak_bytes"] % s["kv_block_bytes"] == 0, s
@@ -40,7 +41,10 @@ def test_swap_equals_recompute_and_no_preemption(small_checkpoints, variant, tmp
     del big[big.index("--kv-mem"):big.index("--kv-mem") + 2]
     _, alone, b = generate_json(big + ["-q"])
     assert b["preemptions"] == 0
-    assert tokens(swapped) == tokens(recomputed) == tokens(alone)
+    _, ruled, d = generate_json(args + ["--kv-offload", tmp_path / "rule", "-q"])  # --preempt's default
+    assert d["preemptions"] > 0 and d["tier_swaps"] > 0, d  # the first swap measures the tier
+    assert d["tier_swaps"] + d["tier_rule_recomputes"] + d["tier_swap_failures"] == d["preemptions"], d
+    assert tokens(swapped) == tokens(recomputed) == tokens(alone) == tokens(ruled)
     assert not any(tmp_path.iterdir())
 
 
