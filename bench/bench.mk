@@ -5,7 +5,7 @@
 #   make bench-quick                             every weights/*.bin, C engine only, 64 decode steps, 3 reps
 #   make bench BENCH_BATCHES=1,16,64             the throughput table at these batch sizes only
 #   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
-#   make bench-offload                           the KV tier: swap against recompute (bench/offload.py)
+#   make bench-offload                           the KV tier: swap against recompute, streaming (bench/offload.py)
 #   make bench-scale                             a 1.1B shape's MHA/GQA/MQA/MLA twins, contexts 512 to 32k (bench/scale.py)
 #   make bench-spec                              speculative decoding against plain cached decoding (bench/spec.py)
 #
@@ -44,7 +44,7 @@ bench-scale: run build/roofline
 	$(PYTHON) bench/scale.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT))
 
 # the KV tier: swap out and in against recompute, every weights/*.bin (bench/offload.py)
-bench-offload: run
+bench-offload: run build/roofline
 	$(PYTHON) bench/offload.py $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)) $(BENCH_CHECKPOINTS)
 
 # the C engine alone, 64 decode steps a run: every checkpoint compared in well under a minute
