@@ -90,6 +90,26 @@ static void release_block(KVPool *pool, int b) {
     if (--pool->refs[b] == 0) pool->free_blocks[pool->n_free++] = b;
 }
 
+/* one more reference to a block in use: it is shared, and sharing saves a block */
+static void share_block(KVPool *pool, int b) {
+    pool->shared_blocks += ++pool->refs[b] == 2;
+    pool->saved_blocks++;
+    if (pool->shared_blocks > pool->peak_shared_blocks) pool->peak_shared_blocks = pool->shared_blocks;
+    if (pool->saved_blocks > pool->peak_saved_blocks) pool->peak_saved_blocks = pool->saved_blocks;
+}
+
+void kv_block_hold(KVPool *pool, int b) { share_block(pool, b); }
+void kv_block_release(KVPool *pool, int b) { release_block(pool, b); }
+
+int kv_place_blocks(KVCache *cache, const int *held, int n) {
+    int fresh = 0;
+    for (int i = 0; i < n; i++) fresh += held[i] < 0;
+    if (n > cache->max_blocks || fresh > cache->pool->n_free) return -1;
+    for (int i = 0; i < n; i++) cache->blocks[i] = held[i] >= 0 ? held[i] : take_block(cache->pool);
+    cache->n_blocks = n;
+    return 0;
+}
+
 int kv_init(KVCache *cache, KVPool *pool, int max_len) {
     memset(cache, 0, sizeof *cache);
     cache->pool = pool;
@@ -153,12 +173,8 @@ void kv_truncate(KVCache *cache, int len) {
 void kv_share_prefix(KVCache *dst, const KVCache *src, int len) {
     kv_reset(dst);
     for (int i = 0; i < kv_blocks_for(len); i++) {
-        KVPool *pool = dst->pool;
         dst->blocks[i] = src->blocks[i];
-        pool->shared_blocks += ++pool->refs[src->blocks[i]] == 2;
-        pool->saved_blocks++;
-        if (pool->shared_blocks > pool->peak_shared_blocks) pool->peak_shared_blocks = pool->shared_blocks;
-        if (pool->saved_blocks > pool->peak_saved_blocks) pool->peak_saved_blocks = pool->saved_blocks;
+        share_block(dst->pool, src->blocks[i]);
     }
     dst->n_blocks = kv_blocks_for(len);
     dst->len = len;

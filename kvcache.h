@@ -103,6 +103,14 @@ void kv_free(KVCache *cache);
 /* Gives its blocks back: len 0. Blocks on the tier (n_disk) are the stream's to give
  * back (kv_stream_drop), before. */
 void kv_reset(KVCache *cache);
+/* Another reference to block b (a swapped-out sequence keeps a block it shares), and one
+ * given back. */
+void kv_block_hold(KVPool *pool, int b);
+void kv_block_release(KVPool *pool, int b);
+/* An empty cache takes n blocks back, held[i] >= 0 the block its reference passes to it
+ * (kv_block_hold), -1 a free block of the pool; len stays 0 until the caller has filled
+ * them. Returns -1, changing nothing, when the pool has too few free blocks. */
+int kv_place_blocks(KVCache *cache, const int *held, int n);
 /* Streaming: the oldest block still in the pool, blocks[n_disk], goes back to it and
  * counts as on the tier from now on (kv_stream_spill has written it there). */
 void kv_drop_oldest(KVCache *cache);

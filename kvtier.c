@@ -111,13 +111,18 @@ int kv_tier_read(KVTier *t, int slot, void *block) {
 static unsigned char *block_data(const KVPool *p, int b) { return p->data + (size_t)b * kv_block_bytes(p); }
 
 void kv_swap_drop(KVTier *t, KVSwapped *s) {
-    for (int i = 0; i < s->n_blocks; i++) kv_tier_release(t, s->slots[i]);
+    for (int i = 0; i < s->n_blocks; i++)
+        if (s->slots[i] >= 0)
+            kv_tier_release(t, s->slots[i]);
+        else
+            kv_block_release(s->pool, -1 - s->slots[i]);
     free(s->slots);
     memset(s, 0, sizeof *s);
 }
 
 int kv_swap_out(KVCache *cache, KVTier *t, KVSwapped *s) {
     memset(s, 0, sizeof *s);
+    s->pool = cache->pool;
     const int n = kv_blocks_for(cache->len);
     if (n == 0) {
         kv_reset(cache);
@@ -126,7 +131,14 @@ int kv_swap_out(KVCache *cache, KVTier *t, KVSwapped *s) {
     s->slots = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->slots);
     int rc = s->slots ? 0 : -1;
     for (int i = 0; i < n && rc == 0; i++) {
-        const int slot = kv_tier_write(t, block_data(cache->pool, cache->blocks[i]));
+        const int b = cache->blocks[i];
+        if (cache->pool->refs[b] > 1) { /* shared: another sequence keeps it in the pool anyway */
+            kv_block_hold(cache->pool, b);
+            s->slots[s->n_blocks++] = -1 - b;
+            s->n_kept++;
+            continue;
+        }
+        const int slot = kv_tier_write(t, block_data(cache->pool, b));
         if (slot < 0)
             rc = -1;
         else
@@ -138,21 +150,33 @@ int kv_swap_out(KVCache *cache, KVTier *t, KVSwapped *s) {
         const int e = errno;
         kv_swap_drop(t, s);
         errno = e;
+    } else {
+        t->blocks_kept += s->n_kept;
     }
     return rc;
 }
 
 int kv_swap_in(KVCache *cache, KVTier *t, KVSwapped *s) {
-    int rc = kv_reserve(cache, s->len);
-    if (rc != 0) errno = ENOMEM;
+    int held[s->n_blocks > 0 ? s->n_blocks : 1];
+    for (int i = 0; i < s->n_blocks; i++) held[i] = s->slots[i] < 0 ? -1 - s->slots[i] : -1;
+    if (kv_place_blocks(cache, held, s->n_blocks) != 0) {
+        kv_swap_drop(t, s);
+        errno = ENOMEM;
+        return -1;
+    }
+    int rc = 0;
     for (int i = 0; i < s->n_blocks && rc == 0; i++)
-        rc = kv_tier_read(t, s->slots[i], block_data(cache->pool, cache->blocks[i]));
+        if (s->slots[i] >= 0) rc = kv_tier_read(t, s->slots[i], block_data(cache->pool, cache->blocks[i]));
     const int e = errno;
+    /* the held blocks' references are the cache's now: only the tier's slots go back */
+    for (int i = 0; i < s->n_blocks; i++)
+        if (s->slots[i] >= 0) kv_tier_release(t, s->slots[i]);
     if (rc == 0)
         cache->len = s->len;
     else
         kv_reset(cache);
-    kv_swap_drop(t, s);
+    free(s->slots);
+    memset(s, 0, sizeof *s);
     errno = e;
     return rc;
 }

@@ -28,6 +28,7 @@ typedef struct KVTier {
     /* what it did, for --info and the summary */
     int peak_slots;       /* slots in use at once, at most */
     long blocks_written, blocks_read;
+    long blocks_kept;     /* blocks a swap held in the pool instead of writing: they were shared */
     double wait_ms;       /* spent in writes and reads */
 } KVTier;
 
@@ -45,20 +46,27 @@ static inline int kv_tier_in_use(const KVTier *t) { return t->n_slots - t->n_fre
 /* 64-bit checksum of n bytes (n a multiple of 8). */
 uint64_t kv_tier_checksum(const void *p, size_t n);
 
-/* A sequence's cache swapped out: the slot of each of its blocks, and its length. */
+/* A sequence's cache swapped out: the slot of each of its blocks, and its length. A block
+ * another sequence shares at the swap is not written: the swap holds it in the pool (a
+ * shared block is copied before any write, so its contents stay), and the sequence takes
+ * it back when it is swapped in. A prefix that preempted sequences share is thus swapped
+ * once: it is written by none of them and stays in the pool once. */
 typedef struct {
-    int *slots; /* (n_blocks) */
+    KVPool *pool;
+    int *slots; /* (n_blocks) the tier slot, or -1 - b: pool block b, held */
     int n_blocks, len;
+    int n_kept; /* of them, held in the pool */
 } KVSwapped;
 
-/* Writes cache's blocks to the tier and resets the cache (its blocks go back to the pool).
- * Returns -1, with the cache reset and nothing held on the tier, when a write fails: the
- * sequence is then recomputed. No window. */
+/* Writes cache's blocks to the tier (those it shares: held instead) and resets the cache
+ * (its blocks go back to the pool). Returns -1, with the cache reset and nothing held on
+ * the tier or in the pool, when a write fails: the sequence is then recomputed. No window. */
 int kv_swap_out(KVCache *cache, KVTier *t, KVSwapped *s);
-/* Reads s back into cache (empty) and gives its slots back. Returns -1, the cache reset
- * and the slots given back, when the pool is short, or a read or a checksum fails. */
+/* Reads s back into cache (empty), its held blocks back in their places, and gives its
+ * slots back. Returns -1, the cache reset and the slots and held blocks given back, when
+ * the pool is short, or a read or a checksum fails. */
 int kv_swap_in(KVCache *cache, KVTier *t, KVSwapped *s);
-/* Gives s's slots back without reading them. */
+/* Gives s's slots and held blocks back without reading them. */
 void kv_swap_drop(KVTier *t, KVSwapped *s);
 
 /* Streaming: one sequence whose cache outgrows the pool (--kv-offload at --batch 1).

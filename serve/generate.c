@@ -361,8 +361,9 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
     if (pool->tier)
         fprintf(out,
                 "kv tier: %d preemptions swapped (%d fell back to recompute, %d recomputed by the rule) | blocks "
-                "written %ld, read %ld | peak on disk %zu bytes | waiting for the disk %.1f ms\n",
+                "written %ld, read %ld, shared ones kept in the pool %ld | peak on disk %zu bytes | waiting for the disk %.1f ms\n",
                 sch->swaps, sch->swap_failures, sch->rule_recomputes, pool->tier->blocks_written, pool->tier->blocks_read,
+                pool->tier->blocks_kept,
                 pool->tier->block_bytes * (size_t)pool->tier->peak_slots, pool->tier->wait_ms);
 }
 
@@ -457,7 +458,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            "\"tier_stream_read_ms_total\": %.3f, \"tier_stream_wait_ms_total\": %.3f, \"tier_stage_bytes\": %zu",
            st->blocks_written, st->peak_blocks, (double)st->layers_read * (double)st->layer_bytes, st->read_ms,
            st->wait_ms, 2 * (size_t)st->max_blocks * st->layer_bytes);
-    printf(", \"tier_rule_recomputes\": %d", sch->rule_recomputes);
+    printf(", \"tier_rule_recomputes\": %d, \"tier_blocks_kept\": %ld", sch->rule_recomputes, t->blocks_kept);
     printf(", \"draft\": %s, \"draft_k\": %d, \"draft_tokens\": %ld, \"draft_accepted\": %ld, "
            "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f",
            sch->draft_k ? "\"ngram\"" : "null", sch->draft_k, sch->drafted, sch->accepted,

@@ -178,7 +178,7 @@ static int admit(SchedulerRun *run) {
         if (source) kv_share_prefix(&r->cache, &source->cache, shared);
         /* a sequence that streams is alone: it makes room by spilling its oldest blocks */
         if (sch->kv && !sch->pool->stream &&
-            kv_blocks_needed(&r->cache, r->n_tokens) + blocks_for_running(run) > sch->pool->n_free) {
+            kv_blocks_needed(&r->cache, r->n_tokens) - r->swapped.n_kept + blocks_for_running(run) > sch->pool->n_free) {
             kv_reset(&r->cache);
             break;
         }

@@ -183,3 +183,19 @@ def test_streaming_needs_one_slot(small_checkpoints, tmp_path):
     err = p.stderr.decode().strip().splitlines()
     assert p.returncode == 2 and len(err) == 1 and "--kv-mem" in err[0] and "--batch 1" in err[0], p.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_shared_prefix_is_swapped_once(small_checkpoints, tmp_path):
+    """Sequences sharing a long prompt's blocks: a preempted one holds the shared blocks in the
+    pool instead of writing them, and every sequence has the tokens of a run that recomputes."""
+    path, _ = small_checkpoints["gqa"]
+    args = small_pool_args(path)
+    prompt = "Once upon a time there was a little girl named Lily. She liked to play in the park with her dog."
+    args[args.index(PROMPT)] = prompt
+    args[args.index("-n") + 1] = 16
+    _, swapped, s = generate_json(args + ["--kv-offload", tmp_path / "tier", "--preempt", "swap", "-q"])
+    assert s["tier_swaps"] > 0 and s["tier_blocks_kept"] > 0, s
+    assert s["tier_blocks_written"] == s["tier_blocks_read"], s
+    _, recomputed, _ = generate_json(args + ["--preempt", "recompute", "-q"])
+    assert tokens(swapped) == tokens(recomputed)
+    assert not any(tmp_path.iterdir())
