@@ -118,10 +118,12 @@ static int pool_blocks(const Config *c, const Options *o) {
             (double)o->kv_mem_mb, blocks, block_bytes, (double)stream_stage_bytes(c, o));
     if (blocks < one_sequence && !run_streams(o))
         die(EXIT_USAGE,
-            "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d (or "
-            "--kv-offload PATH, which streams the rest from disk at --batch 1 alone: no --window, --prompts or checks)",
+            "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d%s",
             (double)o->kv_mem_mb, blocks, block_bytes, o->window ? "window" : "context",
-            o->window ? o->window : c->max_seq_len, one_sequence);
+            o->window ? o->window : c->max_seq_len, one_sequence,
+            o->kv_offload ? " (--kv-offload streams the rest from disk at --batch 1 alone: no --window, --prompts "
+                            "or checks)"
+                          : "");
     if (blocks > INT_MAX)
         die(EXIT_USAGE, "--kv-mem %g MB is more blocks than this program counts", (double)o->kv_mem_mb);
     return (int)blocks;
