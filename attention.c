@@ -53,7 +53,7 @@ static int kv_group_size(const Config *c) { return c->n_heads / c->n_kv_heads; }
 static int kv_head_of(const Config *c, int h) { return h / kv_group_size(c); }
 
 /* Where a query at pos stands for RoPE: its position, or with a window its place in it. */
-static int query_place(const KVPool *pool, int pos) { return kv_window_length(pool, pos) - 1; }
+static int query_place(const KVCache *c, int pos) { return kv_keys_seen(c, pos) - 1; }
 
 /* The rows a query at pos reads (KV head row `row` of layer l, oldest first) into dst as
  * floats, one row of row_width after another: dequantized and, with a window, whose keys
@@ -61,10 +61,10 @@ static int query_place(const KVPool *pool, int pos) { return kv_window_length(po
  * each row's place. Returns how many. */
 static int gather_rows(const Layer *L, const KVCache *c, int row, int pos, int rope_at, float *dst) {
     const KVPool *p = c->pool;
-    const int n = kv_window_length(p, pos), w = p->row_width;
+    const int n = kv_keys_seen(c, pos), w = p->row_width;
     for (int i = 0; i < n; i++) {
         float *r = dst + (size_t)i * w;
-        kv_load(p, kv_row(c, L->index, row, kv_window_position(p, pos, i)), r);
+        kv_load(p, kv_row_in_slot(c, L->index, row, kv_kept_slot(c, pos, i)), r);
         if (p->window && rope_at >= 0) rope(L->rope, L->cfg, r + rope_at, i);
     }
     return n;
@@ -117,7 +117,7 @@ static void attend_reference(float *out, float *scores, int n, const float *rows
 static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos, float *out) {
     const Config *c = L->cfg;
     const int g = kv_head_of(c, h), hd = c->head_dim, Hkv = c->n_kv_heads;
-    float *keys = malloc((size_t)kv_window_length(cache->pool, pos) * hd * 2 * sizeof(float)), *p = NULL;
+    float *keys = malloc((size_t)kv_keys_seen(cache, pos) * hd * 2 * sizeof(float)), *p = NULL;
     const int n = gather_rows(L, cache, g, pos, 0, keys);
     float *values = keys + (size_t)n * hd;
     gather_rows(L, cache, Hkv + g, pos, -1, values);
@@ -134,7 +134,7 @@ static void mla_expanded_query_reference(const Layer *L, const KVCache *cache, i
     const Config *c = L->cfg;
     const LayerWeights *w = L->w;
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
-    float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
+    float *latents = malloc((size_t)kv_keys_seen(cache, pos) * lw * sizeof(float));
     const int n = gather_rows(L, cache, 0, pos, dc, latents);
     float *p = malloc((size_t)n * sizeof(float)), *values = malloc((size_t)n * hd * sizeof(float));
     float key[hd];
@@ -158,7 +158,7 @@ static void mla_absorbed_query_reference(const Layer *L, const KVCache *cache, i
     const LayerWeights *w = L->w;
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
     float q_abs[lw], ctx_lat[dc];
-    float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
+    float *latents = malloc((size_t)kv_keys_seen(cache, pos) * lw * sizeof(float));
     const int n = gather_rows(L, cache, 0, pos, dc, latents);
     float *p = malloc((size_t)n * sizeof(float));
     matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q); /* q_lat = W_UK,h^T q_C */
@@ -221,7 +221,7 @@ int attn_record_plan(AttnRecord *r, const Config *c, const TokenSlots *slots, co
                 int *slot = &r->slot[((size_t)l * T + t) * H + h];
                 *slot = -1;
                 if (sequence[t] < 0 || (r->layers && !r->layers[l]) || (r->heads && !r->heads[h])) continue;
-                const int n_keys = kv_window_length(slots->cache[t]->pool, slots->pos[t]);
+                const int n_keys = kv_keys_seen(slots->cache[t], slots->pos[t]);
                 const int n_chunks = (n_keys + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS;
                 size_t cap_entries = (size_t)r->cap_entries;
                 if (grow((void **)&r->entries, &cap_entries, (size_t)r->n_entries + 1, sizeof *r->entries) != 0 ||
@@ -349,8 +349,8 @@ typedef struct {
     Worker *wk;
 } AttnPass;
 
-/* How many keys token t of the pass attends to (kvcache.h's kv_window_length). */
-static int keys_of(const AttnPass *p, int t) { return kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]); }
+/* How many keys token t of the pass attends to (kvcache.h's kv_keys_seen). */
+static int keys_of(const AttnPass *p, int t) { return kv_keys_seen(p->slots->cache[t], p->slots->pos[t]); }
 
 /* How many chunks of ATTN_CHUNK_KEYS they make, and the keys of chunk k. */
 static int chunks_of(const AttnPass *p, int t) { return (keys_of(p, t) + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS; }
@@ -666,7 +666,7 @@ static void kv_heads_store(const AttnPass *p, int t, int g) {
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
     float *q = p->a->q + ((size_t)t * c->n_heads + (size_t)g * G) * hd; /* (G, hd) */
-    for (int i = 0; i < G; i++) rope(p->L->rope, c, q + (size_t)i * hd, query_place(cache->pool, pos));
+    for (int i = 0; i < G; i++) rope(p->L->rope, c, q + (size_t)i * hd, query_place(cache, pos));
     float *k = p->a->k + ((size_t)t * Hkv + g) * hd;
     if (!cache->pool->window) rope(p->L->rope, c, k, pos);
     kv_store(cache->pool, kv_key(cache, p->L->index, g, pos), k);
@@ -725,7 +725,7 @@ static void mla_store(const AttnPass *p, int t) {
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
     for (int h = 0; h < H; h++)
-        rope(p->L->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache->pool, pos));
+        rope(p->L->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache, pos));
     float *row = p->a->rows + (size_t)t * (dc + rd);
     rmsnorm(row, p->a->latent + (size_t)t * dc, p->L->w->kv_norm, dc, c->norm_eps);
     memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));

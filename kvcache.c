@@ -65,10 +65,13 @@ void kv_pool_free(KVPool *pool) {
     memset(pool, 0, sizeof *pool);
 }
 
-void kv_pool_set_window(KVPool *pool, int window, int sinks) {
+void kv_pool_set_window(KVPool *pool, int window, int sinks, KVEvict evict) {
     pool->window = window;
     pool->sinks = sinks;
+    pool->evict = evict;
 }
+
+static int evicts_by_attention(const KVPool *pool) { return pool->window && pool->evict != KV_EVICT_OLDEST; }
 
 size_t kv_block_bytes(const KVPool *pool) { return (size_t)pool->n_layers * pool->layer_bytes; }
 
@@ -90,24 +93,108 @@ static void release_block(KVPool *pool, int b) {
     if (--pool->refs[b] == 0) pool->free_blocks[pool->n_free++] = b;
 }
 
+static void forget_slots(KVCache *cache) {
+    cache->kept = cache->placed = 0;
+    if (cache->slot_pos)
+        for (int s = 0; s < cache->pool->window; s++) cache->slot_pos[s] = -1, cache->score[s] = 0.0f;
+}
+
 int kv_init(KVCache *cache, KVPool *pool, int max_len) {
     memset(cache, 0, sizeof *cache);
     cache->pool = pool;
     cache->max_blocks = kv_blocks_per_sequence(pool, max_len);
     cache->blocks = malloc((size_t)(cache->max_blocks ? cache->max_blocks : 1) * sizeof(int));
-    return cache->blocks ? 0 : -1;
+    if (!cache->blocks) return -1;
+    if (evicts_by_attention(pool)) {
+        const size_t W = (size_t)pool->window;
+        cache->slot_pos = malloc(W * sizeof *cache->slot_pos);
+        cache->order = malloc(W * sizeof *cache->order);
+        cache->score = malloc(W * sizeof *cache->score);
+        if (!cache->slot_pos || !cache->order || !cache->score) {
+            kv_free(cache);
+            return -1;
+        }
+        forget_slots(cache);
+    }
+    return 0;
 }
 
 void kv_reset(KVCache *cache) {
     for (int i = 0; i < cache->n_blocks; i++) release_block(cache->pool, cache->blocks[i]);
     cache->n_blocks = 0;
     cache->len = 0;
+    forget_slots(cache);
 }
 
 void kv_free(KVCache *cache) {
-    if (cache->pool) kv_reset(cache);
+    if (cache->pool && cache->blocks) kv_reset(cache);
     free(cache->blocks);
+    free(cache->slot_pos);
+    free(cache->order);
+    free(cache->score);
     memset(cache, 0, sizeof *cache);
+}
+
+/* Frees slots [first_slot, first_slot + n_slots) and drops them from the order, which stays oldest first. */
+static void drop_slots(KVCache *c, int first_slot, int n_slots) {
+    int kept = 0;
+    for (int i = 0; i < c->kept; i++) {
+        const int s = c->order[i];
+        if (s >= first_slot && s < first_slot + n_slots)
+            c->slot_pos[s] = -1, c->score[s] = 0.0f;
+        else
+            c->order[kept++] = s;
+    }
+    c->kept = kept;
+}
+
+/* What a full window gives up for position p, by the attention its positions received: the
+ * least attended position older than the recent half (H2O's heavy hitters and recent
+ * tokens), or the least attended block of 16 slots (summed in slot order) holding none of
+ * the 16 most recent positions. The oldest position, or the first block, on a tie. */
+static void evict_for(KVCache *c, int p) {
+    const int W = c->pool->window;
+    if (c->pool->evict == KV_EVICT_H2O) {
+        int victim = -1;
+        for (int i = 0; i < c->kept && c->slot_pos[c->order[i]] < p - W / 2; i++)
+            if (victim < 0 || c->score[c->order[i]] < c->score[victim]) victim = c->order[i];
+        drop_slots(c, victim, 1);
+        return;
+    }
+    int victim = -1;
+    float least = 0.0f;
+    for (int b = 0; b < W / KV_BLOCK_TOKENS; b++) {
+        float sum = 0.0f;
+        int candidate = 1;
+        for (int s = b * KV_BLOCK_TOKENS; s < (b + 1) * KV_BLOCK_TOKENS && candidate; s++) {
+            candidate = c->slot_pos[s] >= 0 && c->slot_pos[s] < p - KV_BLOCK_TOKENS;
+            sum += c->score[s];
+        }
+        if (candidate && (victim < 0 || sum < least)) victim = b, least = sum;
+    }
+    drop_slots(c, victim * KV_BLOCK_TOKENS, KV_BLOCK_TOKENS);
+}
+
+/* Gives positions [placed, new_len) their slots: in order through the window's first fill,
+ * then each the lowest free slot, evicting when there is none. */
+static void place_positions(KVCache *c, int new_len) {
+    for (; c->placed < new_len; c->placed++) {
+        const int p = c->placed;
+        int slot = p;
+        if (p >= c->pool->window) {
+            if (c->kept == c->pool->window) evict_for(c, p);
+            for (slot = 0; c->slot_pos[slot] >= 0; slot++) {}
+            c->write_slot = slot;
+        }
+        c->slot_pos[slot] = p;
+        c->score[slot] = 0.0f;
+        c->order[c->kept++] = slot;
+    }
+}
+
+void kv_attend(KVCache *c, int pos, const float *probs, int n) {
+    if (!c->slot_pos) return;
+    for (int i = 0; i < n; i++) c->score[kv_kept_slot(c, pos, i)] += probs[i];
 }
 
 /* The block holding position len is written next: a private copy is needed when it is
@@ -135,6 +222,10 @@ int kv_reserve(KVCache *cache, int new_len) {
         *slot = copy;
     }
     while (cache->n_blocks < blocks) cache->blocks[cache->n_blocks++] = take_block(pool);
+    /* the positions the next pass writes, as it lays them out: evicting for positions
+     * further on would go by attention not yet paid */
+    if (cache->slot_pos && new_len > cache->len)
+        place_positions(cache, cache->len + kv_tokens_per_pass(cache, new_len - cache->len));
     return 0;
 }
 

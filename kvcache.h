@@ -22,8 +22,12 @@
  *
  * A window (kv_pool_set_window) bounds what a sequence keeps: W slots, the first `sinks`
  * positions forever and the most recent W - sinks in a ring, where the oldest position
- * is overwritten (sinks = 0: seed 000's ring buffer; sinks > 0: StreamingLLM). Keys are
- * then stored before RoPE and rotated by their place in the window when read. */
+ * is overwritten (sinks = 0: seed 000's ring buffer; sinks > 0: StreamingLLM). Or a
+ * full window gives up what has been attended to least (kv_attend): one position (H2O,
+ * keeping the most recent half of the window besides), or a whole block of 16 slots
+ * (block-wise, as PagedEviction), which the next 16 positions then fill, so no block is
+ * left with holes. Keys are then stored before RoPE and rotated by their place in the
+ * window when read. */
 #ifndef KVCACHE_H
 #define KVCACHE_H
 
@@ -37,6 +41,13 @@
  * across blocks; a sequence wastes at most 15 positions in its last block. */
 enum { KV_BLOCK_TOKENS = 16 };
 
+/* What a full window gives up for a new position. */
+typedef enum {
+    KV_EVICT_OLDEST, /* the oldest position after the sinks (ring, sinks) */
+    KV_EVICT_H2O,    /* the least attended position older than the window's recent half */
+    KV_EVICT_BLOCK,  /* the least attended block of 16 slots not holding the 16 most recent */
+} KVEvict;
+
 typedef struct {
     int n_layers, n_kv_heads, head_dim; /* 0 heads for MLA */
     int row_width;                      /* elements a row: head_dim, or MLA's kv_latent + rope_dim */
@@ -45,6 +56,7 @@ typedef struct {
     DType dtype;
     size_t row_bytes, layer_bytes, scales_offset; /* within one layer of a block */
     int window, sinks;                            /* 0: no window */
+    KVEvict evict;                                /* with a window */
     int n_blocks;
     unsigned char *data;      /* (n_blocks, n_layers, layer_bytes) */
     int *refs;                /* (n_blocks) sequences holding each block; 0 = free */
@@ -65,6 +77,13 @@ typedef struct {
     int *blocks; /* (max_blocks) block table */
     int n_blocks, max_blocks;
     int len; /* positions seen */
+    /* a window that evicts by attention (KV_EVICT_H2O, KV_EVICT_BLOCK), else NULL: */
+    int *slot_pos;  /* (window) the position a slot holds, -1: free */
+    int *order;     /* (kept) the held slots, oldest position first */
+    float *score;   /* (window) the attention a slot's position has received (kv_attend) */
+    int kept;       /* slots held */
+    int placed;     /* positions [0, placed) have been given a slot */
+    int write_slot; /* the slot of position placed - 1, once past the window's first fill */
 } KVCache;
 
 /* Bytes of one block for model c with elements in dtype. */
@@ -79,8 +98,10 @@ size_t kv_bytes_per_token_for(const Config *c, DType dtype);
 int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks);
 void kv_pool_free(KVPool *pool);
 /* Bounds every sequence to `window` slots, the first `sinks` positions kept for good
- * (0 < window, 0 <= sinks < window). Before any cache is used. */
-void kv_pool_set_window(KVPool *pool, int window, int sinks);
+ * (0 < window, 0 <= sinks < window), giving up positions by `evict` (with it sinks is 0;
+ * KV_EVICT_H2O needs window >= 2, KV_EVICT_BLOCK a multiple of 16 from 32). Before any
+ * cache is used. */
+void kv_pool_set_window(KVPool *pool, int window, int sinks, KVEvict evict);
 size_t kv_block_bytes(const KVPool *pool);
 size_t kv_bytes_per_token(const KVPool *pool);
 static inline int kv_blocks_for(int positions) { return (positions + KV_BLOCK_TOKENS - 1) / KV_BLOCK_TOKENS; }
@@ -131,6 +152,11 @@ static inline int kv_tokens_per_pass(const KVCache *c, int count) {
     return room <= 1 ? 1 : room < count ? room : count;
 }
 
+/* The attention a query at pos gave the positions the cache keeps (probs, n of them, in
+ * kv_kept_slot's order), added to their scores: what KV_EVICT_H2O and KV_EVICT_BLOCK give
+ * up by. Nothing otherwise. */
+void kv_attend(KVCache *c, int pos, const float *probs, int n);
+
 /* Fills positions [len, n) of every layer with entries generated from seed (uniform in
  * [-1, 1), the same for a given seed, position and row), as if a prefill had computed
  * them: decoding at a long context without computing it (--fill). Reserved beforehand;
@@ -143,14 +169,30 @@ typedef struct {
     float *scales;
 } KVRow;
 
-static inline KVRow kv_row(const KVCache *c, int layer, int row, int pos) {
+/* A cache's slot of position pos, when it holds it: for a window that evicts by attention,
+ * only positions in its first fill and the one placed last (the one being written). */
+static inline int kv_slot_of(const KVCache *c, int pos) {
+    return c->slot_pos && pos >= c->pool->window ? c->write_slot : kv_slot(c->pool, pos);
+}
+/* kv_window_length and kv_window_position's slot for cache c: the same for a ring and sinks;
+ * for a window that evicts by attention, what it holds, oldest first. */
+static inline int kv_keys_seen(const KVCache *c, int pos) {
+    return c->slot_pos && pos >= c->pool->window ? c->kept : kv_window_length(c->pool, pos);
+}
+static inline int kv_kept_slot(const KVCache *c, int pos, int i) {
+    return c->slot_pos ? c->order[i] : kv_slot(c->pool, kv_window_position(c->pool, pos, i));
+}
+
+static inline KVRow kv_row_in_slot(const KVCache *c, int layer, int row, int slot) {
     const KVPool *p = c->pool;
-    const int slot = kv_slot(p, pos);
     unsigned char *l = p->data + ((size_t)c->blocks[slot / KV_BLOCK_TOKENS] * p->n_layers + layer) * p->layer_bytes;
     const int r = row * KV_BLOCK_TOKENS + slot % KV_BLOCK_TOKENS;
     const KVRow out = {l + (size_t)r * p->row_bytes,
                        p->n_scales ? (float *)(l + p->scales_offset) + (size_t)r * p->n_scales : NULL};
     return out;
+}
+static inline KVRow kv_row(const KVCache *c, int layer, int row, int pos) {
+    return kv_row_in_slot(c, layer, row, kv_slot_of(c, pos));
 }
 static inline KVRow kv_key(const KVCache *c, int layer, int head, int pos) { return kv_row(c, layer, head, pos); }
 static inline KVRow kv_value(const KVCache *c, int layer, int head, int pos) {

@@ -115,7 +115,9 @@ int model_prepare(const Model *m, RunState *s, const Batch *b) {
         if (s->pos[t] >= m->cfg.max_seq_len && !b->cache[t]->pool->window) return MODEL_ERR_BATCH;
     }
     for (int t = 0; t < T; t++)
-        if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) && kv_reserve(b->cache[t], s->pos[t] + 1) != 0)
+        if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) &&
+            (kv_reserve(b->cache[t], s->pos[t] + 1) != 0 ||
+             (b->cache[t]->slot_pos && s->pos[t] >= b->cache[t]->placed))) /* one a pass once a window is full */
             return MODEL_ERR_BATCH;
     if (s->attn.record) {
         const TokenSlots slots = {T, b->cache, s->pos};

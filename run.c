@@ -90,6 +90,11 @@ static void check_limits(const Config *c, const Options *o) {
         die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o->steps, ctx,
             o->check_kv ? "" : "; more with --window");
     if (o->window > ctx) die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o->window, ctx);
+    if (o->evict == KV_EVICT_H2O && o->window < 2)
+        die(EXIT_USAGE, "--kv-budget %d is too small for --evict h2o (2..%d)", o->window, ctx);
+    if (o->evict == KV_EVICT_BLOCK && (o->window < 2 * KV_BLOCK_TOKENS || o->window % KV_BLOCK_TOKENS))
+        die(EXIT_USAGE, "--kv-budget %d does not suit --evict block: whole blocks of %d, at least %d", o->window,
+            KV_BLOCK_TOKENS, 2 * KV_BLOCK_TOKENS);
     if (o->window && o->window <= o->window_sinks)
         die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o->window, o->window_sinks);
     if (o->fill && (long)o->fill + 1 > ctx)
@@ -196,7 +201,7 @@ int main(int argc, char **argv) {
     if (kv_pool_init(&pool, &m.cfg, o.kv_dtype, blocks) != 0)
         die(1, "out of memory: the KV cache pool of %d blocks takes %.0f bytes", blocks,
             (double)blocks * (double)kv_block_bytes_for(&m.cfg, o.kv_dtype));
-    if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks);
+    if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks, o.evict);
     KVTier tier = {.fd = -1};
     if (o.kv_offload) {
         if (kv_tier_open(&tier, o.kv_offload, kv_block_bytes(&pool)) != 0)

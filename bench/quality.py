@@ -28,6 +28,8 @@ from bench.engine import engine_json, run_engine
 DTYPES = ["fp32", "bf16", "int8"]
 POLICIES = [("restart", []), ("ring", ["--kv", "--window", "{ctx}"]),
             ("sinks", ["--kv", "--window", "{ctx}", "--window-policy", "sinks"])]
+EVICT_POLICIES = ["ring", "sinks", "h2o", "block"]
+EVICT_BUDGETS = [0.25, 0.5, 0.75]  # of the context
 
 
 def log(msg):
@@ -82,6 +84,7 @@ def main(argv=None):
     ap.add_argument("--valid", default=os.path.join(ROOT, "..", "shared", "tinystories", "valid.txt"))
     ap.add_argument("--long-texts", type=int, default=20, help="long texts for the window table")
     ap.add_argument("--stories-per-text", type=int, default=6)
+    ap.add_argument("--evict-texts", type=int, default=5, help="long texts for the eviction table")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--name", default="quality")
     args = ap.parse_args(argv)
@@ -92,7 +95,8 @@ def main(argv=None):
         sys.exit(f"quality: {args.valid} is missing")
     try:
         long_path = long_texts(args.valid, args.long_texts, args.stories_per_text)
-        dtype_rows, window_rows = [], []
+        evict_path = long_texts(args.valid, args.evict_texts, args.stories_per_text)
+        dtype_rows, window_rows, evict_rows = [], [], []
         for ckpt in ckpts:
             i = info(ckpt)
             variant, ctx = i["variant"], i["context"]
@@ -112,11 +116,25 @@ def main(argv=None):
                 window_rows.append({"variant": variant, "policy": name, "window": ctx if extra else "",
                                     "tokens": r["tokens"], "nll": r["nll"], "past_tokens": r["past_tokens"],
                                     "past_nll": r["past_nll"]})
+            for share in EVICT_BUDGETS:
+                budget = int(ctx * share)
+                for policy in EVICT_POLICIES:
+                    if policy == "block" and (budget < 32 or budget % 16):  # whole blocks of 16, two at least
+                        evict_rows.append({"variant": variant, "budget": budget, "share": share, "policy": policy,
+                                           "past_tokens": None, "past_nll": None})
+                        continue
+                    log(f"{variant} --kv-budget {budget} --evict {policy}: --ppl on {args.evict_texts} long texts")
+                    r = engine_json([ckpt, "--ppl", evict_path, "--kv", "--kv-budget", budget, "--evict", policy],
+                                    "--ppl", "ppl")[-1]
+                    past = r["past_budget"]
+                    evict_rows.append({"variant": variant, "budget": budget, "share": share, "policy": policy,
+                                       "past_tokens": past["tokens"], "past_nll": past["mean_nll"]})
         os.unlink(long_path)
+        os.unlink(evict_path)
         measured_on = provenance(ckpts)
     except BenchError as e:
         sys.exit(f"quality: {e}")
-    write(args, dtype_rows, window_rows, measured_on)
+    write(args, dtype_rows, window_rows, evict_rows, measured_on)
 
 
 def provenance(ckpts):
@@ -129,7 +147,7 @@ def provenance(ckpts):
             + ", ".join(sums) + ".")
 
 
-def write(args, dtype_rows, window_rows, measured_on):
+def write(args, dtype_rows, window_rows, evict_rows, measured_on):
     os.makedirs(args.out, exist_ok=True)
     md = ["# Quality of the cache's levers", "",
           f"Real runs of `./run` on `{os.path.relpath(args.valid, ROOT)}` (bench/quality.py).", "", measured_on, "",
@@ -153,6 +171,23 @@ def write(args, dtype_rows, window_rows, measured_on):
     for r in window_rows:
         past = f"{r['past_nll']:.4f}" if r["past_nll"] is not None else "—"
         md.append(f"| {r['variant']} | {r['policy']} | {r['tokens']:,} | {r['nll']:.4f} | {r['past_tokens']:,} | {past} |")
+    md += ["", "## Eviction at a fixed budget", "",
+           f"{args.evict_texts} texts of {args.stories_per_text} consecutive validation stories each, scored through "
+           "a cache of `--kv-budget N` positions (25%, 50% and 75% of the context) with `--evict`: *ring* overwrites "
+           "the oldest position, *sinks* keeps the first 4 and slides the rest, *h2o* gives up the least attended "
+           "position older than the budget's recent half (H2O), *block* the least attended whole block of 16 "
+           "holding none of the 16 most recent (block-wise). Attention is summed over every layer and head, since a "
+           "cache block holds every layer's rows of its positions. Mean NLL over the tokens past the budget, the "
+           "only ones eviction can change; against ring.", "",
+           "| variant | budget | ring | sinks | h2o | block | tokens past the budget |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for variant in dict.fromkeys(r["variant"] for r in evict_rows):
+        for budget in dict.fromkeys(r["budget"] for r in evict_rows if r["variant"] == variant):
+            cell = {r["policy"]: r for r in evict_rows if r["variant"] == variant and r["budget"] == budget}
+            ring = cell["ring"]["past_nll"]
+            cols = [f"{ring:.4f}"] + [f"{cell[p]['past_nll']:.4f} ({cell[p]['past_nll'] - ring:+.4f})"
+                                      if cell[p]["past_nll"] is not None else "—" for p in EVICT_POLICIES[1:]]
+            md.append(f"| {variant} | {budget} | " + " | ".join(cols) + f" | {cell['ring']['past_tokens']:,} |")
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(args.out, f"{args.name}.csv"), "w", newline="") as f:
@@ -164,6 +199,9 @@ def write(args, dtype_rows, window_rows, measured_on):
         for r in window_rows:
             for q in ("tokens", "nll", "past_tokens", "past_nll"):
                 w.writerow(["window", r["variant"], r["policy"], q, r[q]])
+        for r in evict_rows:
+            for q in ("past_tokens", "past_nll"):
+                w.writerow(["evict", r["variant"], f"{r['policy']}@{r['budget']}", q, r[q]])
     print("\n".join(md))
 
 

@@ -38,11 +38,14 @@ void cli_usage(FILE *f) {
           "      --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
           "                        with seed s+i (continuous batching)\n"
           "      --kv-dtype fp32|bf16|int8|fp8  precision of the cached keys and values (default fp32)\n"
-          "      --window W        with --kv: keep W positions a sequence, so -n may exceed the context\n"
+          "      --kv-budget N, --window N  with --kv: keep N positions a sequence, so -n may exceed the\n"
+          "                        context\n"
           "      --fill N          with --kv: start every sequence at position N, over a cache of generated\n"
           "                        entries that no pass computed (the step time at a long context)\n"
-          "      --window-policy ring|sinks  overwrite the oldest position (ring, default), or keep the\n"
-          "                        first 4 for good and slide the rest (sinks)\n"
+          "      --evict ring|sinks|h2o|block, --window-policy  what a full budget gives up: the oldest\n"
+          "                        position (ring, default), the oldest after the first 4 (sinks), the\n"
+          "                        least attended older than the recent half (h2o), or the least attended\n"
+          "                        block of 16 (block; a budget of 32, 48, ...)\n"
           "      --threads N       threads, 1..256 (default: OMP_NUM_THREADS, else all cores)\n"
           "      --log FILE.csv    write the per-step latencies as CSV\n"
           "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
@@ -73,6 +76,10 @@ void cli_usage(FILE *f) {
 }
 
 const char *mla_form_name(MlaForm form) { return form == MLA_ABSORBED ? "absorb" : "expand"; }
+
+const char *evict_name(const Options *o) {
+    return o->evict == KV_EVICT_H2O ? "h2o" : o->evict == KV_EVICT_BLOCK ? "block" : o->window_sinks ? "sinks" : "ring";
+}
 
 const char *kv_dtype_name(DType dtype) { return dtype == DTYPE_F32 ? "fp32" : dtype == DTYPE_BF16 ? "bf16" : dtype == DTYPE_I8 ? "int8" : "fp8"; }
 
@@ -155,7 +162,9 @@ static const struct option LONG_OPTIONS[] = {
     {"prompts", required_argument, NULL, OPT_PROMPTS},
     {"kv-dtype", required_argument, NULL, OPT_KV_DTYPE},
     {"window", required_argument, NULL, OPT_WINDOW},
+    {"kv-budget", required_argument, NULL, OPT_WINDOW},
     {"window-policy", required_argument, NULL, OPT_WINDOW_POLICY},
+    {"evict", required_argument, NULL, OPT_WINDOW_POLICY},
     {"fill", required_argument, NULL, OPT_FILL},
     {"threads", required_argument, NULL, OPT_THREADS},
     {"log", required_argument, NULL, OPT_LOG},
@@ -358,12 +367,15 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
             break;
         case OPT_WINDOW_POLICY:
             policy_given = 1;
-            if (!strcmp(v, "ring"))
-                o->window_sinks = 0;
-            else if (!strcmp(v, "sinks"))
+            o->window_sinks = 0, o->evict = KV_EVICT_OLDEST;
+            if (!strcmp(v, "sinks"))
                 o->window_sinks = CLI_WINDOW_SINKS;
-            else
-                rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
+            else if (!strcmp(v, "h2o"))
+                o->evict = KV_EVICT_H2O;
+            else if (!strcmp(v, "block"))
+                o->evict = KV_EVICT_BLOCK;
+            else if (strcmp(v, "ring"))
+                rc = errmsg(err, errlen, 2, "%s takes ring, sinks, h2o or block, got '%s'", flag, v);
             break;
         case OPT_THREADS:
             if (!(rc = parse_long(flag, v, 1, TEAM_MAX_THREADS, &n, err, errlen))) o->threads = (int)n;
@@ -421,7 +433,11 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2, "--draft is greedy only for now: give -k 1 or -t 0");
     if (o->prompts_path && o->prompt_given)
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
-    if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
+    if (policy_given && !o->window) return errmsg(err, errlen, 2, "--evict needs a budget: --kv-budget N");
+    if (o->evict != KV_EVICT_OLDEST && (o->check_kv || o->dump_attn_path))
+        return errmsg(err, errlen, 2, "--evict %s %s", evict_name(o),
+                      o->check_kv ? "cannot agree with --check-kv: recomputing without the cache keeps every position"
+                                  : "records the attention itself: it takes no --dump-attn");
     if (o->profile_peaks && !o->profile) return errmsg(err, errlen, 2, "--profile-peaks needs --profile");
     if (!o->dump_attn_path &&
         !(o->dump_attn_layers.all && o->dump_attn_heads.all && o->dump_attn_steps.all && o->dump_attn_sequences.all))

@@ -516,7 +516,7 @@ static void print_settings(const Model *m, const Options *o, int n_requests, int
     if (n_requests > 1 || slots > 1)
         fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", n_requests, slots, (unsigned long long)o->seed,
                 (unsigned long long)(o->seed + (uint64_t)n_requests - 1));
-    if (o->window) fprintf(stderr, " | window %d, %d sinks", o->window, o->window_sinks);
+    if (o->window) fprintf(stderr, " | window %d, %d sinks, evicting %s", o->window, o->window_sinks, evict_name(o));
     fputc('\n', stderr);
 }
 

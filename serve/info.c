@@ -102,9 +102,9 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
            f.per_token, f.kv_full, f.kv_full / gib, o->window ? "window" : "context", f.kept, f.kv_batch, batch,
            batch > 1 ? "s" : "", kv_dtype_name(dt), dtype_scaled(dt) ? ", a 4-byte scale a vector" : "");
     if (o->window)
-        printf("window         %d positions a sequence%s, %d of them sinks kept for good; the rest a ring\n", o->window,
+        printf("window         %d positions a sequence%s, %d of them sinks kept for good; evicting: %s\n", o->window,
                o->window_from_model ? " (the model's own sliding window: the default of --window)" : "",
-               o->window_sinks);
+               o->window_sinks, evict_name(o));
     printf("allocated      %zu bytes/token; %zu bytes (%s)\n", f.per_token_allocated, f.pool_bytes, kv_dtype_name(dt));
     printf("KV pool        %d blocks of %d tokens, %zu bytes each (%zu bytes); a contiguous cache of the full %s "
            "for %d sequence%s would take %zu bytes\n",

@@ -24,6 +24,8 @@ static double token_nll(const float *l, int V, int target) {
 typedef struct {
     double nll, nll_past; /* all targets; targets at positions past the context */
     long count, count_past;
+    double nll_budget; /* with a window, targets at positions past it: what eviction can change */
+    long count_budget;
     int stories;
     double story_s2, story_sn, story_n2; /* sums of s_i^2, s_i n_i, n_i^2: story i's NLL s_i over n_i tokens */
 } NllSum;
@@ -61,6 +63,7 @@ static void score_story(Scheduler *sch, const int *ids, int n, NllSum *sum) {
                 sum->nll += nll;
                 sum->count++;
                 if (target >= ctx) sum->nll_past += nll, sum->count_past++;
+                if (sch->pool->window && target >= sch->pool->window) sum->nll_budget += nll, sum->count_budget++;
             }
         check_model(rc);
     }
@@ -82,6 +85,14 @@ static void print_ppl(const Model *m, const Options *o, const NllSum *sum, int n
         if (sum->count_past) {
             printf("{\"from_position\": %d, \"tokens\": %ld, \"mean_nll\": ", ctx, sum->count_past);
             json_number(stdout, sum->nll_past / sum->count_past);
+            putchar('}');
+        } else {
+            fputs("null", stdout);
+        }
+        printf(", \"past_budget\": ");
+        if (sum->count_budget) {
+            printf("{\"from_position\": %d, \"tokens\": %ld, \"mean_nll\": ", o->window, sum->count_budget);
+            json_number(stdout, sum->nll_budget / sum->count_budget);
             putchar('}');
         } else {
             fputs("null", stdout);

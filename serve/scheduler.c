@@ -44,6 +44,8 @@ struct SchedulerRun {
     int more;           /* the group being run has another pass (without the cache) */
     double fill_ms;     /* this step's admissions spent generating --fill entries */
     double start;       /* the first step's start */
+    int evicts;         /* the window gives up positions by attention (kvcache.h's KVEvict) */
+    AttnRecord paid;    /* then every token's attention weights, each pass */
     long short_steps_before; /* the team's short steps before the figures restarted */
 };
 
@@ -237,13 +239,14 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         run->computed_prompt[i] = r->generated == 0;
         if (r->generated == 0 || (sch->kv && count > 1)) run->prefill_tokens += count; /* prompt, or a recompute */
         run->n_tokens += count;
-        if (count > 0) run->sequence_keys += kv_window_length(sch->pool, from + count - 1);
+        if (count > 0) run->sequence_keys += kv_keys_seen(&r->cache, from + count - 1);
         for (int pos = from; pos < from + count; pos++, T++) {
             run->ids[T] = r->tokens[pos];
             run->caches[T] = &r->cache;
-            run->keys_read += kv_window_length(sch->pool, pos);
+            run->keys_read += kv_keys_seen(&r->cache, pos);
             /* a prompt's positions and each new token, once: not a recompute */
-            run->record_sequence[T] = sch->record_step && (r->generated == 0 || pos + 1 == r->n_tokens) ? r->index : -1;
+            run->record_sequence[T] =
+                run->evicts || (sch->record_step && (r->generated == 0 || pos + 1 == r->n_tokens)) ? r->index : -1;
             if (r->score || (pos + 1 == r->n_tokens)) {
                 if (!r->score) run->sample_rows[run->n_sample++] = run->n_rows;
                 run->rows[run->n_rows++] = (StepRow){r, pos, -1, d ? draft[0] : -1};
@@ -253,14 +256,14 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         for (int j = 0; j < d; j++, T++) { /* the drafts, a row of logits each */
             run->ids[T] = draft[j];
             run->caches[T] = &r->cache;
-            run->keys_read += kv_window_length(sch->pool, from + count + j);
+            run->keys_read += kv_keys_seen(&r->cache, from + count + j);
             run->record_sequence[T] = -1;
             run->sample_rows[run->n_sample++] = run->n_rows;
             run->rows[run->n_rows++] = (StepRow){r, from + count + j, -1, j + 1 < d ? draft[j + 1] : -1};
             run->logit_tokens[n_logits++] = T;
         }
         run->n_tokens += d;
-        if (d > 0) run->sequence_keys += kv_window_length(sch->pool, from + count + d - 1) - kv_window_length(sch->pool, from + count - 1);
+        if (d > 0) run->sequence_keys += kv_keys_seen(&r->cache, from + count + d - 1) - kv_keys_seen(&r->cache, from + count - 1);
     }
     /* a pass in which every sequence is still inside its prompt reports nothing, but
      * computes at least one row of logits */
@@ -269,11 +272,28 @@ static int lay_out_pass(SchedulerRun *run, int p) {
                          run->caches,
                          n_logits ? n_logits : 1,
                          run->logit_tokens,
-                         sch->record && sch->record_step ? run->record_sequence : NULL};
+                         (sch->record && sch->record_step) || run->evicts ? run->record_sequence : NULL};
     if (!n_logits) run->logit_tokens[0] = T - 1;
     run->passes++;
     run->logit_rows += run->batch.n_logits;
     return !sch->kv && left;
+}
+
+/* A window that evicts by attention: what each token of the pass paid every position its
+ * cache keeps, over every layer and head, added to the cache's scores token by token (in
+ * that order, so the scores do not depend on how the tokens were grouped into passes). */
+static void pay_attention(SchedulerRun *run) {
+    const Config *c = &run->sch->model->cfg;
+    const AttnRecord *rec = &run->paid;
+    const Batch *b = &run->batch;
+    for (int t = 0; t < b->n_tokens; t++)
+        for (int l = 0; l < c->n_layers; l++)
+            for (int h = 0; h < c->n_heads; h++) {
+                const int e = rec->slot[((size_t)l * b->n_tokens + t) * c->n_heads + h];
+                if (e < 0) continue;
+                const AttnRecordEntry *en = &rec->entries[e];
+                kv_attend(b->cache[t], en->pos, rec->probs + en->offset, en->n_keys);
+            }
 }
 
 /* Groups the running sequences: with the cache, all in one pass; without, whole sequences
@@ -316,6 +336,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
             float *logits = run->logits + (size_t)run->row0 * V;
             model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
             if (team_alone(wk)) run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
+            if (team_alone(wk) && run->rc == 0 && run->evicts) pay_attention(run);
         }
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
@@ -439,8 +460,8 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     run->passes = run->logit_rows = 0;
     run->keys_read = run->sequence_keys = 0;
     run->state.attn.clock = sch->clock;
-    run->state.attn.record = sch->record;
-    if (sch->record) attn_record_clear(sch->record);
+    run->state.attn.record = sch->record ? sch->record : run->evicts ? &run->paid : NULL;
+    if (run->state.attn.record) attn_record_clear(run->state.attn.record);
     plan_passes(run);
     run->rc = 0;
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
@@ -502,6 +523,7 @@ int scheduler_init(Scheduler *sch) {
     run->sch = sch;
     sch->run = run;
     run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
+    run->evicts = sch->kv && sch->pool->window && sch->pool->evict != KV_EVICT_OLDEST;
     const int B = sch->max_batch, T = scheduler_max_tokens(c, B) + B * sch->draft_k;
     run->running = malloc((size_t)B * sizeof *run->running);
     run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
@@ -576,6 +598,7 @@ void scheduler_free(Scheduler *sch) {
     free(run->sample_rows);
     free(run->drafts);
     free(run->finished);
+    attn_record_free(&run->paid);
     free(run);
     sch->run = NULL;
 }

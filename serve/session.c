@@ -173,8 +173,12 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
         printf("\"%s\"", mla_form_name(o->mla_form));
     else
         fputs("null", stdout); /* --check-kv names the form of each run it compares */
-    printf(", \"window\": %d, \"window_sinks\": %d, \"threads\": %d, \"seed\": %llu", o->window,
-           o->window ? o->window_sinks : 0, threads_count(), (unsigned long long)o->seed);
+    printf(", \"window\": %d, \"window_sinks\": %d, \"evict\": ", o->window, o->window ? o->window_sinks : 0);
+    if (o->window)
+        printf("\"%s\"", evict_name(o));
+    else
+        fputs("null", stdout);
+    printf(", \"threads\": %d, \"seed\": %llu", threads_count(), (unsigned long long)o->seed);
 }
 
 size_t scheduler_scratch_bytes(const Config *c, int max_batch) {

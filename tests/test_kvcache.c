@@ -223,13 +223,13 @@ static void test_window_slots_and_positions(void **state) {
     Config c = shipped(VARIANT_MQA, 1, 0);
     KVPool p;
     assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
-    kv_pool_set_window(&p, 8, 0);
+    kv_pool_set_window(&p, 8, 0, KV_EVICT_OLDEST);
     const int ring[] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0};
     for (int pos = 0; pos < 17; pos++) assert_int_equal(kv_slot(&p, pos), ring[pos]);
     assert_int_equal(kv_window_length(&p, 5), 6);
     assert_int_equal(kv_window_length(&p, 20), 8);
     for (int i = 0; i < 8; i++) assert_int_equal(kv_window_position(&p, 20, i), 13 + i); /* 13 .. 20 */
-    kv_pool_set_window(&p, 8, 3);
+    kv_pool_set_window(&p, 8, 3, KV_EVICT_OLDEST);
     const int sinks[] = {0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3};
     for (int pos = 0; pos < 14; pos++) assert_int_equal(kv_slot(&p, pos), sinks[pos]);
     const int seen[] = {0, 1, 2, 16, 17, 18, 19, 20};
@@ -246,6 +246,97 @@ static void test_window_slots_and_positions(void **state) {
     assert_int_equal(kv_reserve(&s, 5000), 0);
     assert_int_equal(s.n_blocks, 1);
     kv_free(&s);
+    kv_pool_free(&p);
+}
+
+/* ---- eviction by attention ---- */
+
+/* Advances c by one position, as a pass does: reserve (which places and may evict), then
+ * the cache's length. */
+static void step_one(KVCache *c) {
+    assert_int_equal(kv_reserve(c, c->len + 1), 0);
+    c->len++;
+}
+
+/* The positions c keeps, oldest first, as a query at pos sees them. */
+static void kept_positions(const KVCache *c, int pos, int *out) {
+    for (int i = 0; i < kv_keys_seen(c, pos); i++) out[i] = c->slot_pos[kv_kept_slot(c, pos, i)];
+}
+
+/* Pays every kept position of c its weight from `weights` (by position), as a query at pos would. */
+static void pay(KVCache *c, int pos, const float *weights) {
+    float probs[64];
+    const int n = kv_keys_seen(c, pos);
+    for (int i = 0; i < n; i++) probs[i] = weights[c->slot_pos[kv_kept_slot(c, pos, i)]];
+    kv_attend(c, pos, probs, n);
+}
+
+/* H2O, a budget of 8: the recent half (4) stays; of the older, the least attended goes
+ * (ties: the oldest), and the new position takes its slot. */
+static void test_h2o_evicts_least_attended_older_than_recent_half(void **state) {
+    Config cfg = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache c;
+    assert_int_equal(kv_pool_init(&p, &cfg, DTYPE_F32, 4), 0);
+    kv_pool_set_window(&p, 8, 0, KV_EVICT_H2O);
+    assert_int_equal(kv_init(&c, &p, 1 << 20), 0);
+    for (int i = 0; i < 8; i++) step_one(&c); /* positions 0..7 in slots 0..7 */
+    float w[64] = {0};
+    w[0] = 5.0f, w[1] = 0.5f, w[2] = 3.0f, w[3] = 0.5f; /* 1 and 3 tie: 1 is older */
+    w[4] = w[5] = w[6] = w[7] = 0.0f;                  /* least of all, but recent */
+    pay(&c, 7, w);
+    step_one(&c); /* position 8: recent are 4..7, so 1 goes */
+    int kept[8];
+    kept_positions(&c, 8, kept);
+    const int expect[] = {0, 2, 3, 4, 5, 6, 7, 8};
+    assert_memory_equal(kept, expect, sizeof expect);
+    assert_int_equal(kv_slot_of(&c, 8), 1); /* the freed slot, where position 8 is written */
+    assert_int_equal(kv_keys_seen(&c, 8), 8);
+    /* position 9: recent are 5..8; 3 (0.5 twice) and 4 (0 then 1) tie at 1: the older, 3, goes */
+    w[4] = 1.0f;
+    pay(&c, 8, w);
+    step_one(&c);
+    kept_positions(&c, 9, kept);
+    const int expect9[] = {0, 2, 4, 5, 6, 7, 8, 9};
+    assert_memory_equal(kept, expect9, sizeof expect9);
+    /* a reset forgets it all */
+    kv_reset(&c);
+    for (int i = 0; i < 3; i++) step_one(&c);
+    kept_positions(&c, 2, kept);
+    const int fresh[] = {0, 1, 2};
+    assert_memory_equal(kept, fresh, sizeof fresh);
+    kv_free(&c);
+    kv_pool_free(&p);
+}
+
+/* Block-wise, a budget of 48 (3 blocks): the least attended whole block that holds none of
+ * the 16 most recent positions goes, and the next 16 positions fill its slots in order. */
+static void test_block_evicts_least_attended_whole_block(void **state) {
+    Config cfg = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache c;
+    assert_int_equal(kv_pool_init(&p, &cfg, DTYPE_F32, 8), 0);
+    kv_pool_set_window(&p, 48, 0, KV_EVICT_BLOCK);
+    assert_int_equal(kv_init(&c, &p, 1 << 20), 0);
+    for (int i = 0; i < 48; i++) step_one(&c);
+    float w[64] = {0};
+    for (int i = 0; i < 16; i++) w[i] = 1.0f;  /* block 0: 16 */
+    for (int i = 16; i < 32; i++) w[i] = 0.5f; /* block 1: 8, the least of the old ones */
+    /* block 2 (32..47) holds the 16 most recent: 0 but kept */
+    pay(&c, 47, w);
+    step_one(&c); /* position 48 */
+    assert_int_equal(kv_slot_of(&c, 48), 16);
+    assert_int_equal(kv_keys_seen(&c, 48), 33);
+    for (int i = 0; i < 15; i++) step_one(&c); /* 49..63 fill slots 17..31, no eviction */
+    assert_int_equal(kv_slot_of(&c, 63), 31);
+    int kept[48];
+    kept_positions(&c, 63, kept);
+    for (int i = 0; i < 16; i++) assert_int_equal(kept[i], i);
+    for (int i = 16; i < 48; i++) assert_int_equal(kept[i], i + 16); /* 32..63 */
+    /* full again: block 0 (16) against block 2 (32..47, 0 paid): block 2 goes, its 16 are old now */
+    step_one(&c);
+    assert_int_equal(kv_slot_of(&c, 64), 32);
+    kv_free(&c);
     kv_pool_free(&p);
 }
 
@@ -386,7 +477,7 @@ static void test_scrambled_blocks_window(void **state) {
     int order[4];
     assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
     assert_int_equal(scramble_free_blocks(&p, order), 0);
-    kv_pool_set_window(&p, 40, 4);
+    kv_pool_set_window(&p, 40, 4, KV_EVICT_OLDEST);
     assert_int_equal(kv_init(&s, &p, 1 << 20), 0);
     for (int pos = 0; pos < 100; pos++) {
         assert_int_equal(kv_reserve(&s, pos + 1), 0);
@@ -513,6 +604,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_scrambled_blocks_window),
         cmocka_unit_test(test_truncate_positions_and_blocks),
         cmocka_unit_test(test_truncate_shared_prefix),
+        cmocka_unit_test(test_h2o_evicts_least_attended_older_than_recent_half),
+        cmocka_unit_test(test_block_evicts_least_attended_whole_block),
     };
     return cmocka_run_group_tests_name("kvcache", tests, NULL, NULL);
 }
