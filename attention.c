@@ -53,7 +53,7 @@ static int kv_group_size(const Config *c) { return c->n_heads / c->n_kv_heads; }
 static int kv_head_of(const Config *c, int h) { return h / kv_group_size(c); }
 
 /* Where a query at pos stands for RoPE: its position, or with a window its place in it. */
-static int query_place(const KVCache *c, int pos) { return kv_keys_seen(c, pos) - 1; }
+static int query_place(const KVCache *c, int pos) { return kv_rotates_by_place(c->pool) ? kv_keys_seen(c, pos) - 1 : pos; }
 
 /* The rows a query at pos reads (KV head row `row` of layer l, oldest first) into dst as
  * floats, one row of row_width after another: dequantized and, with a window, whose keys
@@ -65,7 +65,7 @@ static int gather_rows(const Layer *L, const KVCache *c, int row, int pos, int r
     for (int i = 0; i < n; i++) {
         float *r = dst + (size_t)i * w;
         kv_load(p, kv_row_in_slot(c, L->index, row, kv_kept_slot(c, pos, i)), r);
-        if (p->window && rope_at >= 0) rope(L->rope, L->cfg, r + rope_at, i);
+        if (kv_rotates_by_place(p) && rope_at >= 0) rope(L->rope, L->cfg, r + rope_at, i);
     }
     return n;
 }
@@ -668,7 +668,7 @@ static void kv_heads_store(const AttnPass *p, int t, int g) {
     float *q = p->a->q + ((size_t)t * c->n_heads + (size_t)g * G) * hd; /* (G, hd) */
     for (int i = 0; i < G; i++) rope(p->L->rope, c, q + (size_t)i * hd, query_place(cache, pos));
     float *k = p->a->k + ((size_t)t * Hkv + g) * hd;
-    if (!cache->pool->window) rope(p->L->rope, c, k, pos);
+    if (!kv_rotates_by_place(cache->pool)) rope(p->L->rope, c, k, pos);
     kv_store(cache->pool, kv_key(cache, p->L->index, g, pos), k);
     kv_store(cache->pool, kv_value(cache, p->L->index, g, pos), p->a->v + ((size_t)t * Hkv + g) * hd);
 }
@@ -729,7 +729,7 @@ static void mla_store(const AttnPass *p, int t) {
     float *row = p->a->rows + (size_t)t * (dc + rd);
     rmsnorm(row, p->a->latent + (size_t)t * dc, p->L->w->kv_norm, dc, c->norm_eps);
     memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
-    if (!cache->pool->window) rope(p->L->rope, c, row + dc, pos);
+    if (!kv_rotates_by_place(cache->pool)) rope(p->L->rope, c, row + dc, pos);
     kv_store(cache->pool, kv_latent(cache, p->L->index, pos), row);
 }
 

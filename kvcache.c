@@ -151,7 +151,7 @@ static void drop_slots(KVCache *c, int first_slot, int n_slots) {
 /* What a full window gives up for position p, by the attention its positions received: the
  * least attended position older than the recent half (H2O's heavy hitters and recent
  * tokens), or the least attended block of 16 slots (summed in slot order) holding none of
- * the 16 most recent positions. The oldest position, or the first block, on a tie. */
+ * the recent half. The oldest position, or the first block, on a tie. */
 static void evict_for(KVCache *c, int p) {
     const int W = c->pool->window;
     if (c->pool->evict == KV_EVICT_H2O) {
@@ -167,11 +167,14 @@ static void evict_for(KVCache *c, int p) {
         float sum = 0.0f;
         int candidate = 1;
         for (int s = b * KV_BLOCK_TOKENS; s < (b + 1) * KV_BLOCK_TOKENS && candidate; s++) {
-            candidate = c->slot_pos[s] >= 0 && c->slot_pos[s] < p - KV_BLOCK_TOKENS;
+            candidate = c->slot_pos[s] >= 0 && c->slot_pos[s] < p - W / 2;
             sum += c->score[s];
         }
         if (candidate && (victim < 0 || sum < least)) victim = b, least = sum;
     }
+    /* every block holds a recent position only if blocks were refilled out of order, which
+     * place_positions never does; the oldest position's block, to be safe */
+    if (victim < 0) victim = c->order[0] / KV_BLOCK_TOKENS;
     drop_slots(c, victim * KV_BLOCK_TOKENS, KV_BLOCK_TOKENS);
 }
 

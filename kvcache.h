@@ -26,8 +26,9 @@
  * full window gives up what has been attended to least (kv_attend): one position (H2O,
  * keeping the most recent half of the window besides), or a whole block of 16 slots
  * (block-wise, as PagedEviction), which the next 16 positions then fill, so no block is
- * left with holes. Keys are then stored before RoPE and rotated by their place in the
- * window when read. */
+ * left with holes. A ring or sinks stores keys before RoPE and rotates them by their place
+ * in the window when read, so it runs past the context; eviction by attention keeps every
+ * position's own rotation, as H2O does, so its positions stay within the context. */
 #ifndef KVCACHE_H
 #define KVCACHE_H
 
@@ -45,7 +46,7 @@ enum { KV_BLOCK_TOKENS = 16 };
 typedef enum {
     KV_EVICT_OLDEST, /* the oldest position after the sinks (ring, sinks) */
     KV_EVICT_H2O,    /* the least attended position older than the window's recent half */
-    KV_EVICT_BLOCK,  /* the least attended block of 16 slots not holding the 16 most recent */
+    KV_EVICT_BLOCK,  /* the least attended block of 16 slots holding none of the recent half */
 } KVEvict;
 
 typedef struct {
@@ -129,6 +130,9 @@ int kv_blocks_needed(const KVCache *cache, int new_len);
 /* dst (empty, same pool, no window) shares src's positions [0, len): it holds len
  * positions without computing them. len <= src->len. */
 void kv_share_prefix(KVCache *dst, const KVCache *src, int len);
+
+/* A ring or sinks: keys rotated by their place in the window, so it may run past the context. */
+static inline int kv_rotates_by_place(const KVPool *p) { return p->window && p->evict == KV_EVICT_OLDEST; }
 
 /* The slot a position lives in: itself, or with a window its sink or its place in the ring. */
 static inline int kv_slot(const KVPool *p, int pos) {

@@ -86,9 +86,9 @@ static void check_limits(const Config *c, const Options *o) {
     const int ctx = c->max_seq_len;
     if (o->top_k > c->vocab_size)
         die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o->top_k, c->vocab_size);
-    if (o->steps > ctx && (!o->window || o->check_kv))
+    if (o->steps > ctx && (!o->window || o->check_kv || o->evict != KV_EVICT_OLDEST))
         die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o->steps, ctx,
-            o->check_kv ? "" : "; more with --window");
+            o->check_kv ? "" : o->window ? "; --evict h2o and block keep positions' own rotation" : "; more with --window");
     if (o->window > ctx) die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o->window, ctx);
     if (o->evict == KV_EVICT_H2O && o->window < 2)
         die(EXIT_USAGE, "--kv-budget %d is too small for --evict h2o (2..%d)", o->window, ctx);

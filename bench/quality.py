@@ -84,7 +84,8 @@ def main(argv=None):
     ap.add_argument("--valid", default=os.path.join(ROOT, "..", "shared", "tinystories", "valid.txt"))
     ap.add_argument("--long-texts", type=int, default=20, help="long texts for the window table")
     ap.add_argument("--stories-per-text", type=int, default=6)
-    ap.add_argument("--evict-texts", type=int, default=5, help="long texts for the eviction table")
+    ap.add_argument("--evict-stories", type=int, default=100, help="validation stories for the eviction table")
+    ap.add_argument("--evict-stories-per-text", type=int, default=1, help="stories a text of the eviction table")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--name", default="quality")
     args = ap.parse_args(argv)
@@ -95,7 +96,7 @@ def main(argv=None):
         sys.exit(f"quality: {args.valid} is missing")
     try:
         long_path = long_texts(args.valid, args.long_texts, args.stories_per_text)
-        evict_path = long_texts(args.valid, args.evict_texts, args.stories_per_text)
+        evict_path = long_texts(args.valid, args.evict_stories, args.evict_stories_per_text)
         dtype_rows, window_rows, evict_rows = [], [], []
         for ckpt in ckpts:
             i = info(ckpt)
@@ -123,7 +124,7 @@ def main(argv=None):
                         evict_rows.append({"variant": variant, "budget": budget, "share": share, "policy": policy,
                                            "past_tokens": None, "past_nll": None})
                         continue
-                    log(f"{variant} --kv-budget {budget} --evict {policy}: --ppl on {args.evict_texts} long texts")
+                    log(f"{variant} --kv-budget {budget} --evict {policy}: --ppl on {args.evict_stories} stories")
                     r = engine_json([ckpt, "--ppl", evict_path, "--kv", "--kv-budget", budget, "--evict", policy],
                                     "--ppl", "ppl")[-1]
                     past = r["past_budget"]
@@ -172,14 +173,16 @@ def write(args, dtype_rows, window_rows, evict_rows, measured_on):
         past = f"{r['past_nll']:.4f}" if r["past_nll"] is not None else "—"
         md.append(f"| {r['variant']} | {r['policy']} | {r['tokens']:,} | {r['nll']:.4f} | {r['past_tokens']:,} | {past} |")
     md += ["", "## Eviction at a fixed budget", "",
-           f"{args.evict_texts} texts of {args.stories_per_text} consecutive validation stories each, scored through "
+           f"The first {args.evict_stories} validation stories, each scored from its start through "
            "a cache of `--kv-budget N` positions (25%, 50% and 75% of the context) with `--evict`: *ring* overwrites "
            "the oldest position, *sinks* keeps the first 4 and slides the rest, *h2o* gives up the least attended "
            "position older than the budget's recent half (H2O), *block* the least attended whole block of 16 "
-           "holding none of the 16 most recent (block-wise). Attention is summed over every layer and head, since a "
-           "cache block holds every layer's rows of its positions. Mean NLL over the tokens past the budget, the "
-           "only ones eviction can change; against ring.", "",
-           "| variant | budget | ring | sinks | h2o | block | tokens past the budget |",
+           "older than the recent half (block-wise). Attention is summed over every layer and head, since a "
+           "cache block holds every layer's rows of its positions; h2o and block keep each position's own rotation "
+           "(as H2O), ring and sinks rotate keys by their place in the window. Mean NLL over the tokens from the "
+           "budget to the context (the ones eviction changes, and every policy scores: ring slides on past the "
+           "context, h2o and block restart there); in brackets, the difference from ring.", "",
+           "| variant | budget | ring | sinks | h2o | block | tokens scored |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for variant in dict.fromkeys(r["variant"] for r in evict_rows):
         for budget in dict.fromkeys(r["budget"] for r in evict_rows if r["variant"] == variant):

@@ -45,7 +45,7 @@ void cli_usage(FILE *f) {
           "      --evict ring|sinks|h2o|block, --window-policy  what a full budget gives up: the oldest\n"
           "                        position (ring, default), the oldest after the first 4 (sinks), the\n"
           "                        least attended older than the recent half (h2o), or the least attended\n"
-          "                        block of 16 (block; a budget of 32, 48, ...)\n"
+          "                        block of 16 older than it (block; a budget of 32, 48, ...)\n"
           "      --threads N       threads, 1..256 (default: OMP_NUM_THREADS, else all cores)\n"
           "      --log FILE.csv    write the per-step latencies as CSV\n"
           "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"

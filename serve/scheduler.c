@@ -99,7 +99,7 @@ static int outlives_step(const Scheduler *sch, const Request *q) {
 /* A request's sampler and block table, made when it is first admitted. */
 static int start_request(const Scheduler *sch, Request *r) {
     if (r->started) return 0;
-    const int max_len = sch->pool->window ? INT32_MAX / 2 : sch->model->cfg.max_seq_len;
+    const int max_len = kv_rotates_by_place(sch->pool) ? INT32_MAX / 2 : sch->model->cfg.max_seq_len;
     if (sampler_init(&r->sampler, sch->model->cfg.vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0)
         return -1;
     if (kv_init(&r->cache, sch->pool, max_len) != 0) {
@@ -414,7 +414,7 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
         if (append_token(r, next) != 0) return -1;
         if (sch->max_new && r->generated >= sch->max_new)
             r->stop = STOP_STEPS;
-        else if (!sch->pool->window && r->n_tokens > c->max_seq_len)
+        else if (!kv_rotates_by_place(sch->pool) && r->n_tokens > c->max_seq_len)
             r->stop = STOP_CONTEXT; /* no position left for it */
         /* the next row was computed on this row's draft: kept only if the target sampled it
          * and the sequence goes on (an EOS above ended it, and its later rows with it) */

@@ -18,12 +18,15 @@ def dump_logits(path, tmp_path, name, *args):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_within_the_budget_then_past_it(small_checkpoints, tmp_path, variant):
     """Context 64, budget 32: the first 32 positions are the plain run's bits for every
-    policy; past them h2o, block and ring keep different positions, so the logits part."""
+    policy; past them h2o, block and ring keep different positions, so the logits part; h2o
+    and block keep each position's own rotation, so they end at the context."""
     path, _ = small_checkpoints[variant]
     plain = dump_logits(path, tmp_path, "plain", "-n", 25)
-    runs = {p: dump_logits(path, tmp_path, p, "-n", 120, "--kv-budget", 32, "--evict", p) for p in ("ring", "h2o", "block")}
+    runs = {p: dump_logits(path, tmp_path, p, "-n", 64, "--kv-budget", 32, "--evict", p) for p in ("ring", "h2o", "block")}
+    assert len(runs["ring"]) == 64
     for policy, logits in runs.items():
-        assert len(logits) == 120 and np.array_equal(logits[:25], plain), policy
+        assert np.array_equal(logits[:25], plain), policy
+    assert len(runs["h2o"]) == len(runs["block"]) == 64 - len(PROMPT.split()), {p: len(r) for p, r in runs.items()}
     assert not np.array_equal(runs["h2o"][40:], runs["ring"][40:])
     assert not np.array_equal(runs["block"][40:], runs["ring"][40:])
     assert not np.array_equal(runs["block"][40:], runs["h2o"][40:])
@@ -33,10 +36,10 @@ def test_within_the_budget_then_past_it(small_checkpoints, tmp_path, variant):
 @pytest.mark.parametrize("policy", ["h2o", "block"])
 def test_a_sequence_evicts_the_same_in_a_batch(small_checkpoints, variant, policy):
     """Sampled, so the four sequences differ and evict differently; each is bitwise its
-    solo run, through 100 evictions (h2o) or 6 (block)."""
+    solo run, through 25 or more evictions (h2o) or 2 (block)."""
     path, _ = small_checkpoints[variant]
     code, verdict = json_one([path, "-p", PROMPT, "--kv", "--kv-budget", 32, "--evict", policy, "--batch", 4, "-s", 5,
-                              "-n", 130, "--ignore-eos", "--check-batch"])
+                              "-n", 58, "--ignore-eos", "--check-batch"])
     assert code == 0 and verdict["batch"] == 4 and verdict["sequences_identical"] == 4, verdict
 
 
@@ -48,8 +51,8 @@ def test_ppl_reports_the_tokens_past_the_budget(small_checkpoints, tmp_path):
     rows = {p: json_one([path, "--ppl", f, "--kv", "--kv-budget", 32, "--evict", p])[1] for p in ("ring", "h2o", "block")}
     for policy, r in rows.items():
         assert r["evict"] == policy and r["window"] == 32, r
-        # targets are positions 1 .. tokens: those from 32 on
-        assert r["past_budget"]["from_position"] == 32 and r["past_budget"]["tokens"] == r["tokens"] - 31, r
+        # targets 32 .. 63, up to the context, whether the policy slides on (ring) or restarts there
+        assert r["past_budget"]["from_position"] == 32 and r["past_budget"]["tokens"] == 32, r
     assert len({f"{r['past_budget']['mean_nll']:.4f}" for r in rows.values()}) == 3, rows
     _, plain = json_one([path, "--ppl", f])
     assert plain["past_budget"] is None and plain["evict"] is None
@@ -61,7 +64,9 @@ def test_ppl_reports_the_tokens_past_the_budget(small_checkpoints, tmp_path):
     (["--kv", "--kv-budget", 40, "--evict", "block"], "--kv-budget 40 does not suit --evict block"),
     (["--kv", "--kv-budget", 16, "--evict", "block"], "--kv-budget 16 does not suit --evict block"),
     (["--kv", "--kv-budget", 1, "--evict", "h2o"], "--kv-budget 1 is too small for --evict h2o"),
+    (["--kv", "--kv-budget", 65, "--evict", "h2o"], "--window 65 is out of range (1..64, the context)"),
     (["--kv", "--kv-budget", 32, "--evict", "h2o", "--check-kv"], "--evict h2o cannot agree with --check-kv"),
+    (["--kv", "--kv-budget", 32, "--evict", "h2o", "-n", 65], "-n 65 is out of range (1..64, the context; --evict h2o"),
     (["--kv", "--kv-budget", 32, "--evict", "block", "--dump-attn", "x.bin"], "--evict block records the attention"),
 ])
 def test_bad_budgets_and_policies(small_checkpoints, tmp_path, args, message):

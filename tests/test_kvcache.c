@@ -309,33 +309,33 @@ static void test_h2o_evicts_least_attended_older_than_recent_half(void **state) 
     kv_pool_free(&p);
 }
 
-/* Block-wise, a budget of 48 (3 blocks): the least attended whole block that holds none of
- * the 16 most recent positions goes, and the next 16 positions fill its slots in order. */
+/* Block-wise, a budget of 64 (4 blocks): the least attended whole block older than the
+ * recent half (32) goes, and the next 16 positions fill its slots in order. */
 static void test_block_evicts_least_attended_whole_block(void **state) {
     Config cfg = shipped(VARIANT_MQA, 1, 0);
     KVPool p;
     KVCache c;
     assert_int_equal(kv_pool_init(&p, &cfg, DTYPE_F32, 8), 0);
-    kv_pool_set_window(&p, 48, 0, KV_EVICT_BLOCK);
+    kv_pool_set_window(&p, 64, 0, KV_EVICT_BLOCK);
     assert_int_equal(kv_init(&c, &p, 1 << 20), 0);
-    for (int i = 0; i < 48; i++) step_one(&c);
+    for (int i = 0; i < 64; i++) step_one(&c);
     float w[64] = {0};
     for (int i = 0; i < 16; i++) w[i] = 1.0f;  /* block 0: 16 */
     for (int i = 16; i < 32; i++) w[i] = 0.5f; /* block 1: 8, the least of the old ones */
-    /* block 2 (32..47) holds the 16 most recent: 0 but kept */
-    pay(&c, 47, w);
-    step_one(&c); /* position 48 */
-    assert_int_equal(kv_slot_of(&c, 48), 16);
-    assert_int_equal(kv_keys_seen(&c, 48), 33);
-    for (int i = 0; i < 15; i++) step_one(&c); /* 49..63 fill slots 17..31, no eviction */
-    assert_int_equal(kv_slot_of(&c, 63), 31);
-    int kept[48];
-    kept_positions(&c, 63, kept);
+    /* blocks 2 and 3 (32..63) are the recent half: 0, but kept */
+    pay(&c, 63, w);
+    step_one(&c); /* position 64 */
+    assert_int_equal(kv_slot_of(&c, 64), 16);
+    assert_int_equal(kv_keys_seen(&c, 64), 49);
+    for (int i = 0; i < 15; i++) step_one(&c); /* 65..79 fill slots 17..31, no eviction */
+    assert_int_equal(kv_slot_of(&c, 79), 31);
+    int kept[64];
+    kept_positions(&c, 79, kept);
     for (int i = 0; i < 16; i++) assert_int_equal(kept[i], i);
-    for (int i = 16; i < 48; i++) assert_int_equal(kept[i], i + 16); /* 32..63 */
-    /* full again: block 0 (16) against block 2 (32..47, 0 paid): block 2 goes, its 16 are old now */
+    for (int i = 16; i < 64; i++) assert_int_equal(kept[i], i + 16); /* 32..79 */
+    /* full again, recent half 48..79 (blocks 3 and 1): block 0 (16) against block 2 (32..47, 0 paid) */
     step_one(&c);
-    assert_int_equal(kv_slot_of(&c, 64), 32);
+    assert_int_equal(kv_slot_of(&c, 80), 32);
     kv_free(&c);
     kv_pool_free(&p);
 }

@@ -35,7 +35,7 @@ def test_quality_tables(small_checkpoints, tmp_path):
     valid.write_text(VALID)
     ckpts = {v: small_checkpoints[v] for v in ("gqa", "mla64")}
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--valid", str(valid),
-                        "--long-texts", "1", "--evict-texts", "1", "--stories-per-text", "4", "--out", str(tmp_path)]
+                        "--long-texts", "1", "--evict-stories", "1", "--evict-stories-per-text", "4", "--stories-per-text", "4", "--out", str(tmp_path)]
                        + [path for path, _ in ckpts.values()],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        env=dict(os.environ, RUN_BINARY=RUN), timeout=600)
