@@ -422,12 +422,12 @@ static void open_store(const AttnPass *p, int t, int row, const float *src) {
             memcpy(open_row(p, row, t, q), kv_tail_row(cache, p->L->index, row, q), bytes);
 }
 
-/* After every row of the pass is open: the tail keeps a sequence's last KV_TAIL rows, and
+/* After every row of the pass is open: the tail keeps a sequence's last rows, and
  * the block whose last row token t wrote is quantized, a pure function of its 16 rows. */
 static void open_close(const AttnPass *p, int t, int row) {
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t], w = cache->pool->row_width;
-    if (pos >= p->a->open_end[t] - KV_TAIL)
+    if (pos >= p->a->open_end[t] - cache->pool->tail_positions)
         memcpy(kv_tail_row(cache, p->L->index, row, pos), open_row(p, row, t, pos), (size_t)w * sizeof(float));
     if (pos % KV_BLOCK_TOKENS == KV_BLOCK_TOKENS - 1)
         kv_store_block(cache, p->L->index, row, pos, open_row(p, row, t, pos - (KV_BLOCK_TOKENS - 1)), (size_t)w);

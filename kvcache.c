@@ -43,7 +43,7 @@ size_t kv_block_bytes_for(const Config *c, DType dtype) {
 size_t kv_tail_bytes_for(const Config *c, DType dtype) {
     int rows, width, split, n_scales;
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
-    return dtype_packed(dtype) ? (size_t)c->n_layers * (size_t)(rows / KV_BLOCK_TOKENS) * KV_TAIL * width * sizeof(float) : 0;
+    return dtype_packed(dtype) ? (size_t)c->n_layers * (size_t)(rows / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * width * sizeof(float) : 0;
 }
 
 size_t kv_bytes_per_token_for(const Config *c, DType dtype) {
@@ -70,6 +70,7 @@ int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks) {
     pool->row_bytes = (size_t)pool->row_width * dtype_size(dtype);
     pool->layer_bytes = layer_bytes(c, dtype, &pool->scales_offset);
     if (dtype_packed(dtype)) pool->key_group_bytes = group_bytes(c, dtype, 1), pool->value_group_bytes = group_bytes(c, dtype, 0);
+    pool->tail_positions = KV_BLOCK_TOKENS;
     pool->n_blocks = n_blocks;
     const size_t bytes = (size_t)n_blocks * pool->n_layers * pool->layer_bytes;
     pool->data = (unsigned char *)alloc_floats_touched((bytes + 3) / 4);
@@ -95,6 +96,8 @@ void kv_pool_set_window(KVPool *pool, int window, int sinks) {
     pool->window = window;
     pool->sinks = sinks;
 }
+
+void kv_pool_set_rollback(KVPool *pool) { pool->tail_positions = 2 * KV_BLOCK_TOKENS; }
 
 size_t kv_block_bytes(const KVPool *pool) { return (size_t)pool->n_layers * pool->layer_bytes; }
 
@@ -123,7 +126,7 @@ int kv_init(KVCache *cache, KVPool *pool, int max_len) {
     cache->blocks = malloc((size_t)(cache->max_blocks ? cache->max_blocks : 1) * sizeof(int));
     if (dtype_packed(pool->dtype)) {
         const size_t rows = pool->n_kv_heads ? 2 * (size_t)pool->n_kv_heads : 1;
-        cache->tail = calloc((size_t)pool->n_layers * rows * KV_TAIL * pool->row_width, sizeof(float));
+        cache->tail = calloc((size_t)pool->n_layers * rows * pool->tail_positions * pool->row_width, sizeof(float));
         if (!cache->tail) {
             free(cache->blocks);
             return -1;

@@ -19,7 +19,7 @@
  * token in groups of 32 channels; MLA's latent and k_R count as keys, since the score reads
  * them as keys (the weighted sum of the absorbed form reads c as values too). A block is
  * quantized when its 16th position is written, from its 16 fp32 rows: until then its rows
- * live in the sequence's tail, a ring of fp32 rows of the last KV_TAIL positions written,
+ * live in the sequence's tail, a ring of fp32 rows of the last tail_positions written,
  * and a query reads its own block's rows in fp32 and every earlier block packed. So what a
  * query at pos reads depends on pos alone (bitwise --check-kv), and the pool still shares
  * and frees whole blocks. KIVI's full-precision window R is thus 0 .. 15 here, not 128.
@@ -53,6 +53,9 @@ typedef struct {
     int row_width;                      /* elements a row: head_dim, or MLA's kv_latent + rope_dim */
     int split;                          /* int8: a row's second scale starts here (MLA's k_R); else row_width */
     size_t key_group_bytes, value_group_bytes; /* int4, int2: a row group's packed bytes in a layer */
+    int tail_positions; /* int4, int2: KV_BLOCK_TOKENS, the block being filled; two blocks where a
+                         * rollback (kv_truncate) of up to 17 positions (a verify pass of 16
+                         * drafts) may reopen a block already quantized (kv_pool_set_rollback) */
     int n_scales;                       /* int8: scales a row (1 or 2); else 0 */
     DType dtype;
     size_t row_bytes, layer_bytes, scales_offset; /* within one layer of a block */
@@ -77,13 +80,9 @@ typedef struct {
     int *blocks; /* (max_blocks) block table */
     int n_blocks, max_blocks;
     int len;     /* positions seen */
-    float *tail; /* int4, int2: (n_layers, rows, KV_TAIL, row_width) the fp32 rows of the last
-                  * KV_TAIL positions written, position q at q % KV_TAIL */
+    float *tail; /* int4, int2: (n_layers, rows, tail_positions, row_width) the fp32 rows of the
+                  * last tail_positions written, position q at q % tail_positions */
 } KVCache;
-
-/* Two blocks: the block being filled, and the one before it for a rollback (kv_truncate)
- * by up to 17 positions (a verify pass of 16 drafts) into a block already quantized. */
-enum { KV_TAIL = 2 * KV_BLOCK_TOKENS };
 
 /* Bytes of one block for model c with elements in dtype. */
 size_t kv_block_bytes_for(const Config *c, DType dtype);
@@ -95,7 +94,7 @@ size_t kv_block_bytes_for(const Config *c, DType dtype);
  * token (kv_bytes_per_token) are kv_block_bytes_for / KV_BLOCK_TOKENS, this rounded up so
  * that each layer of a block starts on a cache line. */
 size_t kv_bytes_per_token_for(const Config *c, DType dtype);
-/* Bytes of one sequence's fp32 tail: 0 unless dtype is int4 or int2. */
+/* Bytes of one sequence's fp32 tail of KV_BLOCK_TOKENS positions: 0 unless dtype is int4 or int2. */
 size_t kv_tail_bytes_for(const Config *c, DType dtype);
 /* A pool of n_blocks blocks for model c. Returns -1 when out of memory. */
 int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks);
@@ -103,6 +102,8 @@ void kv_pool_free(KVPool *pool);
 /* Bounds every sequence to `window` slots, the first `sinks` positions kept for good
  * (0 < window, 0 <= sinks < window). Before any cache is used. */
 void kv_pool_set_window(KVPool *pool, int window, int sinks);
+/* int4, int2: tails of two blocks, for speculation's rollbacks. Before any cache is used. */
+void kv_pool_set_rollback(KVPool *pool);
 size_t kv_block_bytes(const KVPool *pool);
 size_t kv_bytes_per_token(const KVPool *pool);
 static inline int kv_blocks_for(int positions) { return (positions + KV_BLOCK_TOKENS - 1) / KV_BLOCK_TOKENS; }
@@ -192,7 +193,8 @@ static inline int kv_per_channel(const KVPool *p, int row) { return row < p->n_k
 static inline float *kv_tail_row(const KVCache *c, int layer, int row, int pos) {
     const KVPool *p = c->pool;
     const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1;
-    return c->tail + (((size_t)layer * rows + row) * KV_TAIL + (size_t)(pos % KV_TAIL)) * p->row_width;
+    const size_t n = (size_t)p->tail_positions;
+    return c->tail + (((size_t)layer * rows + row) * n + (size_t)pos % n) * p->row_width;
 }
 /* int4, int2: the block holding position pos, row group `row`, from its KV_BLOCK_TOKENS
  * fp32 rows (`stride` floats apart). */
