@@ -13,10 +13,23 @@ static void row_shape(const Config *c, DType dtype, int *rows, int *width, int *
     *n_scales = !dtype_scaled(dtype) ? 0 : is_mla ? 2 : 1;
 }
 
+/* int4, int2: a row group's bytes in a layer of a block, keys' (per channel) or values' */
+static size_t group_bytes(const Config *c, DType dtype, int keys) {
+    int rows, width, split, n_scales;
+    row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    return packed_group_bytes(width, dtype, keys || c->variant == VARIANT_MLA);
+}
+
 /* Bytes of one layer of one block; *scales_offset: where its scales start. */
 static size_t layer_bytes(const Config *c, DType dtype, size_t *scales_offset) {
     int rows, width, split, n_scales;
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    if (dtype_packed(dtype)) {
+        const size_t groups = c->variant == VARIANT_MLA ? group_bytes(c, dtype, 1)
+                                                        : (size_t)c->n_kv_heads * (group_bytes(c, dtype, 1) + group_bytes(c, dtype, 0));
+        *scales_offset = 0;
+        return (groups + 63) / 64 * 64;
+    }
     const size_t data = (size_t)rows * width * dtype_size(dtype);
     *scales_offset = (data + 3) / 4 * 4;
     return (*scales_offset + (size_t)rows * n_scales * sizeof(float) + 63) / 64 * 64; /* layers on cache lines */
@@ -27,9 +40,21 @@ size_t kv_block_bytes_for(const Config *c, DType dtype) {
     return (size_t)c->n_layers * layer_bytes(c, dtype, &offset);
 }
 
+size_t kv_tail_bytes_for(const Config *c, DType dtype) {
+    int rows, width, split, n_scales;
+    row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    return dtype_packed(dtype) ? (size_t)c->n_layers * (size_t)(rows / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * width * sizeof(float) : 0;
+}
+
 size_t kv_bytes_per_token_for(const Config *c, DType dtype) {
     int rows, width, split, n_scales;
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    if (dtype_packed(dtype)) {
+        const size_t groups = c->variant == VARIANT_MLA ? group_bytes(c, dtype, 1)
+                                                        : (size_t)c->n_kv_heads * (group_bytes(c, dtype, 1) + group_bytes(c, dtype, 0));
+        const size_t seq = (size_t)(c->max_seq_len > 0 ? c->max_seq_len : 1);
+        return (size_t)c->n_layers * groups / KV_BLOCK_TOKENS + (kv_tail_bytes_for(c, dtype) + seq - 1) / seq;
+    }
     const size_t row_bytes = (size_t)width * dtype_size(dtype) + (size_t)n_scales * sizeof(float);
     return (size_t)c->n_layers * (size_t)(rows / KV_BLOCK_TOKENS) * row_bytes;
 }
@@ -44,6 +69,8 @@ int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks) {
     pool->dtype = dtype;
     pool->row_bytes = (size_t)pool->row_width * dtype_size(dtype);
     pool->layer_bytes = layer_bytes(c, dtype, &pool->scales_offset);
+    if (dtype_packed(dtype)) pool->key_group_bytes = group_bytes(c, dtype, 1), pool->value_group_bytes = group_bytes(c, dtype, 0);
+    pool->tail_positions = KV_BLOCK_TOKENS;
     pool->n_blocks = n_blocks;
     const size_t bytes = (size_t)n_blocks * pool->n_layers * pool->layer_bytes;
     pool->data = (unsigned char *)alloc_floats_touched((bytes + 3) / 4);
@@ -72,6 +99,7 @@ void kv_pool_set_window(KVPool *pool, int window, int sinks, KVEvict evict) {
 }
 
 static int evicts_by_attention(const KVPool *pool) { return pool->window && pool->evict != KV_EVICT_OLDEST; }
+void kv_pool_set_rollback(KVPool *pool) { pool->tail_positions = 2 * KV_BLOCK_TOKENS; }
 
 size_t kv_block_bytes(const KVPool *pool) { return (size_t)pool->n_layers * pool->layer_bytes; }
 
@@ -105,6 +133,14 @@ int kv_init(KVCache *cache, KVPool *pool, int max_len) {
     cache->max_blocks = kv_blocks_per_sequence(pool, max_len);
     cache->blocks = malloc((size_t)(cache->max_blocks ? cache->max_blocks : 1) * sizeof(int));
     if (!cache->blocks) return -1;
+    if (dtype_packed(pool->dtype)) {
+        const size_t rows = pool->n_kv_heads ? 2 * (size_t)pool->n_kv_heads : 1;
+        cache->tail = calloc((size_t)pool->n_layers * rows * pool->tail_positions * pool->row_width, sizeof(float));
+        if (!cache->tail) {
+            free(cache->blocks);
+            return -1;
+        }
+    }
     if (evicts_by_attention(pool)) {
         const size_t W = (size_t)pool->window;
         cache->slot_pos = malloc(W * sizeof *cache->slot_pos);
@@ -132,6 +168,7 @@ void kv_free(KVCache *cache) {
     free(cache->slot_pos);
     free(cache->order);
     free(cache->score);
+    free(cache->tail);
     memset(cache, 0, sizeof *cache);
 }
 
@@ -256,6 +293,11 @@ void kv_store(const KVPool *p, KVRow row, const float *src) {
     row_quantize(row.data, row.scales, src, p->row_width, p->split, p->dtype);
 }
 
+void kv_store_block(const KVCache *c, int layer, int row, int pos, const float *rows, size_t stride) {
+    const KVPool *p = c->pool;
+    block_quantize(kv_row(c, layer, row, pos).data, rows, stride, p->row_width, p->dtype, kv_per_channel(p, row));
+}
+
 void kv_load(const KVPool *p, KVRow row, float *dst) {
     row_dequantize(dst, row.data, row.scales, p->row_width, p->split, p->dtype);
 }
@@ -265,7 +307,7 @@ static uint64_t splitmix64(uint64_t x) { return mix64(x + 0x9e3779b97f4a7c15ull)
 
 void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
     const KVPool *p = cache->pool;
-    const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1, w = p->row_width;
+    const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1, w = p->row_width, packed = dtype_packed(p->dtype);
     float row[w];
     for (int pos = cache->len; pos < n; pos++)
         for (int l = 0; l < p->n_layers; l++)
@@ -276,7 +318,13 @@ void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
                     row[e] = (float)(int32_t)(uint32_t)bits * 0x1p-31f;
                     if (e + 1 < w) row[e + 1] = (float)(int32_t)(uint32_t)(bits >> 32) * 0x1p-31f;
                 }
-                kv_store(p, kv_row(cache, l, r, pos), row);
+                if (!packed) {
+                    kv_store(p, kv_row(cache, l, r, pos), row);
+                    continue;
+                }
+                memcpy(kv_tail_row(cache, l, r, pos), row, (size_t)w * sizeof(float)); /* a block's rows, then the block */
+                if (pos % KV_BLOCK_TOKENS == KV_BLOCK_TOKENS - 1)
+                    kv_store_block(cache, l, r, pos, kv_tail_row(cache, l, r, pos - (KV_BLOCK_TOKENS - 1)), (size_t)w);
             }
     cache->len = n;
 }

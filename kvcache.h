@@ -13,6 +13,17 @@
  * n_kv_heads * head_dim * size (+ 4 per int8 row), or n_layers * (kv_latent + rope_dim) *
  * size (+ 8) for MLA.
  *
+ * int4 and int2 (KIVI): a layer of a block holds each row group (a KV head's keys, its
+ * values, or MLA's [c ; k_R] rows) as one packed group of its KV_BLOCK_TOKENS rows
+ * (kernels.h's block_quantize): keys per channel over the block's 16 tokens, values per
+ * token in groups of 32 channels; MLA's latent and k_R count as keys, since the score reads
+ * them as keys (the weighted sum of the absorbed form reads c as values too). A block is
+ * quantized when its 16th position is written, from its 16 fp32 rows: until then its rows
+ * live in the sequence's tail, a ring of fp32 rows of the last tail_positions written,
+ * and a query reads its own block's rows in fp32 and every earlier block packed. So what a
+ * query at pos reads depends on pos alone (bitwise --check-kv), and the pool still shares
+ * and frees whole blocks. KIVI's full-precision window R is thus 0 .. 15 here, not 128.
+ *
  * Sequences may share blocks (a common prompt prefix): each block has a reference
  * count, and a sequence about to write into a shared block first copies it (copy on
  * write), so sharing never changes what another sequence reads. The cache owns its
@@ -53,6 +64,10 @@ typedef struct {
     int n_layers, n_kv_heads, head_dim; /* 0 heads for MLA */
     int row_width;                      /* elements a row: head_dim, or MLA's kv_latent + rope_dim */
     int split;                          /* int8: a row's second scale starts here (MLA's k_R); else row_width */
+    size_t key_group_bytes, value_group_bytes; /* int4, int2: a row group's packed bytes in a layer */
+    int tail_positions; /* int4, int2: KV_BLOCK_TOKENS, the block being filled; two blocks where a
+                         * rollback (kv_truncate) of up to 17 positions (a verify pass of 16
+                         * drafts) may reopen a block already quantized (kv_pool_set_rollback) */
     int n_scales;                       /* int8: scales a row (1 or 2); else 0 */
     DType dtype;
     size_t row_bytes, layer_bytes, scales_offset; /* within one layer of a block */
@@ -77,7 +92,9 @@ typedef struct {
     KVPool *pool;
     int *blocks; /* (max_blocks) block table */
     int n_blocks, max_blocks;
-    int len; /* positions seen */
+    int len;     /* positions seen */
+    float *tail; /* int4, int2: (n_layers, rows, tail_positions, row_width) the fp32 rows of the
+                  * last tail_positions written, position q at q % tail_positions */
     /* a window that evicts by attention (KV_EVICT_H2O, KV_EVICT_BLOCK), else NULL: */
     int *slot_pos;  /* (window) the position a slot holds, -1: free */
     int *order;     /* (kept) the held slots, oldest position first */
@@ -91,10 +108,14 @@ typedef struct {
 size_t kv_block_bytes_for(const Config *c, DType dtype);
 /* Bytes a token's keys and values take in every layer, by the formula (no block padding):
  * 2 * n_layers * n_kv_heads * (head_dim * size + 4 for int8's scale), or for MLA
- * n_layers * ((kv_latent + rope_dim) * size + 8 for int8's two scales). A pool's bytes per
+ * n_layers * ((kv_latent + rope_dim) * size + 8 for int8's two scales); int4 and int2: the
+ * packed groups' bytes / KV_BLOCK_TOKENS plus a sequence's tail (kv_tail_bytes_for) spread
+ * over the context (c->max_seq_len). A pool's bytes per
  * token (kv_bytes_per_token) are kv_block_bytes_for / KV_BLOCK_TOKENS, this rounded up so
  * that each layer of a block starts on a cache line. */
 size_t kv_bytes_per_token_for(const Config *c, DType dtype);
+/* Bytes of one sequence's fp32 tail of KV_BLOCK_TOKENS positions: 0 unless dtype is int4 or int2. */
+size_t kv_tail_bytes_for(const Config *c, DType dtype);
 /* A pool of n_blocks blocks for model c. Returns -1 when out of memory. */
 int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks);
 void kv_pool_free(KVPool *pool);
@@ -103,6 +124,8 @@ void kv_pool_free(KVPool *pool);
  * KV_EVICT_H2O needs window >= 2, KV_EVICT_BLOCK a multiple of 16 from 32). Before any
  * cache is used. */
 void kv_pool_set_window(KVPool *pool, int window, int sinks, KVEvict evict);
+/* int4, int2: tails of two blocks, for speculation's rollbacks. Before any cache is used. */
+void kv_pool_set_rollback(KVPool *pool);
 size_t kv_block_bytes(const KVPool *pool);
 size_t kv_bytes_per_token(const KVPool *pool);
 static inline int kv_blocks_for(int positions) { return (positions + KV_BLOCK_TOKENS - 1) / KV_BLOCK_TOKENS; }
@@ -190,6 +213,11 @@ static inline int kv_kept_slot(const KVCache *c, int pos, int i) {
 static inline KVRow kv_row_in_slot(const KVCache *c, int layer, int row, int slot) {
     const KVPool *p = c->pool;
     unsigned char *l = p->data + ((size_t)c->blocks[slot / KV_BLOCK_TOKENS] * p->n_layers + layer) * p->layer_bytes;
+    if (dtype_packed(p->dtype)) { /* int4, int2: the row group of the block that holds pos */
+        const int keys = row < p->n_kv_heads ? row : p->n_kv_heads;
+        const KVRow group = {l + (size_t)keys * p->key_group_bytes + (size_t)(row - keys) * p->value_group_bytes, NULL};
+        return group;
+    }
     const int r = row * KV_BLOCK_TOKENS + slot % KV_BLOCK_TOKENS;
     const KVRow out = {l + (size_t)r * p->row_bytes,
                        p->n_scales ? (float *)(l + p->scales_offset) + (size_t)r * p->n_scales : NULL};
@@ -204,6 +232,19 @@ static inline KVRow kv_value(const KVCache *c, int layer, int head, int pos) {
 }
 /* MLA: [c (kv_latent) ; k_R (rope_dim)] of one position */
 static inline KVRow kv_latent(const KVCache *c, int layer, int pos) { return kv_row(c, layer, 0, pos); }
+
+/* int4, int2: whether row group `row` is quantized per channel (keys, MLA's rows) */
+static inline int kv_per_channel(const KVPool *p, int row) { return row < p->n_kv_heads || !p->n_kv_heads; }
+/* int4, int2: position pos's fp32 row in the tail */
+static inline float *kv_tail_row(const KVCache *c, int layer, int row, int pos) {
+    const KVPool *p = c->pool;
+    const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1;
+    const size_t n = (size_t)p->tail_positions;
+    return c->tail + (((size_t)layer * rows + row) * n + (size_t)pos % n) * p->row_width;
+}
+/* int4, int2: the block holding position pos, row group `row`, from its KV_BLOCK_TOKENS
+ * fp32 rows (`stride` floats apart). */
+void kv_store_block(const KVCache *c, int layer, int row, int pos, const float *rows, size_t stride);
 
 /* A row in the pool's dtype from floats / back to floats (kernels.h's row_quantize). */
 void kv_store(const KVPool *p, KVRow row, const float *src);

@@ -113,7 +113,13 @@ static void check_limits(const Config *c, const Options *o) {
 static int pool_blocks(const Config *c, const Options *o) {
     const size_t block_bytes = kv_block_bytes_for(c, o->kv_dtype);
     const int one_sequence = kv_blocks_for(o->window ? o->window : c->max_seq_len);
-    const double blocks = o->kv_mem_mb > 0.0f ? floor((double)o->kv_mem_mb * 1048576.0 / (double)block_bytes)
+    const int row_width = c->variant == VARIANT_MLA ? c->kv_latent + c->rope_dim : c->head_dim;
+    if (dtype_packed(o->kv_dtype) && row_width % 16)
+        die(EXIT_USAGE, "--kv-dtype %s packs rows in slices of 16 elements; this model's rows have %d",
+            kv_dtype_name(o->kv_dtype), row_width);
+    /* int4, int2: each sequence's fp32 tail comes out of --kv-mem too */
+    const double tails = (double)(o->kv ? o->batch : 1) * (o->draft ? 2 : 1) * (double)kv_tail_bytes_for(c, o->kv_dtype);
+    const double blocks = o->kv_mem_mb > 0.0f ? floor(((double)o->kv_mem_mb * 1048576.0 - tails) / (double)block_bytes)
                                               : (double)(o->kv ? o->batch : 1) * one_sequence;
     if (blocks < one_sequence)
         die(EXIT_USAGE,
@@ -202,6 +208,7 @@ int main(int argc, char **argv) {
         die(1, "out of memory: the KV cache pool of %d blocks takes %.0f bytes", blocks,
             (double)blocks * (double)kv_block_bytes_for(&m.cfg, o.kv_dtype));
     if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks, o.evict);
+    if (o.draft) kv_pool_set_rollback(&pool);
     KVTier tier = {.fd = -1};
     if (o.kv_offload) {
         if (kv_tier_open(&tier, o.kv_offload, kv_block_bytes(&pool)) != 0)

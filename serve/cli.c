@@ -37,7 +37,8 @@ void cli_usage(FILE *f) {
           "                        or is recomputed (default: swap with --kv-offload, else recompute)\n"
           "      --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
           "                        with seed s+i (continuous batching)\n"
-          "      --kv-dtype fp32|bf16|int8|fp8  precision of the cached keys and values (default fp32)\n"
+          "      --kv-dtype fp32|bf16|int8|fp8|int4|int2  precision of the cached keys and values\n"
+          "                        (default fp32; int4 and int2 after KIVI: docs/KVCACHE.md)\n"
           "      --kv-budget N, --window N  with --kv: keep N positions a sequence, so -n may exceed the\n"
           "                        context\n"
           "      --fill N          with --kv: start every sequence at position N, over a cache of generated\n"
@@ -81,7 +82,10 @@ const char *evict_name(const Options *o) {
     return o->evict == KV_EVICT_H2O ? "h2o" : o->evict == KV_EVICT_BLOCK ? "block" : o->window_sinks ? "sinks" : "ring";
 }
 
-const char *kv_dtype_name(DType dtype) { return dtype == DTYPE_F32 ? "fp32" : dtype == DTYPE_BF16 ? "bf16" : dtype == DTYPE_I8 ? "int8" : "fp8"; }
+const char *kv_dtype_name(DType dtype) {
+    static const char *const names[] = {"fp32", "bf16", "int8", "fp8", "int4", "int2"};
+    return names[dtype];
+}
 
 /* 0 with *out set, or 2 with the message in err. */
 static int parse_long(const char *flag, const char *s, long lo, long hi, long *out, char *err, size_t errlen) {
@@ -356,8 +360,12 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
                 o->kv_dtype = DTYPE_I8;
             else if (!strcmp(v, "fp8"))
                 o->kv_dtype = DTYPE_F8;
+            else if (!strcmp(v, "int4"))
+                o->kv_dtype = DTYPE_I4;
+            else if (!strcmp(v, "int2"))
+                o->kv_dtype = DTYPE_I2;
             else
-                rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16, int8 or fp8, got '%s'", v);
+                rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16, int8, fp8, int4 or int2, got '%s'", v);
             break;
         case OPT_WINDOW:
             if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n;
@@ -447,6 +455,9 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2,
                       "--fill starts a generation with --kv over generated entries: it takes no %s",
                       !o->kv ? "run without --kv" : o->window ? "--window" : o->info ? "--info" : o->check_kv ? "--check-kv" : o->check_batch ? "--check-batch" : "--ppl");
+    if (dtype_packed(o->kv_dtype) && (o->window || o->kv_offload))
+        return errmsg(err, errlen, 2, "--kv-dtype %s quantizes whole blocks: it takes no %s", kv_dtype_name(o->kv_dtype),
+                      o->window ? "--window" : "--kv-offload");
     if (o->kv_offload && (!o->kv || o->window))
         return errmsg(err, errlen, 2, "--kv-offload swaps a sequence's cache: it needs --kv and takes no --window");
     if (o->preempt_swap == 1 && !o->kv_offload)

@@ -19,6 +19,7 @@ typedef struct {
     int kept;                     /* positions a sequence keeps: the context, or the window */
     size_t kv_full, kv_batch;     /* one sequence's, the batch's, by the formula */
     size_t kv_contiguous;         /* the batch's full caches in the pool's layout */
+    size_t tail_bytes;            /* int4, int2: one sequence's fp32 tail (kvcache.h) */
     double available, total;      /* this machine's memory; -1 when unknown */
     int fits;                     /* needed <= available */
 } InfoFigures;
@@ -35,7 +36,8 @@ static InfoFigures figures_of(const Config *c, const Options *o, int pool_blocks
     f.kv_batch = f.kv_full * (size_t)o->batch;
     f.kv_contiguous = f.per_token_allocated * (size_t)f.kept * (size_t)o->batch;
     f.scratch_bytes = scheduler_scratch_bytes(c, o->batch);
-    f.needed = f.model_bytes + f.pool_bytes + f.scratch_bytes;
+    f.tail_bytes = kv_tail_bytes_for(c, o->kv_dtype) * (o->draft ? 2 : 1);
+    f.needed = f.model_bytes + f.pool_bytes + f.scratch_bytes + f.tail_bytes * (size_t)o->batch;
     if (machine_memory(&f.available, &f.total) != 0) f.available = f.total = -1.0;
     f.fits = f.available >= 0 && (double)f.needed <= f.available;
     return f;
@@ -51,12 +53,12 @@ static void info_json(const Config *c, const Options *o, int pool_blocks, const 
            "\"model_bytes\": %zu, \"kv_bytes_per_token\": %zu, \"kv_bytes_full\": %zu, \"kv_bytes_batch\": %zu, "
            "\"kv_bytes_per_token_allocated\": %zu, \"kv_pool_blocks\": %d, \"kv_block_tokens\": %d, "
            "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"batch\": %d, \"kv_bytes_contiguous\": %zu, "
-           "\"scratch_bytes\": %zu, \"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
+           "\"kv_tail_bytes\": %zu, \"scratch_bytes\": %zu, \"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
            c->dtype == DTYPE_BF16 ? "bf16" : "fp32", c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
            c->kv_latent, config_rope_width(c), c->hidden_dim, c->vocab_size, (double)c->rope_theta, c->window,
            o->window_from_model ? "true" : "false", f->params, f->weight_bytes, f->model_bytes, f->per_token,
            f->kv_full, f->kv_batch, f->per_token_allocated, pool_blocks, KV_BLOCK_TOKENS, f->block_bytes,
-           f->pool_bytes, o->batch, f->kv_contiguous, f->scratch_bytes, f->needed, kernels_simd_name());
+           f->pool_bytes, o->batch, f->kv_contiguous, f->tail_bytes, f->scratch_bytes, f->needed, kernels_simd_name());
     if (f->available < 0)
         fputs(", \"memory_available_bytes\": null, \"memory_total_bytes\": null, \"fits_in_memory\": null", stdout);
     else
@@ -87,7 +89,10 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
            c->hidden_dim, c->vocab_size, c->max_seq_len, (double)c->rope_theta);
     printf("parameters     %zu (%.2f M), %zu bytes of weights (%.2f GiB); loaded %zu bytes\n", f.params, f.params / 1e6,
            f.weight_bytes, f.weight_bytes / gib, f.model_bytes);
-    if (c->variant == VARIANT_MLA) {
+    if (dtype_packed(dt)) {
+        printf("KV cache       %d-bit codes, bf16 scales and mins (KIVI), a %zu-byte fp32 tail a sequence", dtype_bits(dt),
+               f.tail_bytes);
+    } else if (c->variant == VARIANT_MLA) {
         if (dtype_scaled(dt))
             printf("KV cache       L*(d_c+d_R+8) = %d*(%d+%d+8)", c->n_layers, c->kv_latent, c->rope_dim);
         else

@@ -151,6 +151,7 @@ static int admit(SchedulerRun *run) {
                 shared = min_int(common, q->cache.len), source = q;
             }
         }
+        if (dtype_packed(sch->pool->dtype)) shared -= shared % KV_BLOCK_TOKENS; /* int4, int2: whole blocks (kvcache.h) */
         /* waiting one step for a prompt being computed now saves at least half of this one
          * (and more than BOS) */
         if (!r->waited && pending > shared && pending >= 2 && 2 * (pending - shared) >= r->n_tokens) {

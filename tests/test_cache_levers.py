@@ -108,7 +108,7 @@ def test_ppl_through_windows(small_checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--kv", "--kv-dtype", "fp16"], "--kv-dtype takes fp32, bf16, int8 or fp8, got 'fp16'"),
+    (["--kv", "--kv-dtype", "fp16"], "--kv-dtype takes fp32, bf16, int8, fp8, int4 or int2, got 'fp16'"),
     (["--kv", "--window", "0"], "--window 0 is out of range (1..1048576)"),
     (["--kv", "--window", "65"], "--window 65 is out of range (1..64, the context)"),
     (["--window", "32"], "--window needs --kv: without the cache every step recomputes the whole sequence"),

@@ -215,6 +215,60 @@ static void test_bytes_per_token_by_dtype(void **state) {
         assert_int_equal(kv_bytes_per_token(&p), cases[i].expect);
         kv_pool_free(&p);
     }
+    /* int4, int2 (KIVI): a token's codes, plus per channel a bf16 scale and min shared by a
+     * block's 16 tokens (keys, MLA's rows), per token one for each 32 channels (values),
+     * plus the 16 fp32 rows of a sequence's tail spread over its 256 positions */
+    const struct {
+        Config cfg;
+        DType dt;
+        size_t expect;
+    } packed[] = {
+        {shipped(VARIANT_MHA, 16, 0), DTYPE_I4, 4 * 16 * ((16 + 2 * 32 * 2 / 16) + (16 + 2 * 2)) + 2 * 4 * 16 * 32 * 4 * 16 / 256},
+        {shipped(VARIANT_MHA, 16, 0), DTYPE_I2, 4 * 16 * ((8 + 2 * 32 * 2 / 16) + (8 + 2 * 2)) + 2 * 4 * 16 * 32 * 4 * 16 / 256},
+        {shipped(VARIANT_GQA, 4, 0), DTYPE_I4, 4 * 4 * ((16 + 8) + (16 + 4)) + 2 * 4 * 4 * 32 * 4 * 16 / 256},
+        {shipped(VARIANT_MLA, 0, 64), DTYPE_I4, 4 * (40 + 2 * 80 * 2 / 16) + 4 * 80 * 4 * 16 / 256},
+        {shipped(VARIANT_MLA, 0, 128), DTYPE_I2, 4 * (36 + 2 * 144 * 2 / 16) + 4 * 144 * 4 * 16 / 256},
+    };
+    for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++)
+        assert_int_equal(kv_bytes_per_token_for(&packed[i].cfg, packed[i].dt), packed[i].expect);
+}
+
+/* int4: a block's rows stay fp32 in the tail until its 16th position is written, its
+ * pool block untouched; from then on the block is the packed group of those 16 rows
+ * (block_quantize; keys per channel, values per token), and the next block starts in the
+ * tail. Positions are written one at a time, as decoding does. */
+static void test_packed_tail_hand_over(void **state) {
+    Config c = shipped(VARIANT_GQA, 2, 0);
+    KVPool p, f;
+    KVCache s, r;
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_I4, 4), 0);
+    assert_int_equal(kv_pool_init(&f, &c, DTYPE_F32, 4), 0);
+    assert_int_equal(kv_init(&s, &p, 64), 0);
+    assert_int_equal(kv_init(&r, &f, 64), 0);
+    assert_int_equal(kv_reserve(&s, 40), 0);
+    assert_int_equal(kv_reserve(&r, 40), 0);
+    unsigned char expect[1024], zero[1024] = {0};
+    for (int n = 1; n <= 40; n++) {
+        kv_fill_generated(&s, n, 7);
+        kv_fill_generated(&r, n, 7); /* the same rows, in fp32 */
+        for (int l = 0; l < c.n_layers; l++)
+            for (int row = 0; row < 4; row++) {
+                const int keys = row < 2;
+                const size_t bytes = keys ? p.key_group_bytes : p.value_group_bytes;
+                assert_true(bytes <= sizeof expect);
+                for (int pos = n / 16 * 16; pos < n; pos++)
+                    assert_memory_equal(kv_tail_row(&s, l, row, pos), kv_row(&r, l, row, pos).data, 32 * sizeof(float));
+                for (int b = 0; b < n / 16; b++) {
+                    block_quantize(expect, kv_row(&r, l, row, b * 16).data, 32, 32, DTYPE_I4, keys);
+                    assert_memory_equal(kv_row(&s, l, row, b * 16).data, expect, bytes);
+                }
+                if (n % 16) assert_memory_equal(kv_row(&s, l, row, n / 16 * 16).data, zero, bytes);
+            }
+    }
+    kv_free(&s);
+    kv_free(&r);
+    kv_pool_free(&p);
+    kv_pool_free(&f);
 }
 
 /* A window of 8 slots: the ring overwrites the oldest position; with 3 sinks, positions
@@ -597,6 +651,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_share_and_copy_on_write),
         cmocka_unit_test(test_copy_needs_a_block),
         cmocka_unit_test(test_bytes_per_token_by_dtype),
+        cmocka_unit_test(test_packed_tail_hand_over),
         cmocka_unit_test(test_window_slots_and_positions),
         cmocka_unit_test(test_scrambled_blocks_rows_land_in_their_blocks),
         cmocka_unit_test(test_scrambled_blocks_latents_land_in_their_blocks),

@@ -77,7 +77,15 @@ def test_quality_tables(small_checkpoints, tmp_path):
                 assert f"{float(rows[('evict', variant, f'{policy}@{budget}', 'past_nll')]):.4f}" != \
                     f"{float(past['past_nll']):.4f}", (variant, policy, budget)
         assert rows[("evict", variant, "block@16", "past_nll")] == ""
-        assert f"| {variant} | int8 |" in md
+        assert f"| {variant} | int8 |" in md and f"| {variant} | fp8 |" in md
+        # int4 and int2 where the rows come in slices of 16 (small gqa: 16 wide; small mla64: 24)
+        width = c.kv_latent + c.rope_dim if c.kv_latent else c.head_dim
+        for dtype in ("int4", "int2"):
+            assert (("dtype", variant, dtype, "nll") in rows) == (width % 16 == 0), (variant, dtype)
+        # KIVI's statistics: every layer, a max over a median is at least 1
+        for layer in range(c.n_layers):
+            for q in ("key_channel", "key_token"):
+                assert float(rows[("key_statistics", variant, f"layer {layer}", q)]) >= 1.0
     version = subprocess.run([RUN, "--version"], stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
     assert f"Engine: `{version}`." in md
     for path, _ in ckpts.values():
