@@ -46,7 +46,6 @@ struct SchedulerRun {
     double start;       /* the first step's start */
     int evicts;         /* the window gives up positions by attention (kvcache.h's KVEvict) */
     AttnRecord paid;    /* then every token's attention weights, each pass */
-    long short_steps_before; /* the team's short steps before the figures restarted */
 };
 
 static int min_int(int a, int b) { return a < b ? a : b; }
@@ -470,7 +469,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     /* thread 0's share; once it returns the members are done with the step too: they do
      * nothing alone, and every shared operation ended in a barrier thread 0 passed */
     step_share(run, leader);
-    if (run->team) sch->short_team_steps = team_short_steps(run->team) - run->short_steps_before;
+    if (run->team) sch->short_team_steps = team_short_steps(run->team);
     if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE ? MODEL_ERR_NONFINITE : -1;
     /* generated entries stand for a prefill that never ran: no step's time */
     const double step_ms = now_ms() - t0 - run->fill_ms;
@@ -502,22 +501,13 @@ int scheduler_max_tokens(const Config *c, int max_batch) {
     return min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS) + max_batch;
 }
 
-static void zero_figures(Scheduler *sch) {
+int scheduler_init(Scheduler *sch) {
+    const Config *c = &sch->model->cfg;
+    sch->run = NULL;
     sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = 0;
     sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
     sch->drafted = sch->accepted = sch->verify_passes = 0;
-}
-
-void scheduler_restart_figures(Scheduler *sch) {
-    zero_figures(sch);
-    if (sch->run->team) sch->run->short_steps_before = team_short_steps(sch->run->team);
-}
-
-int scheduler_init(Scheduler *sch) {
-    const Config *c = &sch->model->cfg;
-    sch->run = NULL;
-    zero_figures(sch);
     if (sch->max_batch < 1 || sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)) return -1;
     SchedulerRun *run = calloc(1, sizeof *run);
     if (!run) return -1;

@@ -174,9 +174,6 @@ int scheduler_add(Scheduler *sch, Request *r);
  * memory; MODEL_ERR_NONFINITE (model.h) when a forward pass gives logits that are not
  * finite (nothing is sampled from them). */
 int scheduler_step(Scheduler *sch, StepResult *out);
-/* Starts the figures over (steps, times, counts) once every request has ended: the
- * warm-up runs on the scheduler the timed run uses, so its buffers and team are warm. */
-void scheduler_restart_figures(Scheduler *sch);
 /* Closes the team and frees the run, and what requests still running hold. */
 void scheduler_free(Scheduler *sch);
 
