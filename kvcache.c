@@ -98,7 +98,6 @@ void kv_pool_set_window(KVPool *pool, int window, int sinks, KVEvict evict) {
     pool->evict = evict;
 }
 
-static int evicts_by_attention(const KVPool *pool) { return pool->window && pool->evict != KV_EVICT_OLDEST; }
 void kv_pool_set_rollback(KVPool *pool) { pool->tail_positions = 2 * KV_BLOCK_TOKENS; }
 
 size_t kv_block_bytes(const KVPool *pool) { return (size_t)pool->n_layers * pool->layer_bytes; }
@@ -141,7 +140,7 @@ int kv_init(KVCache *cache, KVPool *pool, int max_len) {
             return -1;
         }
     }
-    if (evicts_by_attention(pool)) {
+    if (kv_evicts_by_attention(pool)) {
         const size_t W = (size_t)pool->window;
         cache->slot_pos = malloc(W * sizeof *cache->slot_pos);
         cache->order = malloc(W * sizeof *cache->order);

@@ -156,6 +156,8 @@ void kv_share_prefix(KVCache *dst, const KVCache *src, int len);
 
 /* A ring or sinks: keys rotated by their place in the window, so it may run past the context. */
 static inline int kv_rotates_by_place(const KVPool *p) { return p->window && p->evict == KV_EVICT_OLDEST; }
+/* A window that gives up positions by the attention they received (kv_attend). */
+static inline int kv_evicts_by_attention(const KVPool *p) { return p->window && p->evict != KV_EVICT_OLDEST; }
 
 /* The slot a position lives in: itself, or with a window its sink or its place in the ring. */
 static inline int kv_slot(const KVPool *p, int pos) {

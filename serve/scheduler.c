@@ -514,7 +514,7 @@ int scheduler_init(Scheduler *sch) {
     run->sch = sch;
     sch->run = run;
     run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
-    run->evicts = sch->kv && sch->pool->window && sch->pool->evict != KV_EVICT_OLDEST;
+    run->evicts = sch->kv && kv_evicts_by_attention(sch->pool);
     const int B = sch->max_batch, T = scheduler_max_tokens(c, B) + B * sch->draft_k;
     run->running = malloc((size_t)B * sizeof *run->running);
     run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
