@@ -135,6 +135,7 @@ int mode_ppl(const Model *m, KVPool *pool, const Options *o) {
         int n = spm_encode(m->tokenizer, text, strlen(text), 1, ids, cap - 1);
         if (n < 0 || n >= cap) {
             if (progress) fputs("\r\033[K", stderr);
+            free(ids); /* held only in a register at this point, so LeakSanitizer would count it lost */
             die(1, "%s: story %d %s", input_name(o->ppl_path).s, s + 1,
                 n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }
