@@ -12,7 +12,7 @@ step reads its weights from DRAM, with the speedup the measured acceptance rates
 there: a projection from measurements, not a run.
 
     /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,3,4,5,6,7,8] [--ngram-ks 1,2,4,8]
-                                   [--n 96] [--batches 16,64] [--targets mha,gqa,...]
+                                   [--shape-ks 1,2,4,8] [--n 96] [--batches 16,64] [--targets mha,gqa,...]
                                    [--draft weights/draft/gqa-2x256.bin] [--threads N] [--out DIR]
 
 Medians of --reps timed runs after one untimed warm-up run a cell. `make bench-spec` runs it.
@@ -92,6 +92,7 @@ def main():
     ap.add_argument("--draft", default=DRAFT, help="the draft model's checkpoint")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--shape", default=SHAPE, help="'' leaves the ~1B verify cost and projection out")
+    ap.add_argument("--shape-ks", default="1,2,4,8", help="K of the ~1B verify cost and projection")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = ap.parse_args()
     ks = [int(x) for x in a.ks.split(",") if x]
@@ -137,9 +138,10 @@ def main():
         r = verify_ratio([os.path.join(ROOT, "weights", f"{t}.bin")], vks, a.reps, a.threads, t)
         vrows.append([t] + [f"{r[k]:.2f}" for k in vks])
     if a.shape:
-        shape_r, shape_step = verify_ratio(["--shape", a.shape], vks, max(1, a.reps // 2), a.threads, a.shape,
+        shape_ks = [int(x) for x in a.shape_ks.split(",") if x]
+        shape_r, shape_step = verify_ratio(["--shape", a.shape], shape_ks, max(1, a.reps // 2), a.threads, a.shape,
                                            with_step=True)
-        vrows.append([f"{a.shape} (generated)"] + [f"{shape_r[k]:.2f}" for k in vks])
+        vrows.append([f"{a.shape} (generated)"] + [f"{shape_r[k]:.2f}" if k in shape_r else "" for k in vks])
     lines += [md_table(["model"] + [f"K={k}" for k in vks], vrows), ""]
     if not a.shape:
         return write(a, lines)
@@ -150,7 +152,7 @@ def main():
               "measurements, not a run.", ""]
     prow = []
     for name, _, dks in drafters:
-        for k in dks:
+        for k in (k for k in dks if k in shape_r):
             tpp = statistics.mean(x for x, _ in accept[(name, k)])
             cost = statistics.mean(y for _, y in accept[(name, k)]) / shape_step
             prow.append([name, k, f"{tpp:.2f}", f"{shape_r[k]:.2f}", f"{cost:.3f}",
