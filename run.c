@@ -21,6 +21,7 @@
 #include "loader.h"
 #include "model.h"
 #include "serve/cli.h"
+#include "serve/draft.h"
 #include "serve/modes.h"
 #include "serve/session.h"
 #include "serve/textfile.h"
@@ -145,6 +146,20 @@ static void check_memory(const Config *c, const Options *o, int blocks) {
         weights / gib, pool / gib, scratch / gib, (weights + pool + scratch) / gib, available / gib, total / gib);
 }
 
+/* --draft CKPT: the draft model, cut to the target's context, and a pool of its caches with
+ * as many blocks as the target's (the same positions for the run's sequences). A draft
+ * that cannot be read, or of another vocabulary or tokenizer, is a bad --draft: exit 2. */
+static void load_draft(Model *dm, KVPool *dpool, const Model *m, const Options *o, int blocks) {
+    Checkpoint ck = {.fd = -1};
+    char err[512];
+    if (checkpoint_open(&ck, o->draft_path, err, sizeof err) != 0) die(EXIT_USAGE, "--draft: %s", err);
+    const int ctx = ck.cfg.max_seq_len < m->cfg.max_seq_len ? ck.cfg.max_seq_len : m->cfg.max_seq_len;
+    if (checkpoint_load(dm, &ck, ctx, err, sizeof err) != 0) die(EXIT_USAGE, "--draft: %s", err);
+    checkpoint_close(&ck);
+    if (draft_matches(m, dm, err, sizeof err) != 0) die(EXIT_USAGE, "--draft %s: %s", msg_path(o->draft_path).s, err);
+    if (kv_pool_init(dpool, &dm->cfg, o->kv_dtype, blocks) != 0) die(1, "out of memory: the draft model's KV cache pool");
+}
+
 int main(int argc, char **argv) {
     struct rlimit stack;
     if (getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY && stack.rlim_cur < MIN_STACK_BYTES) {
@@ -216,16 +231,26 @@ int main(int argc, char **argv) {
         if (o.preempt_swap) pool.tier = &tier;
     }
 
+    Model draft_model;
+    KVPool draft_pool;
+    DraftModel draft = {NULL, NULL};
+    if (o.draft_path) {
+        load_draft(&draft_model, &draft_pool, &m, &o, blocks);
+        draft = (DraftModel){&draft_model, &draft_pool};
+    }
     int status;
-    if (o.check_kv)
+    if (o.check_spec)
+        status = mode_check_spec(&m, &pool, &draft, &o);
+    else if (o.check_kv)
         status = mode_check_kv(&m, &pool, &o);
     else if (o.ppl_path)
         status = mode_ppl(&m, &pool, &o);
     else if (o.check_batch)
         status = mode_check_batch(&m, &pool, &o);
     else
-        status = mode_generate(&m, &pool, &o);
+        status = mode_generate(&m, &pool, &draft, &o);
 
+    if (o.draft_path) kv_pool_free(&draft_pool), model_free(&draft_model);
     kv_pool_free(&pool);
     kv_tier_close(&tier);
     model_free(&m);

@@ -66,7 +66,9 @@ void cli_usage(FILE *f) {
           "      --check-kv        greedy runs with and without the cache: the same tokens, bitwise the same\n"
           "                        logits? Exit 1 when not\n"
           "      --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
-          "      --draft ngram     with --kv, greedy: speculative decoding, drafts by prompt lookup\n"
+          "      --check-spec      with --draft: greedy with and without speculation, bitwise the same?\n"
+          "      --draft ngram|CKPT  with --kv: speculative decoding, drafts by prompt lookup or by a\n"
+          "                        small model of the same tokenizer (a checkpoint)\n"
           "      --draft-k K       draft tokens verified a pass, 1..16 (default 4)\n"
           "      --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
           "                        by <|endoftext|> lines), each story scored in windows of the context\n"
@@ -130,6 +132,7 @@ enum {
     OPT_IGNORE_EOS,
     OPT_CHECK_KV,
     OPT_CHECK_BATCH,
+    OPT_CHECK_SPEC,
     OPT_DRAFT,
     OPT_DRAFT_K,
     OPT_PPL,
@@ -179,6 +182,7 @@ static const struct option LONG_OPTIONS[] = {
     {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
     {"check-kv", no_argument, NULL, OPT_CHECK_KV},
     {"check-batch", no_argument, NULL, OPT_CHECK_BATCH},
+    {"check-spec", no_argument, NULL, OPT_CHECK_SPEC},
     {"draft", required_argument, NULL, OPT_DRAFT},
     {"draft-k", required_argument, NULL, OPT_DRAFT_K},
     {"ppl", required_argument, NULL, OPT_PPL},
@@ -241,6 +245,7 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
     if (o->check_kv) given[n++] = "--check-kv";
     if (o->ppl_path) given[n++] = "--ppl";
     if (o->check_batch) given[n++] = "--check-batch";
+    if (o->check_spec) given[n++] = "--check-spec";
     if (n > 1) return errmsg(err, errlen, 2, "%s and %s cannot be combined: one mode a run", given[0], given[1]);
     const char *output = o->log_path         ? "--log"
                          : o->dump_path      ? "--dump-logits"
@@ -248,7 +253,7 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
                          : o->dump_attn_path ? "--dump-attn"
                                              : NULL;
     if (output && n) return errmsg(err, errlen, 2, "%s records a generation: it takes no %s", output, given[0]);
-    if (o->prompts_path && n && !o->check_batch)
+    if (o->prompts_path && n && !o->check_batch && !o->check_spec)
         return errmsg(err, errlen, 2, "--prompts serves a generation: it takes no %s", given[0]);
     if (o->batch_given && o->check_kv)
         return errmsg(err, errlen, 2, "--check-kv compares one sequence; --check-batch compares a batch");
@@ -394,10 +399,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case OPT_IGNORE_EOS: o->ignore_eos = 1; break;
         case OPT_CHECK_KV: o->check_kv = 1; break;
         case OPT_CHECK_BATCH: o->check_batch = 1; break;
+        case OPT_CHECK_SPEC: o->check_spec = 1; break;
         case OPT_DRAFT:
-            if (strcmp(v, "ngram") != 0)
-                rc = errmsg(err, errlen, 2, "--draft takes ngram (a draft model is not supported yet), got '%s'", v);
             o->draft = 1;
+            o->draft_path = strcmp(v, "ngram") ? v : NULL;
             break;
         case OPT_DRAFT_K:
             if (!(rc = parse_long(flag, v, 1, 16, &n, err, errlen))) o->draft_k = (int)n;
@@ -432,13 +437,12 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->prompt_given = prompt_flags != 0;
     if (o->quiet && o->verbose) return errmsg(err, errlen, 2, "-q and -v cannot be combined");
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
-    if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram");
+    if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram|CKPT");
+    if (o->check_spec && !o->draft) return errmsg(err, errlen, 2, "--check-spec needs --draft ngram|CKPT and --kv");
     if (o->draft && !o->draft_k) o->draft_k = 4;
     if (o->draft && (!o->kv || o->window || o->ppl_path || o->info || o->check_kv || o->check_batch))
         return errmsg(err, errlen, 2, "--draft speculates on the cache: it needs --kv and takes no %s",
                       !o->kv ? "run without it" : o->window ? "--window (a ring cannot be rolled back)" : "other mode");
-    if (o->draft && o->top_k != 1 && o->temperature != 0.0f)
-        return errmsg(err, errlen, 2, "--draft is greedy only for now: give -k 1 or -t 0");
     if (o->prompts_path && o->prompt_given)
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--evict needs a budget: --kv-budget N");

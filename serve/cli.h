@@ -45,7 +45,9 @@ typedef struct {
     int preempt_swap;       /* --preempt: 1 swap to the tier, 0 recompute; -1 not given */
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
-    int draft;   /* --draft ngram: speculative decoding with prompt lookup (greedy) */
+    int check_spec; /* --check-spec: greedy with and without speculation, compared */
+    int draft;   /* --draft ngram|CKPT: speculative decoding */
+    const char *draft_path; /* --draft CKPT: the draft model's checkpoint; NULL: prompt lookup */
     int draft_k; /* --draft-k: draft tokens a pass, 1..16 */
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
     DType kv_dtype;           /* of the cached elements: fp32, bf16, int8 or fp8 (e4m3) */

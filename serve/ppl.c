@@ -127,7 +127,7 @@ int mode_ppl(const Model *m, KVPool *pool, const Options *o) {
     Options scoring = *o;
     scoring.kv = 1; /* a window's positions each in one pass through the cache */
     Scheduler sch;
-    scheduler_open(&sch, m, pool, &scoring, 1);
+    scheduler_open(&sch, m, pool, NULL, &scoring, 1);
     const int progress = !o->quiet && isatty(STDERR_FILENO);
     NllSum sum = {0};
     for (int s = 0; s < sf.n_stories; s++) {

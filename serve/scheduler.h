@@ -74,6 +74,8 @@ struct Request {
     int waited;  /* it waited a step for a prefix being computed */
     Sampler sampler;
     KVCache cache;
+    KVCache draft_cache; /* the draft model's (--draft CKPT): every token but the last, like
+                          * cache, or fewer; rebuilt from the tokens after a preemption */
     KVSwapped swapped; /* its cache on the tier while preempted with swap; n_blocks 0 otherwise */
     Request *next; /* in the queue */
     /* its timing, from the start of the first step */
@@ -122,6 +124,12 @@ typedef struct {
 
 typedef struct SchedulerRun SchedulerRun;
 
+/* --draft CKPT: the draft model and the pool of its caches (model NULL: none). */
+typedef struct {
+    const Model *model;
+    KVPool *pool;
+} DraftModel;
+
 typedef struct {
     const Model *model;
     KVPool *pool;
@@ -134,10 +142,15 @@ typedef struct {
     int top_k;
     float top_p;
     float temperature;
-    int draft_k; /* greedy speculation with prompt lookup (draft.h): up to draft_k draft
-                  * tokens after each decoding sequence's last one, verified in the same
-                  * pass; the longest prefix the target agrees with is kept, the rest of
-                  * the cache rolled back (kv_truncate). 0 = off; needs kv, no window. */
+    int draft_k; /* speculation: up to draft_k draft tokens after each decoding sequence's
+                  * last one, verified in the same pass; the longest prefix the target
+                  * accepts is kept (greedy: the tokens it would have sampled; sampling:
+                  * sampler_accept's test, so that the tokens follow the target's
+                  * distribution), the rest of the cache rolled back (kv_truncate).
+                  * 0 = off; needs kv, no window. */
+    const Model *draft_model; /* drafts by this model (draft_k passes of it a step, every
+                               * drafting sequence in each), or NULL: prompt lookup (draft.h) */
+    KVPool *draft_pool;       /* the draft model's caches */
     int fill; /* every request starts at this position, over a cache of generated entries
                * (kvcache.h's kv_fill_generated) that no pass computed: --fill */
     /* set by the caller between steps, NULL when off: */
@@ -156,6 +169,7 @@ typedef struct {
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
     long drafted, accepted; /* speculation: draft tokens verified, and of them accepted */
     long verify_passes;     /* sequences' passes that verified at least one draft token */
+    double draft_ms;        /* drafting: the draft model's passes and draws, or prompt lookup */
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;
 

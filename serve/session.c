@@ -136,7 +136,8 @@ void requests_free(RequestList *l) {
     memset(l, 0, sizeof *l);
 }
 
-void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options *o, int max_batch) {
+void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const DraftModel *draft, const Options *o,
+                    int max_batch) {
     *sch = (Scheduler){.model = m,
                        .pool = pool,
                        .kv = o->kv,
@@ -148,6 +149,8 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options 
                        .top_p = o->top_p,
                        .temperature = o->temperature,
                        .draft_k = o->draft ? o->draft_k : 0,
+                       .draft_model = o->draft && draft ? draft->model : NULL,
+                       .draft_pool = o->draft && draft ? draft->pool : NULL,
                        .fill = o->fill};
     if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);
 }
