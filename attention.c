@@ -53,19 +53,27 @@ static int kv_group_size(const Config *c) { return c->n_heads / c->n_kv_heads; }
 static int kv_head_of(const Config *c, int h) { return h / kv_group_size(c); }
 
 /* Where a query at pos stands for RoPE: its position, or with a window its place in it. */
-static int query_place(const KVPool *pool, int pos) { return kv_window_length(pool, pos) - 1; }
+static int query_place(const KVCache *c, int pos) { return kv_rotates_by_place(c->pool) ? kv_keys_seen(c, pos) - 1 : pos; }
 
 /* The rows a query at pos reads (KV head row `row` of layer l, oldest first) into dst as
  * floats, one row of row_width after another: dequantized and, with a window, whose keys
  * are stored before RoPE, the rotated part (from element rope_at; -1: none) turned by
- * each row's place. Returns how many. */
-static int gather_rows(const Layer *L, const KVCache *c, int row, int pos, int rope_at, float *dst) {
+ * each row's place. int4, int2: pos's own block in fp32, from `own` (its first row; NULL:
+ * the cache's tail). Returns how many. */
+static int gather_rows(const Layer *L, const KVCache *c, int row, int pos, int rope_at, const float *own, float *dst) {
     const KVPool *p = c->pool;
-    const int n = kv_window_length(p, pos), w = p->row_width;
+    const int n = kv_keys_seen(c, pos), w = p->row_width;
     for (int i = 0; i < n; i++) {
         float *r = dst + (size_t)i * w;
-        kv_load(p, kv_row(c, L->index, row, kv_window_position(p, pos, i)), r);
-        if (p->window && rope_at >= 0) rope(L->rope, L->cfg, r + rope_at, i);
+        if (!dtype_packed(p->dtype))
+            kv_load(p, kv_row_in_slot(c, L->index, row, kv_kept_slot(c, pos, i)), r);
+        else if (i / KV_BLOCK_TOKENS < pos / KV_BLOCK_TOKENS)
+            block_dequantize_row(r, kv_row(c, L->index, row, i).data, i % KV_BLOCK_TOKENS, w, p->dtype,
+                                 kv_per_channel(p, row));
+        else
+            memcpy(r, own ? own + (size_t)(i % KV_BLOCK_TOKENS) * w : kv_tail_row(c, L->index, row, i),
+                   (size_t)w * sizeof(float));
+        if (kv_rotates_by_place(p) && rope_at >= 0) rope(L->rope, L->cfg, r + rope_at, i);
     }
     return n;
 }
@@ -117,10 +125,10 @@ static void attend_reference(float *out, float *scores, int n, const float *rows
 static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos, float *out) {
     const Config *c = L->cfg;
     const int g = kv_head_of(c, h), hd = c->head_dim, Hkv = c->n_kv_heads;
-    float *keys = malloc((size_t)kv_window_length(cache->pool, pos) * hd * 2 * sizeof(float)), *p = NULL;
-    const int n = gather_rows(L, cache, g, pos, 0, keys);
+    float *keys = malloc((size_t)kv_keys_seen(cache, pos) * hd * 2 * sizeof(float)), *p = NULL;
+    const int n = gather_rows(L, cache, g, pos, 0, NULL, keys);
     float *values = keys + (size_t)n * hd;
-    gather_rows(L, cache, Hkv + g, pos, -1, values);
+    gather_rows(L, cache, Hkv + g, pos, -1, NULL, values);
     p = malloc((size_t)n * sizeof(float));
     for (int j = 0; j < n; j++) p[j] = dot(q, keys + (size_t)j * hd, hd) * score_scale(c);
     attend_reference(out, p, n, values, (size_t)hd, hd);
@@ -134,8 +142,8 @@ static void mla_expanded_query_reference(const Layer *L, const KVCache *cache, i
     const Config *c = L->cfg;
     const LayerWeights *w = L->w;
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
-    float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
-    const int n = gather_rows(L, cache, 0, pos, dc, latents);
+    float *latents = malloc((size_t)kv_keys_seen(cache, pos) * lw * sizeof(float));
+    const int n = gather_rows(L, cache, 0, pos, dc, NULL, latents);
     float *p = malloc((size_t)n * sizeof(float)), *values = malloc((size_t)n * hd * sizeof(float));
     float key[hd];
     for (int j = 0; j < n; j++) {
@@ -158,8 +166,8 @@ static void mla_absorbed_query_reference(const Layer *L, const KVCache *cache, i
     const LayerWeights *w = L->w;
     const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
     float q_abs[lw], ctx_lat[dc];
-    float *latents = malloc((size_t)kv_window_length(cache->pool, pos) * lw * sizeof(float));
-    const int n = gather_rows(L, cache, 0, pos, dc, latents);
+    float *latents = malloc((size_t)kv_keys_seen(cache, pos) * lw * sizeof(float));
+    const int n = gather_rows(L, cache, 0, pos, dc, NULL, latents);
     float *p = malloc((size_t)n * sizeof(float));
     matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q); /* q_lat = W_UK,h^T q_C */
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));        /* q_R */
@@ -221,7 +229,7 @@ int attn_record_plan(AttnRecord *r, const Config *c, const TokenSlots *slots, co
                 int *slot = &r->slot[((size_t)l * T + t) * H + h];
                 *slot = -1;
                 if (sequence[t] < 0 || (r->layers && !r->layers[l]) || (r->heads && !r->heads[h])) continue;
-                const int n_keys = kv_window_length(slots->cache[t]->pool, slots->pos[t]);
+                const int n_keys = kv_keys_seen(slots->cache[t], slots->pos[t]);
                 const int n_chunks = (n_keys + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS;
                 size_t cap_entries = (size_t)r->cap_entries;
                 if (grow((void **)&r->entries, &cap_entries, (size_t)r->n_entries + 1, sizeof *r->entries) != 0 ||
@@ -301,6 +309,7 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
         {&a->k_exp, expanded, 1},
         {&a->v_exp, expanded, 1},
         {&a->window_rows, 2 * (size_t)max_keys * kv, 1},
+        {&a->open, (size_t)KV_BLOCK_TOKENS * T * (dc ? dc + rd : 2 * kv), 1},
         {&a->scores, threads * 2 * a->scores_per_item, 1},
         {&a->chunk_out, a->max_chunks > 1 ? threads * heads_an_item * (size_t)a->partial_width : 0, 1},
         {&a->partials, split_partials * (size_t)a->partial_width, 1},
@@ -318,7 +327,10 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
     a->items = malloc(3 * (size_t)a->max_items * sizeof(int));
     a->row_blocks = malloc(threads * (size_t)a->blocks_per_row * sizeof *a->row_blocks);
     a->row_scales = malloc(threads * (size_t)a->blocks_per_row * sizeof *a->row_scales);
-    if (!a->items || !a->row_blocks || !a->row_scales) {
+    a->open_rows = (size_t)KV_BLOCK_TOKENS * T; /* a sequence's tail adds at most 15 rows to its >= 1 tokens */
+    a->open_at = malloc(2 * T * sizeof(int));
+    a->open_end = a->open_at + T;
+    if (!a->items || !a->row_blocks || !a->row_scales || !a->open_at) {
         attn_scratch_free(a);
         return -1;
     }
@@ -327,11 +339,13 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
 
 void attn_scratch_free(AttnScratch *a) {
     float *bufs[] = {a->q,       a->k,     a->v,     a->latent,      a->k_rope, a->rows,      a->q_abs,    a->ctx_lat,
-                     a->latents, a->k_exp, a->v_exp, a->window_rows, a->scores, a->chunk_out, a->partials, a->partial_stats};
+                     a->latents, a->k_exp, a->v_exp, a->window_rows, a->scores, a->chunk_out, a->partials, a->partial_stats,
+                     a->open};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
     free(a->row_blocks);
     free(a->row_scales);
+    free(a->open_at);
     memset(a, 0, sizeof *a);
 }
 
@@ -349,8 +363,8 @@ typedef struct {
     Worker *wk;
 } AttnPass;
 
-/* How many keys token t of the pass attends to (kvcache.h's kv_window_length). */
-static int keys_of(const AttnPass *p, int t) { return kv_window_length(p->slots->cache[t]->pool, p->slots->pos[t]); }
+/* How many keys token t of the pass attends to (kvcache.h's kv_keys_seen). */
+static int keys_of(const AttnPass *p, int t) { return kv_keys_seen(p->slots->cache[t], p->slots->pos[t]); }
 
 /* How many chunks of ATTN_CHUNK_KEYS they make, and the keys of chunk k. */
 static int chunks_of(const AttnPass *p, int t) { return (keys_of(p, t) + ATTN_CHUNK_KEYS - 1) / ATTN_CHUNK_KEYS; }
@@ -364,6 +378,68 @@ static const float *window_head(const AttnPass *p, int row) {
     return p->a->window_rows + (size_t)row * p->a->max_keys * p->L->cfg->head_dim;
 }
 
+/* The end of the run of tokens in [t0, t1) that belong to t0's sequence. */
+static int sequence_end(const TokenSlots *slots, int t0, int t1) {
+    int end = t0 + 1;
+    while (end < t1 && slots->cache[end] == slots->cache[t0]) end++;
+    return end;
+}
+
+/* -- int4, int2 (kvcache.h): a pass's rows stay fp32 in a->open while its queries read
+ * them; a block is quantized from them once its 16th row is written -- */
+
+static int packed(const AttnPass *p) { return dtype_packed(p->slots->cache[0]->pool->dtype); }
+
+/* Position pos's row in row group `row` of a->open, pos in token t's sequence's open rows. */
+static float *open_row(const AttnPass *p, int row, int t, int pos) {
+    const size_t at = (size_t)(p->a->open_at[t] - (p->slots->pos[t] - pos));
+    return p->a->open + ((size_t)row * p->a->open_rows + at) * p->slots->cache[t]->pool->row_width;
+}
+
+/* Where each token's rows go in a->open: a sequence's rows start at its first block's
+ * start (thread 0; the next shared operation waits for it). */
+static void open_layout(const AttnPass *p) {
+    if (!team_alone(p->wk)) return;
+    const TokenSlots *s = p->slots;
+    int at = 0;
+    for (int t0 = 0, t1; t0 < s->T; t0 = t1) {
+        t1 = sequence_end(s, t0, s->T);
+        const int first = s->pos[t0] / KV_BLOCK_TOKENS * KV_BLOCK_TOKENS, end = s->pos[t1 - 1] + 1;
+        for (int t = t0; t < t1; t++) p->a->open_at[t] = at + s->pos[t] - first, p->a->open_end[t] = end;
+        at += end - first;
+    }
+}
+
+/* Token t's row of row group `row` into a->open; a sequence's first token also brings the
+ * earlier rows of its block from the cache's tail. */
+static void open_store(const AttnPass *p, int t, int row, const float *src) {
+    const KVCache *cache = p->slots->cache[t];
+    const int pos = p->slots->pos[t];
+    const size_t bytes = (size_t)cache->pool->row_width * sizeof(float);
+    memcpy(open_row(p, row, t, pos), src, bytes);
+    if (t == 0 || p->slots->cache[t - 1] != cache)
+        for (int q = pos / KV_BLOCK_TOKENS * KV_BLOCK_TOKENS; q < pos; q++)
+            memcpy(open_row(p, row, t, q), kv_tail_row(cache, p->L->index, row, q), bytes);
+}
+
+/* After every row of the pass is open: the tail keeps a sequence's last rows, and
+ * the block whose last row token t wrote is quantized, a pure function of its 16 rows. */
+static void open_close(const AttnPass *p, int t, int row) {
+    const KVCache *cache = p->slots->cache[t];
+    const int pos = p->slots->pos[t], w = cache->pool->row_width;
+    if (pos >= p->a->open_end[t] - cache->pool->tail_positions)
+        memcpy(kv_tail_row(cache, p->L->index, row, pos), open_row(p, row, t, pos), (size_t)w * sizeof(float));
+    if (pos % KV_BLOCK_TOKENS == KV_BLOCK_TOKENS - 1)
+        kv_store_block(cache, p->L->index, row, pos, open_row(p, row, t, pos - (KV_BLOCK_TOKENS - 1)), (size_t)w);
+}
+
+/* The end of the run of tokens in [t0, t1) whose positions share t0's block. */
+static int block_end(const TokenSlots *slots, int t0, int t1) {
+    int end = t0 + 1;
+    while (end < t1 && slots->pos[end] / KV_BLOCK_TOKENS == slots->pos[t0] / KV_BLOCK_TOKENS) end++;
+    return end;
+}
+
 /* Token t's keys of chunk k in row `row` of the pass's layer, block by block, listed in
  * thread `thread`'s tables: from the cache's blocks (pool row `row`), or with a window from
  * the copy gathered at `gathered` (`stride` floats a row), as blocks of KV_BLOCK_TOKENS rows. */
@@ -372,18 +448,20 @@ static RowBlocks item_rows(const AttnPass *p, int thread, int t, int k, int row,
     const void **blocks = p->a->row_blocks + (size_t)thread * p->a->blocks_per_row;
     if (p->windowed) {
         for (int b = 0; b < n; b++) blocks[b] = gathered + (size_t)(first + b) * KV_BLOCK_TOKENS * stride;
-        return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0};
+        return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0, 0, 0};
     }
     const KVCache *cache = p->slots->cache[t];
     const KVPool *pool = cache->pool;
     const float **scales = p->a->row_scales + (size_t)thread * p->a->blocks_per_row;
+    const int own = dtype_packed(pool->dtype) ? p->slots->pos[t] / KV_BLOCK_TOKENS : -1; /* read in fp32 */
     for (int b = 0; b < n; b++) {
         const KVRow row_start = kv_row(cache, p->L->index, row, (first + b) * KV_BLOCK_TOKENS);
-        blocks[b] = row_start.data;
+        blocks[b] = first + b == own ? open_row(p, row, t, own * KV_BLOCK_TOKENS) : row_start.data;
         scales[b] = row_start.scales;
     }
     return (RowBlocks){blocks,      scales,         KV_BLOCK_TOKENS, (size_t)pool->row_width,
-                       pool->dtype, pool->n_scales, pool->split};
+                       pool->dtype, pool->n_scales, pool->split,     own >= 0 && kv_per_channel(pool, row),
+                       first + n - 1 == own};
 }
 
 /* -- the arithmetic of one chunk of an item, token t's heads h0 .. h0+nh-1 over chunk k of
@@ -489,13 +567,6 @@ static float *partial_stats(const AttnPass *p, int slot, int h, int k) {
 }
 
 /* -- the scheduling of the items among the threads -- */
-
-/* The end of the run of tokens in [t0, t1) that belong to t0's sequence. */
-static int sequence_end(const TokenSlots *slots, int t0, int t1) {
-    int end = t0 + 1;
-    while (end < t1 && slots->cache[end] == slots->cache[t0]) end++;
-    return end;
-}
 
 /* The order of the items (first head, token, chunk): sequence by sequence, and inside one
  * sequence's tokens head group by head group. A decode step (one token a sequence) thus
@@ -666,11 +737,17 @@ static void kv_heads_store(const AttnPass *p, int t, int g) {
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
     float *q = p->a->q + ((size_t)t * c->n_heads + (size_t)g * G) * hd; /* (G, hd) */
-    for (int i = 0; i < G; i++) rope(p->L->rope, c, q + (size_t)i * hd, query_place(cache->pool, pos));
+    for (int i = 0; i < G; i++) rope(p->L->rope, c, q + (size_t)i * hd, query_place(cache, pos));
     float *k = p->a->k + ((size_t)t * Hkv + g) * hd;
-    if (!cache->pool->window) rope(p->L->rope, c, k, pos);
+    if (!kv_rotates_by_place(cache->pool)) rope(p->L->rope, c, k, pos);
+    const float *v = p->a->v + ((size_t)t * Hkv + g) * hd;
+    if (packed(p)) {
+        open_store(p, t, g, k);
+        open_store(p, t, Hkv + g, v);
+        return;
+    }
     kv_store(cache->pool, kv_key(cache, p->L->index, g, pos), k);
-    kv_store(cache->pool, kv_value(cache, p->L->index, g, pos), p->a->v + ((size_t)t * Hkv + g) * hd);
+    kv_store(cache->pool, kv_value(cache, p->L->index, g, pos), v);
 }
 
 /* With a window, one sequence (tokens [t0, t1)): its keys and values gathered as its last
@@ -684,7 +761,7 @@ static void kv_heads_window_sequence(const AttnPass *p, int t0, int t1) {
                            parallel_mode(2L * c->n_kv_heads * c->head_dim * keys_of(p, t), t1 - t0));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long r = lo; r < hi; r++)
-            gather_rows(p->L, p->slots->cache[t], (int)r, p->slots->pos[t], r < c->n_kv_heads ? 0 : -1,
+            gather_rows(p->L, p->slots->cache[t], (int)r, p->slots->pos[t], r < c->n_kv_heads ? 0 : -1, NULL,
                         (float *)window_head(p, (int)r));
     share_end(&sh);
     run_queries(p, t0, t1, kv_group_size(c));
@@ -703,10 +780,20 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
     };
     matmul_jobs(p->wk, qkv, 3);
     stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
+    if (packed(p)) open_layout(p);
     Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * (Hkv + H) * hd, T));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long tg = lo; tg < hi; tg++) kv_heads_store(p, (int)(tg / Hkv), (int)(tg % Hkv));
     share_end(&sh);
+    if (packed(p)) {
+        sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * Hkv * hd, T));
+        for (long lo, hi; share_next(&sh, &lo, &hi);)
+            for (long tg = lo; tg < hi; tg++) {
+                open_close(p, (int)(tg / Hkv), (int)(tg % Hkv));
+                open_close(p, (int)(tg / Hkv), Hkv + (int)(tg % Hkv));
+            }
+        share_end(&sh);
+    }
     if (!p->windowed)
         run_queries(p, 0, T, kv_group_size(c));
     else
@@ -725,12 +812,15 @@ static void mla_store(const AttnPass *p, int t) {
     const KVCache *cache = p->slots->cache[t];
     const int pos = p->slots->pos[t];
     for (int h = 0; h < H; h++)
-        rope(p->L->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache->pool, pos));
+        rope(p->L->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache, pos));
     float *row = p->a->rows + (size_t)t * (dc + rd);
     rmsnorm(row, p->a->latent + (size_t)t * dc, p->L->w->kv_norm, dc, c->norm_eps);
     memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
-    if (!cache->pool->window) rope(p->L->rope, c, row + dc, pos);
-    kv_store(cache->pool, kv_latent(cache, p->L->index, pos), row);
+    if (!kv_rotates_by_place(cache->pool)) rope(p->L->rope, c, row + dc, pos);
+    if (packed(p))
+        open_store(p, t, 0, row);
+    else
+        kv_store(cache->pool, kv_latent(cache, p->L->index, pos), row);
 }
 
 static void mla_project_and_store(const AttnPass *p, const float *xb) {
@@ -745,17 +835,26 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
     };
     matmul_jobs(p->wk, projections, 3);
     stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
+    if (packed(p)) open_layout(p);
     Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd), T));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long t = lo; t < hi; t++) mla_store(p, (int)t);
     share_end(&sh);
+    if (packed(p)) {
+        sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (dc + rd), T));
+        for (long lo, hi; share_next(&sh, &lo, &hi);)
+            for (long t = lo; t < hi; t++) open_close(p, (int)t, 0);
+        share_end(&sh);
+    }
 }
 
 /* One sequence's latents as its last token in the pass sees them, into a->latents, by
  * thread 0 (the next shared operation waits for them). */
 static void mla_gather(const AttnPass *p, int t_last) {
     if (team_alone(p->wk))
-        gather_rows(p->L, p->slots->cache[t_last], 0, p->slots->pos[t_last], p->L->cfg->kv_latent, p->a->latents);
+        gather_rows(p->L, p->slots->cache[t_last], 0, p->slots->pos[t_last], p->L->cfg->kv_latent,
+                    packed(p) ? open_row(p, 0, t_last, p->slots->pos[t_last] / KV_BLOCK_TOKENS * KV_BLOCK_TOKENS) : NULL,
+                    p->a->latents);
 }
 
 /* MLA, expanded, one sequence (tokens [t0, t1)): its latents gathered, every head's keys
@@ -817,6 +916,7 @@ static void attention_mla(const AttnPass *p, const float *xb) {
     if (p->form == MLA_EXPANDED) {
         for (int t0 = 0, t1; t0 < T; t0 = t1) {
             t1 = sequence_end(p->slots, t0, T);
+            if (packed(p)) t1 = block_end(p->slots, t0, t1); /* tokens of another block read this one packed */
             mla_expanded_sequence(p, t0, t1);
         }
         stage_end(clock, thread, stage_slot(p->L->index, STAGE_ATTENTION));

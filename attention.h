@@ -101,6 +101,12 @@ typedef struct {
     float *latents;       /* (max_keys, kv_latent+rope_dim) one sequence's cached [c ; k_R] (MLA, expanded) */
     float *k_exp, *v_exp; /* (max_keys, mla_exp_stride) expanded keys and values (MLA, expanded) */
     float *window_rows;   /* (2*n_kv_heads, max_keys, head_dim) one sequence's window, gathered */
+    /* int4, int2 (kvcache.h): the fp32 rows of the blocks a pass writes, the earlier rows of
+     * each sequence's first block (its tail) then the pass's, a row group (open_rows rows)
+     * after another; token t's row at open_at[t], its sequence's run ends at position open_end[t] */
+    float *open;
+    int *open_at, *open_end;
+    size_t open_rows;
     int *items;           /* (max_items, 3) the (first head, token, chunk) order of the queries */
     int max_keys, max_chunks;
     /* a pass of few tokens over long contexts runs each chunk as an item of its own, on

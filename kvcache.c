@@ -13,10 +13,23 @@ static void row_shape(const Config *c, DType dtype, int *rows, int *width, int *
     *n_scales = !dtype_scaled(dtype) ? 0 : is_mla ? 2 : 1;
 }
 
+/* int4, int2: a row group's bytes in a layer of a block, keys' (per channel) or values' */
+static size_t group_bytes(const Config *c, DType dtype, int keys) {
+    int rows, width, split, n_scales;
+    row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    return packed_group_bytes(width, dtype, keys || c->variant == VARIANT_MLA);
+}
+
 /* Bytes of one layer of one block; *scales_offset: where its scales start. */
 static size_t layer_bytes(const Config *c, DType dtype, size_t *scales_offset) {
     int rows, width, split, n_scales;
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    if (dtype_packed(dtype)) {
+        const size_t groups = c->variant == VARIANT_MLA ? group_bytes(c, dtype, 1)
+                                                        : (size_t)c->n_kv_heads * (group_bytes(c, dtype, 1) + group_bytes(c, dtype, 0));
+        *scales_offset = 0;
+        return (groups + 63) / 64 * 64;
+    }
     const size_t data = (size_t)rows * width * dtype_size(dtype);
     *scales_offset = (data + 3) / 4 * 4;
     return (*scales_offset + (size_t)rows * n_scales * sizeof(float) + 63) / 64 * 64; /* layers on cache lines */
@@ -27,9 +40,21 @@ size_t kv_block_bytes_for(const Config *c, DType dtype) {
     return (size_t)c->n_layers * layer_bytes(c, dtype, &offset);
 }
 
+size_t kv_tail_bytes_for(const Config *c, DType dtype) {
+    int rows, width, split, n_scales;
+    row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    return dtype_packed(dtype) ? (size_t)c->n_layers * (size_t)(rows / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * width * sizeof(float) : 0;
+}
+
 size_t kv_bytes_per_token_for(const Config *c, DType dtype) {
     int rows, width, split, n_scales;
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
+    if (dtype_packed(dtype)) {
+        const size_t groups = c->variant == VARIANT_MLA ? group_bytes(c, dtype, 1)
+                                                        : (size_t)c->n_kv_heads * (group_bytes(c, dtype, 1) + group_bytes(c, dtype, 0));
+        const size_t seq = (size_t)(c->max_seq_len > 0 ? c->max_seq_len : 1);
+        return (size_t)c->n_layers * groups / KV_BLOCK_TOKENS + (kv_tail_bytes_for(c, dtype) + seq - 1) / seq;
+    }
     const size_t row_bytes = (size_t)width * dtype_size(dtype) + (size_t)n_scales * sizeof(float);
     return (size_t)c->n_layers * (size_t)(rows / KV_BLOCK_TOKENS) * row_bytes;
 }
@@ -44,6 +69,8 @@ int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks) {
     pool->dtype = dtype;
     pool->row_bytes = (size_t)pool->row_width * dtype_size(dtype);
     pool->layer_bytes = layer_bytes(c, dtype, &pool->scales_offset);
+    if (dtype_packed(dtype)) pool->key_group_bytes = group_bytes(c, dtype, 1), pool->value_group_bytes = group_bytes(c, dtype, 0);
+    pool->tail_positions = KV_BLOCK_TOKENS;
     pool->n_blocks = n_blocks;
     const size_t bytes = (size_t)n_blocks * pool->n_layers * pool->layer_bytes;
     pool->data = (unsigned char *)alloc_floats_touched((bytes + 3) / 4);
@@ -65,10 +92,13 @@ void kv_pool_free(KVPool *pool) {
     memset(pool, 0, sizeof *pool);
 }
 
-void kv_pool_set_window(KVPool *pool, int window, int sinks) {
+void kv_pool_set_window(KVPool *pool, int window, int sinks, KVEvict evict) {
     pool->window = window;
     pool->sinks = sinks;
+    pool->evict = evict;
 }
+
+void kv_pool_set_rollback(KVPool *pool) { pool->tail_positions = 2 * KV_BLOCK_TOKENS; }
 
 size_t kv_block_bytes(const KVPool *pool) { return (size_t)pool->n_layers * pool->layer_bytes; }
 
@@ -110,12 +140,38 @@ int kv_place_blocks(KVCache *cache, const int *held, int n) {
     return 0;
 }
 
+static void forget_slots(KVCache *cache) {
+    cache->kept = cache->placed = 0;
+    if (cache->slot_pos)
+        for (int s = 0; s < cache->pool->window; s++) cache->slot_pos[s] = -1, cache->score[s] = 0.0f;
+}
+
 int kv_init(KVCache *cache, KVPool *pool, int max_len) {
     memset(cache, 0, sizeof *cache);
     cache->pool = pool;
     cache->max_blocks = kv_blocks_per_sequence(pool, max_len);
     cache->blocks = malloc((size_t)(cache->max_blocks ? cache->max_blocks : 1) * sizeof(int));
-    return cache->blocks ? 0 : -1;
+    if (!cache->blocks) return -1;
+    if (dtype_packed(pool->dtype)) {
+        const size_t rows = pool->n_kv_heads ? 2 * (size_t)pool->n_kv_heads : 1;
+        cache->tail = calloc((size_t)pool->n_layers * rows * pool->tail_positions * pool->row_width, sizeof(float));
+        if (!cache->tail) {
+            free(cache->blocks);
+            return -1;
+        }
+    }
+    if (kv_evicts_by_attention(pool)) {
+        const size_t W = (size_t)pool->window;
+        cache->slot_pos = malloc(W * sizeof *cache->slot_pos);
+        cache->order = malloc(W * sizeof *cache->order);
+        cache->score = malloc(W * sizeof *cache->score);
+        if (!cache->slot_pos || !cache->order || !cache->score) {
+            kv_free(cache);
+            return -1;
+        }
+        forget_slots(cache);
+    }
+    return 0;
 }
 
 void kv_reset(KVCache *cache) {
@@ -123,6 +179,7 @@ void kv_reset(KVCache *cache) {
     cache->n_blocks = cache->n_disk = 0;
     cache->len = 0;
     cache->stage = NULL;
+    forget_slots(cache);
 }
 
 void kv_drop_oldest(KVCache *cache) {
@@ -131,9 +188,78 @@ void kv_drop_oldest(KVCache *cache) {
 }
 
 void kv_free(KVCache *cache) {
-    if (cache->pool) kv_reset(cache);
+    if (cache->pool && cache->blocks) kv_reset(cache);
     free(cache->blocks);
+    free(cache->slot_pos);
+    free(cache->order);
+    free(cache->score);
+    free(cache->tail);
     memset(cache, 0, sizeof *cache);
+}
+
+/* Frees slots [first_slot, first_slot + n_slots) and drops them from the order, which stays oldest first. */
+static void drop_slots(KVCache *c, int first_slot, int n_slots) {
+    int kept = 0;
+    for (int i = 0; i < c->kept; i++) {
+        const int s = c->order[i];
+        if (s >= first_slot && s < first_slot + n_slots)
+            c->slot_pos[s] = -1, c->score[s] = 0.0f;
+        else
+            c->order[kept++] = s;
+    }
+    c->kept = kept;
+}
+
+/* What a full window gives up for position p, by the attention its positions received: the
+ * least attended position older than the recent half (H2O's heavy hitters and recent
+ * tokens), or the least attended block of 16 slots (summed in slot order) holding none of
+ * the recent half. The oldest position, or the first block, on a tie. */
+static void evict_for(KVCache *c, int p) {
+    const int W = c->pool->window;
+    if (c->pool->evict == KV_EVICT_H2O) {
+        int victim = -1;
+        for (int i = 0; i < c->kept && c->slot_pos[c->order[i]] < p - W / 2; i++)
+            if (victim < 0 || c->score[c->order[i]] < c->score[victim]) victim = c->order[i];
+        drop_slots(c, victim, 1);
+        return;
+    }
+    int victim = -1;
+    float least = 0.0f;
+    for (int b = 0; b < W / KV_BLOCK_TOKENS; b++) {
+        float sum = 0.0f;
+        int candidate = 1;
+        for (int s = b * KV_BLOCK_TOKENS; s < (b + 1) * KV_BLOCK_TOKENS && candidate; s++) {
+            candidate = c->slot_pos[s] >= 0 && c->slot_pos[s] < p - W / 2;
+            sum += c->score[s];
+        }
+        if (candidate && (victim < 0 || sum < least)) victim = b, least = sum;
+    }
+    /* every block holds a recent position only if blocks were refilled out of order, which
+     * place_positions never does; the oldest position's block, to be safe */
+    if (victim < 0) victim = c->order[0] / KV_BLOCK_TOKENS;
+    drop_slots(c, victim * KV_BLOCK_TOKENS, KV_BLOCK_TOKENS);
+}
+
+/* Gives positions [placed, new_len) their slots: in order through the window's first fill,
+ * then each the lowest free slot, evicting when there is none. */
+static void place_positions(KVCache *c, int new_len) {
+    for (; c->placed < new_len; c->placed++) {
+        const int p = c->placed;
+        int slot = p;
+        if (p >= c->pool->window) {
+            if (c->kept == c->pool->window) evict_for(c, p);
+            for (slot = 0; c->slot_pos[slot] >= 0; slot++) {}
+            c->write_slot = slot;
+        }
+        c->slot_pos[slot] = p;
+        c->score[slot] = 0.0f;
+        c->order[c->kept++] = slot;
+    }
+}
+
+void kv_attend(KVCache *c, int pos, const float *probs, int n) {
+    if (!c->slot_pos) return;
+    for (int i = 0; i < n; i++) c->score[kv_kept_slot(c, pos, i)] += probs[i];
 }
 
 /* The block holding position len is written next: a private copy is needed when it is
@@ -161,6 +287,10 @@ int kv_reserve(KVCache *cache, int new_len) {
         *slot = copy;
     }
     while (cache->n_blocks < blocks) cache->blocks[cache->n_blocks++] = take_block(pool);
+    /* the positions the next pass writes, as it lays them out: evicting for positions
+     * further on would go by attention not yet paid */
+    if (cache->slot_pos && new_len > cache->len)
+        place_positions(cache, cache->len + kv_tokens_per_pass(cache, new_len - cache->len));
     return 0;
 }
 
@@ -184,6 +314,11 @@ void kv_store(const KVPool *p, KVRow row, const float *src) {
     row_quantize(row.data, row.scales, src, p->row_width, p->split, p->dtype);
 }
 
+void kv_store_block(const KVCache *c, int layer, int row, int pos, const float *rows, size_t stride) {
+    const KVPool *p = c->pool;
+    block_quantize(kv_row(c, layer, row, pos).data, rows, stride, p->row_width, p->dtype, kv_per_channel(p, row));
+}
+
 void kv_load(const KVPool *p, KVRow row, float *dst) {
     row_dequantize(dst, row.data, row.scales, p->row_width, p->split, p->dtype);
 }
@@ -193,7 +328,7 @@ static uint64_t splitmix64(uint64_t x) { return mix64(x + 0x9e3779b97f4a7c15ull)
 
 void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
     const KVPool *p = cache->pool;
-    const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1, w = p->row_width;
+    const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1, w = p->row_width, packed = dtype_packed(p->dtype);
     float row[w];
     for (int pos = cache->len; pos < n; pos++)
         for (int l = 0; l < p->n_layers; l++)
@@ -204,7 +339,13 @@ void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
                     row[e] = (float)(int32_t)(uint32_t)bits * 0x1p-31f;
                     if (e + 1 < w) row[e + 1] = (float)(int32_t)(uint32_t)(bits >> 32) * 0x1p-31f;
                 }
-                kv_store(p, kv_row(cache, l, r, pos), row);
+                if (!packed) {
+                    kv_store(p, kv_row(cache, l, r, pos), row);
+                    continue;
+                }
+                memcpy(kv_tail_row(cache, l, r, pos), row, (size_t)w * sizeof(float)); /* a block's rows, then the block */
+                if (pos % KV_BLOCK_TOKENS == KV_BLOCK_TOKENS - 1)
+                    kv_store_block(cache, l, r, pos, kv_tail_row(cache, l, r, pos - (KV_BLOCK_TOKENS - 1)), (size_t)w);
             }
     cache->len = n;
 }

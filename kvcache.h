@@ -13,6 +13,17 @@
  * n_kv_heads * head_dim * size (+ 4 per int8 row), or n_layers * (kv_latent + rope_dim) *
  * size (+ 8) for MLA.
  *
+ * int4 and int2 (KIVI): a layer of a block holds each row group (a KV head's keys, its
+ * values, or MLA's [c ; k_R] rows) as one packed group of its KV_BLOCK_TOKENS rows
+ * (kernels.h's block_quantize): keys per channel over the block's 16 tokens, values per
+ * token in groups of 32 channels; MLA's latent and k_R count as keys, since the score reads
+ * them as keys (the weighted sum of the absorbed form reads c as values too). A block is
+ * quantized when its 16th position is written, from its 16 fp32 rows: until then its rows
+ * live in the sequence's tail, a ring of fp32 rows of the last tail_positions written,
+ * and a query reads its own block's rows in fp32 and every earlier block packed. So what a
+ * query at pos reads depends on pos alone (bitwise --check-kv), and the pool still shares
+ * and frees whole blocks. KIVI's full-precision window R is thus 0 .. 15 here, not 128.
+ *
  * Sequences may share blocks (a common prompt prefix): each block has a reference
  * count, and a sequence about to write into a shared block first copies it (copy on
  * write), so sharing never changes what another sequence reads. The cache owns its
@@ -22,8 +33,13 @@
  *
  * A window (kv_pool_set_window) bounds what a sequence keeps: W slots, the first `sinks`
  * positions forever and the most recent W - sinks in a ring, where the oldest position
- * is overwritten (sinks = 0: seed 000's ring buffer; sinks > 0: StreamingLLM). Keys are
- * then stored before RoPE and rotated by their place in the window when read. */
+ * is overwritten (sinks = 0: seed 000's ring buffer; sinks > 0: StreamingLLM). Or a
+ * full window gives up what has been attended to least (kv_attend): one position (H2O,
+ * keeping the most recent half of the window besides), or a whole block of 16 slots
+ * (block-wise, as PagedEviction), which the next 16 positions then fill, so no block is
+ * left with holes. A ring or sinks stores keys before RoPE and rotates them by their place
+ * in the window when read, so it runs past the context; eviction by attention keeps every
+ * position's own rotation, as H2O does, so its positions stay within the context. */
 #ifndef KVCACHE_H
 #define KVCACHE_H
 
@@ -37,14 +53,26 @@
  * across blocks; a sequence wastes at most 15 positions in its last block. */
 enum { KV_BLOCK_TOKENS = 16 };
 
+/* What a full window gives up for a new position. */
+typedef enum {
+    KV_EVICT_OLDEST, /* the oldest position after the sinks (ring, sinks) */
+    KV_EVICT_H2O,    /* the least attended position older than the window's recent half */
+    KV_EVICT_BLOCK,  /* the least attended block of 16 slots holding none of the recent half */
+} KVEvict;
+
 typedef struct {
     int n_layers, n_kv_heads, head_dim; /* 0 heads for MLA */
     int row_width;                      /* elements a row: head_dim, or MLA's kv_latent + rope_dim */
     int split;                          /* int8: a row's second scale starts here (MLA's k_R); else row_width */
+    size_t key_group_bytes, value_group_bytes; /* int4, int2: a row group's packed bytes in a layer */
+    int tail_positions; /* int4, int2: KV_BLOCK_TOKENS, the block being filled; two blocks where a
+                         * rollback (kv_truncate) of up to 17 positions (a verify pass of 16
+                         * drafts) may reopen a block already quantized (kv_pool_set_rollback) */
     int n_scales;                       /* int8: scales a row (1 or 2); else 0 */
     DType dtype;
     size_t row_bytes, layer_bytes, scales_offset; /* within one layer of a block */
     int window, sinks;                            /* 0: no window */
+    KVEvict evict;                                /* with a window */
     int n_blocks;
     unsigned char *data;      /* (n_blocks, n_layers, layer_bytes) */
     int *refs;                /* (n_blocks) sequences holding each block; 0 = free */
@@ -66,7 +94,16 @@ typedef struct {
     KVPool *pool;
     int *blocks; /* (max_blocks) block table */
     int n_blocks, max_blocks;
-    int len; /* positions seen */
+    int len;     /* positions seen */
+    float *tail; /* int4, int2: (n_layers, rows, tail_positions, row_width) the fp32 rows of the
+                  * last tail_positions written, position q at q % tail_positions */
+    /* a window that evicts by attention (KV_EVICT_H2O, KV_EVICT_BLOCK), else NULL: */
+    int *slot_pos;  /* (window) the position a slot holds, -1: free */
+    int *order;     /* (kept) the held slots, oldest position first */
+    float *score;   /* (window) the attention a slot's position has received (kv_attend) */
+    int kept;       /* slots held */
+    int placed;     /* positions [0, placed) have been given a slot */
+    int write_slot; /* the slot of position placed - 1, once past the window's first fill */
     /* streaming (kvtier.h's KVStream): blocks [0, n_disk) live on the tier, not in the pool
      * (their entries in blocks mean nothing), and attention reads the layer it is at from
      * stage, a copy of that layer of each of them, (n_disk, layer_bytes) */
@@ -79,16 +116,24 @@ typedef struct {
 size_t kv_block_bytes_for(const Config *c, DType dtype);
 /* Bytes a token's keys and values take in every layer, by the formula (no block padding):
  * 2 * n_layers * n_kv_heads * (head_dim * size + 4 for int8's scale), or for MLA
- * n_layers * ((kv_latent + rope_dim) * size + 8 for int8's two scales). A pool's bytes per
+ * n_layers * ((kv_latent + rope_dim) * size + 8 for int8's two scales); int4 and int2: the
+ * packed groups' bytes / KV_BLOCK_TOKENS plus a sequence's tail (kv_tail_bytes_for) spread
+ * over the context (c->max_seq_len). A pool's bytes per
  * token (kv_bytes_per_token) are kv_block_bytes_for / KV_BLOCK_TOKENS, this rounded up so
  * that each layer of a block starts on a cache line. */
 size_t kv_bytes_per_token_for(const Config *c, DType dtype);
+/* Bytes of one sequence's fp32 tail of KV_BLOCK_TOKENS positions: 0 unless dtype is int4 or int2. */
+size_t kv_tail_bytes_for(const Config *c, DType dtype);
 /* A pool of n_blocks blocks for model c. Returns -1 when out of memory. */
 int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks);
 void kv_pool_free(KVPool *pool);
 /* Bounds every sequence to `window` slots, the first `sinks` positions kept for good
- * (0 < window, 0 <= sinks < window). Before any cache is used. */
-void kv_pool_set_window(KVPool *pool, int window, int sinks);
+ * (0 < window, 0 <= sinks < window), giving up positions by `evict` (with it sinks is 0;
+ * KV_EVICT_H2O needs window >= 2, KV_EVICT_BLOCK a multiple of 16 from 32). Before any
+ * cache is used. */
+void kv_pool_set_window(KVPool *pool, int window, int sinks, KVEvict evict);
+/* int4, int2: tails of two blocks, for speculation's rollbacks. Before any cache is used. */
+void kv_pool_set_rollback(KVPool *pool);
 size_t kv_block_bytes(const KVPool *pool);
 size_t kv_bytes_per_token(const KVPool *pool);
 static inline int kv_blocks_for(int positions) { return (positions + KV_BLOCK_TOKENS - 1) / KV_BLOCK_TOKENS; }
@@ -129,6 +174,11 @@ int kv_blocks_needed(const KVCache *cache, int new_len);
  * positions without computing them. len <= src->len. */
 void kv_share_prefix(KVCache *dst, const KVCache *src, int len);
 
+/* A ring or sinks: keys rotated by their place in the window, so it may run past the context. */
+static inline int kv_rotates_by_place(const KVPool *p) { return p->window && p->evict == KV_EVICT_OLDEST; }
+/* A window that gives up positions by the attention they received (kv_attend). */
+static inline int kv_evicts_by_attention(const KVPool *p) { return p->window && p->evict != KV_EVICT_OLDEST; }
+
 /* The slot a position lives in: itself, or with a window its sink or its place in the ring. */
 static inline int kv_slot(const KVPool *p, int pos) {
     return !p->window || pos < p->window ? pos : p->sinks + (pos - p->sinks) % (p->window - p->sinks);
@@ -151,6 +201,11 @@ static inline int kv_tokens_per_pass(const KVCache *c, int count) {
     return room <= 1 ? 1 : room < count ? room : count;
 }
 
+/* The attention a query at pos gave the positions the cache keeps (probs, n of them, in
+ * kv_kept_slot's order), added to their scores: what KV_EVICT_H2O and KV_EVICT_BLOCK give
+ * up by. Nothing otherwise. */
+void kv_attend(KVCache *c, int pos, const float *probs, int n);
+
 /* Fills positions [len, n) of every layer with entries generated from seed (uniform in
  * [-1, 1), the same for a given seed, position and row), as if a prefill had computed
  * them: decoding at a long context without computing it (--fill). Reserved beforehand;
@@ -163,15 +218,37 @@ typedef struct {
     float *scales;
 } KVRow;
 
-static inline KVRow kv_row(const KVCache *c, int layer, int row, int pos) {
+/* A cache's slot of position pos, when it holds it: for a window that evicts by attention,
+ * only positions in its first fill and the one placed last (the one being written). */
+static inline int kv_slot_of(const KVCache *c, int pos) {
+    return c->slot_pos && pos >= c->pool->window ? c->write_slot : kv_slot(c->pool, pos);
+}
+/* kv_window_length and kv_window_position's slot for cache c: the same for a ring and sinks;
+ * for a window that evicts by attention, what it holds, oldest first. */
+static inline int kv_keys_seen(const KVCache *c, int pos) {
+    return c->slot_pos && pos >= c->pool->window ? c->kept : kv_window_length(c->pool, pos);
+}
+static inline int kv_kept_slot(const KVCache *c, int pos, int i) {
+    return c->slot_pos ? c->order[i] : kv_slot(c->pool, kv_window_position(c->pool, pos, i));
+}
+
+static inline KVRow kv_row_in_slot(const KVCache *c, int layer, int row, int slot) {
     const KVPool *p = c->pool;
-    const int slot = kv_slot(p, pos), b = slot / KV_BLOCK_TOKENS;
+    const int b = slot / KV_BLOCK_TOKENS;
     unsigned char *l = b < c->n_disk ? (unsigned char *)c->stage + (size_t)b * p->layer_bytes /* streamed: this layer's copy */
                                      : p->data + ((size_t)c->blocks[b] * p->n_layers + layer) * p->layer_bytes;
+    if (dtype_packed(p->dtype)) { /* int4, int2: the row group of the block that holds pos */
+        const int keys = row < p->n_kv_heads ? row : p->n_kv_heads;
+        const KVRow group = {l + (size_t)keys * p->key_group_bytes + (size_t)(row - keys) * p->value_group_bytes, NULL};
+        return group;
+    }
     const int r = row * KV_BLOCK_TOKENS + slot % KV_BLOCK_TOKENS;
     const KVRow out = {l + (size_t)r * p->row_bytes,
                        p->n_scales ? (float *)(l + p->scales_offset) + (size_t)r * p->n_scales : NULL};
     return out;
+}
+static inline KVRow kv_row(const KVCache *c, int layer, int row, int pos) {
+    return kv_row_in_slot(c, layer, row, kv_slot_of(c, pos));
 }
 static inline KVRow kv_key(const KVCache *c, int layer, int head, int pos) { return kv_row(c, layer, head, pos); }
 static inline KVRow kv_value(const KVCache *c, int layer, int head, int pos) {
@@ -179,6 +256,19 @@ static inline KVRow kv_value(const KVCache *c, int layer, int head, int pos) {
 }
 /* MLA: [c (kv_latent) ; k_R (rope_dim)] of one position */
 static inline KVRow kv_latent(const KVCache *c, int layer, int pos) { return kv_row(c, layer, 0, pos); }
+
+/* int4, int2: whether row group `row` is quantized per channel (keys, MLA's rows) */
+static inline int kv_per_channel(const KVPool *p, int row) { return row < p->n_kv_heads || !p->n_kv_heads; }
+/* int4, int2: position pos's fp32 row in the tail */
+static inline float *kv_tail_row(const KVCache *c, int layer, int row, int pos) {
+    const KVPool *p = c->pool;
+    const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1;
+    const size_t n = (size_t)p->tail_positions;
+    return c->tail + (((size_t)layer * rows + row) * n + (size_t)pos % n) * p->row_width;
+}
+/* int4, int2: the block holding position pos, row group `row`, from its KV_BLOCK_TOKENS
+ * fp32 rows (`stride` floats apart). */
+void kv_store_block(const KVCache *c, int layer, int row, int pos, const float *rows, size_t stride);
 
 /* A row in the pool's dtype from floats / back to floats (kernels.h's row_quantize). */
 void kv_store(const KVPool *p, KVRow row, const float *src);

@@ -262,6 +262,11 @@ int kv_stream_open(KVStream *s, KVTier *t, const KVPool *p, int max_blocks) {
     return 0;
 }
 
+void kv_stream_restart_figures(KVStream *s) {
+    s->blocks_written = s->layers_read = s->peak_blocks = 0;
+    s->wait_ms = s->read_ms = 0.0;
+}
+
 void kv_stream_close(KVStream *s) {
     if (s->started) {
         pthread_mutex_lock(&s->mu);

@@ -120,6 +120,8 @@ size_t kv_stream_stage_bytes(const KVPool *p, int max_blocks);
  * staging area and starts the reader. Returns -1 (errno set). */
 int kv_stream_open(KVStream *s, KVTier *t, const KVPool *p, int max_blocks);
 void kv_stream_close(KVStream *s);
+/* Starts its figures (blocks, bytes, times) over: the warm-up's are not the run's. */
+void kv_stream_restart_figures(KVStream *s);
 /* Moves up to `blocks` of cache's oldest pool blocks to the tier (those its next pass does
  * not write: wholly below len), between passes. Returns how many it moved, or -1 when a
  * write fails (errno set: ENOSPC, EFBIG, EIO), the cache unchanged. */

@@ -120,10 +120,12 @@ int model_prepare(const Model *m, RunState *s, const Batch *b) {
                 if (b->cache[u] == b->cache[t]) return MODEL_ERR_BATCH;
         s->pos[t] = same ? s->pos[t - 1] + 1 : b->cache[t]->len;
         /* past the context only through a window, which rotates by place: RoPE's tables end there */
-        if (s->pos[t] >= m->cfg.max_seq_len && !b->cache[t]->pool->window) return MODEL_ERR_BATCH;
+        if (s->pos[t] >= m->cfg.max_seq_len && !kv_rotates_by_place(b->cache[t]->pool)) return MODEL_ERR_BATCH;
     }
     for (int t = 0; t < T; t++)
-        if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) && kv_reserve(b->cache[t], s->pos[t] + 1) != 0)
+        if ((t + 1 == T || b->cache[t + 1] != b->cache[t]) &&
+            (kv_reserve(b->cache[t], s->pos[t] + 1) != 0 ||
+             (b->cache[t]->slot_pos && s->pos[t] >= b->cache[t]->placed))) /* one a pass once a window is full */
             return MODEL_ERR_BATCH;
     if (s->attn.record) {
         const TokenSlots slots = {T, b->cache, s->pos};

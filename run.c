@@ -21,6 +21,7 @@
 #include "loader.h"
 #include "model.h"
 #include "serve/cli.h"
+#include "serve/draft.h"
 #include "serve/modes.h"
 #include "serve/session.h"
 #include "serve/textfile.h"
@@ -86,10 +87,15 @@ static void check_limits(const Config *c, const Options *o) {
     const int ctx = c->max_seq_len;
     if (o->top_k > c->vocab_size)
         die(EXIT_USAGE, "-k %d is out of range (1..%d, the vocabulary)", o->top_k, c->vocab_size);
-    if (o->steps > ctx && (!o->window || o->check_kv))
+    if (o->steps > ctx && (!o->window || o->check_kv || o->evict != KV_EVICT_OLDEST))
         die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o->steps, ctx,
-            o->check_kv ? "" : "; more with --window");
+            o->check_kv ? "" : o->window ? "; --evict h2o and block keep positions' own rotation" : "; more with --window");
     if (o->window > ctx) die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o->window, ctx);
+    if (o->evict == KV_EVICT_H2O && o->window < 2)
+        die(EXIT_USAGE, "--kv-budget %d is too small for --evict h2o (2..%d)", o->window, ctx);
+    if (o->evict == KV_EVICT_BLOCK && (o->window < 2 * KV_BLOCK_TOKENS || o->window % KV_BLOCK_TOKENS))
+        die(EXIT_USAGE, "--kv-budget %d does not suit --evict block: whole blocks of %d, at least %d", o->window,
+            KV_BLOCK_TOKENS, 2 * KV_BLOCK_TOKENS);
     if (o->window && o->window <= o->window_sinks)
         die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o->window, o->window_sinks);
     if (o->fill && (long)o->fill + 1 > ctx)
@@ -109,9 +115,16 @@ static void check_limits(const Config *c, const Options *o) {
 static int pool_blocks(const Config *c, const Options *o) {
     const size_t block_bytes = kv_block_bytes_for(c, o->kv_dtype);
     const int one_sequence = kv_blocks_for(o->window ? o->window : c->max_seq_len);
-    const double blocks = o->kv_mem_mb > 0.0f
-                              ? floor(((double)o->kv_mem_mb * 1048576.0 - (double)stream_stage_bytes(c, o)) / (double)block_bytes)
-                              : (double)(o->kv ? o->batch : 1) * one_sequence;
+    const int row_width = c->variant == VARIANT_MLA ? c->kv_latent + c->rope_dim : c->head_dim;
+    if (dtype_packed(o->kv_dtype) && row_width % 16)
+        die(EXIT_USAGE, "--kv-dtype %s packs rows in slices of 16 elements; this model's rows have %d",
+            kv_dtype_name(o->kv_dtype), row_width);
+    /* int4, int2: each sequence's fp32 tail comes out of --kv-mem too, as does streaming's staging area */
+    const double tails = (double)(o->kv ? o->batch : 1) * (o->draft ? 2 : 1) * (double)kv_tail_bytes_for(c, o->kv_dtype);
+    const double blocks =
+        o->kv_mem_mb > 0.0f
+            ? floor(((double)o->kv_mem_mb * 1048576.0 - tails - (double)stream_stage_bytes(c, o)) / (double)block_bytes)
+            : (double)(o->kv ? o->batch : 1) * one_sequence;
     if (run_streams(o) && blocks < 2)
         die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes beside the tier's staging area (%.0f bytes); "
                         "streaming needs 2 at least",
@@ -142,6 +155,20 @@ static void check_memory(const Config *c, const Options *o, int blocks) {
         "not enough memory: the weights (%.2f GiB), the KV cache pool (%.2f GiB) and the scratch of a pass of the "
         "whole context (%.2f GiB) need %.2f GiB, and this machine has %.2f GiB available (%.2f GiB in all); see --info",
         weights / gib, pool / gib, scratch / gib, (weights + pool + scratch) / gib, available / gib, total / gib);
+}
+
+/* --draft CKPT: the draft model, cut to the target's context, and a pool of its caches with
+ * as many blocks as the target's (the same positions for the run's sequences). A draft
+ * that cannot be read, or of another vocabulary or tokenizer, is a bad --draft: exit 2. */
+static void load_draft(Model *dm, KVPool *dpool, const Model *m, const Options *o, int blocks) {
+    Checkpoint ck = {.fd = -1};
+    char err[512];
+    if (checkpoint_open(&ck, o->draft_path, err, sizeof err) != 0) die(EXIT_USAGE, "--draft: %s", err);
+    const int ctx = ck.cfg.max_seq_len < m->cfg.max_seq_len ? ck.cfg.max_seq_len : m->cfg.max_seq_len;
+    if (checkpoint_load(dm, &ck, ctx, err, sizeof err) != 0) die(EXIT_USAGE, "--draft: %s", err);
+    checkpoint_close(&ck);
+    if (draft_matches(m, dm, err, sizeof err) != 0) die(EXIT_USAGE, "--draft %s: %s", msg_path(o->draft_path).s, err);
+    if (kv_pool_init(dpool, &dm->cfg, o->kv_dtype, blocks) != 0) die(1, "out of memory: the draft model's KV cache pool");
 }
 
 int main(int argc, char **argv) {
@@ -206,7 +233,8 @@ int main(int argc, char **argv) {
     if (kv_pool_init(&pool, &m.cfg, o.kv_dtype, blocks) != 0)
         die(1, "out of memory: the KV cache pool of %d blocks takes %.0f bytes", blocks,
             (double)blocks * (double)kv_block_bytes_for(&m.cfg, o.kv_dtype));
-    if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks);
+    if (o.window) kv_pool_set_window(&pool, o.window, o.window_sinks, o.evict);
+    if (o.draft) kv_pool_set_rollback(&pool);
     KVTier tier = {.fd = -1};
     KVStream stream = {0};
     if (o.kv_offload) {
@@ -221,16 +249,26 @@ int main(int argc, char **argv) {
         }
     }
 
+    Model draft_model;
+    KVPool draft_pool;
+    DraftModel draft = {NULL, NULL};
+    if (o.draft_path) {
+        load_draft(&draft_model, &draft_pool, &m, &o, blocks);
+        draft = (DraftModel){&draft_model, &draft_pool};
+    }
     int status;
-    if (o.check_kv)
+    if (o.check_spec)
+        status = mode_check_spec(&m, &pool, &draft, &o);
+    else if (o.check_kv)
         status = mode_check_kv(&m, &pool, &o);
     else if (o.ppl_path)
         status = mode_ppl(&m, &pool, &o);
     else if (o.check_batch)
         status = mode_check_batch(&m, &pool, &o);
     else
-        status = mode_generate(&m, &pool, &o);
+        status = mode_generate(&m, &pool, &draft, &o);
 
+    if (o.draft_path) kv_pool_free(&draft_pool), model_free(&draft_model);
     kv_pool_free(&pool);
     kv_stream_close(&stream);
     kv_tier_close(&tier);

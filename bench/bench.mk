@@ -7,7 +7,8 @@
 #   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
 #   make bench-offload                           the KV tier: swap against recompute, streaming (bench/offload.py)
 #   make bench-scale                             a 1.1B shape's MHA/GQA/MQA/MLA twins, contexts 512 to 32k (bench/scale.py)
-#   make bench-spec                              speculative decoding against plain cached decoding (bench/spec.py)
+#   make bench-spec                              speculative decoding (prompt lookup, draft model) against plain cached decoding (bench/spec.py)
+#   make bench-kivi                              the cache dtypes: bytes, full contexts in 64 MiB, tokens/s at B=1 and 64 (bench/kivi.py)
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)
 # BENCH_THREADS      threads for the engine, PyTorch and the roofline probe (default: empty = all cores)
@@ -34,7 +35,7 @@ _bench_knobs = --cc "$(CC)" $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THR
   $(if $(strip $(BENCH_BATCHES)),--batches $(BENCH_BATCHES)) \
   $(BENCH_FLAGS) $(BENCH_CHECKPOINTS)
 
-.PHONY: bench bench-quick bench-scale bench-offload bench-spec quality
+.PHONY: bench bench-quick bench-scale bench-offload bench-spec bench-kivi quality
 bench: run build/roofline
 	$(PYTHON) bench/bench.py $(if $(strip $(BENCH_PT_REPS)),--pt-reps $(BENCH_PT_REPS)) $(_bench_knobs)
 	$(if $(filter 1,$(BENCH_SCALE)),$(PYTHON) bench/scale.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT)))
@@ -50,6 +51,10 @@ bench-offload: run build/roofline
 # the C engine alone, 64 decode steps a run: every checkpoint compared in well under a minute
 bench-quick: run
 	$(PYTHON) bench/bench.py --quick $(_bench_knobs)
+
+# the cache dtypes side by side, fp32 to int2 (bench/kivi.py): capacity and decode speed
+bench-kivi: run
+	$(PYTHON) bench/kivi.py $(if $(strip $(BENCH_THREADS)),--threads $(BENCH_THREADS)) $(if $(strip $(BENCH_OUT)),--out $(BENCH_OUT))
 
 # what --kv-dtype and --window cost in NLL and greedy agreement (bench/quality.py); no timings
 QUALITY_VALID ?= ../shared/tinystories/valid.txt

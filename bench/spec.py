@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """bench/spec.py: speculative decoding (issue 43) against plain cached decoding, greedy.
 
-For each trained target: decode tokens/s of plain `--kv` decoding and of `--draft ngram` at
-each K, their ratio (the speedup), the acceptance rate and the tokens a verifying pass keeps;
-at batch 16 and 64 the same at one K; the cost of a pass over K+1 positions against one
-cached step (a prefill of K+1 tokens over the median step); and that ratio for a generated
-~1B shape (--shape tinyllama-1.1b), whose step reads its weights from DRAM, with the speedup
-the measured acceptance rates would give there: a projection from two measurements.
+Two drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft DRAFT`, a 2-layer
+GQA of dim 256 with the targets' tokenizer). For each trained target: decode tokens/s of
+plain `--kv` decoding and of each drafter at each K (batch 1), their ratio (the speedup),
+the acceptance rate, the tokens a verifying pass keeps and the drafting cost (ms per
+generated token, and its share of the steps' time); at batch 16 and 64 the same at one K;
+the cost of a pass over K+1 positions against one cached step (a prefill of K+1 tokens over
+the median step); and that ratio for a generated ~1B shape (--shape tinyllama-1.1b), whose
+step reads its weights from DRAM, with the speedup the measured acceptance rates would give
+there: a projection from measurements, not a run.
 
-    /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,4,8] [--n 96] [--batches 16,64]
-                                   [--targets mha,gqa,...] [--threads N] [--out DIR]
+    /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,3,4,5,6,7,8] [--ngram-ks 1,2,4,8]
+                                   [--shape-ks 1,2,4,8] [--n 96] [--batches 16,64] [--targets mha,gqa,...]
+                                   [--draft weights/draft/gqa-2x256.bin] [--threads N] [--out DIR]
 
 Medians of --reps timed runs after one untimed warm-up run a cell. `make bench-spec` runs it.
 Writes DIR/<machine>-spec.md. Tokens are checked equal to plain decoding in every run."""
@@ -26,6 +30,9 @@ from bench.engine import engine_json
 from bench.machine import machine_name_for_scale
 
 SHAPE = "tinyllama-1.1b"
+DRAFT = os.path.join(ROOT, "weights", "draft", "gqa-2x256.bin")
+FIELDS = ("tokens_per_s_mean", "step_ms_median", "prefill_ms", "prefill_tokens", "acceptance_rate",
+          "tokens_per_verify_pass", "draft_tokens", "draft_ms_total", "draft_time_share")
 
 
 def generate(args, what):
@@ -40,14 +47,14 @@ def cell(base, extra, reps, what):
     tokens = runs[0][0]
     if any(t != tokens for t, _ in runs):
         raise BenchError(f"{what}: greedy tokens differ between runs")
-    med = {k: statistics.median(s[k] for _, s in runs)
-           for k in ("tokens_per_s_mean", "step_ms_median", "prefill_ms", "prefill_tokens", "acceptance_rate", "tokens_per_verify_pass")}
+    med = {k: statistics.median(s[k] for _, s in runs) for k in FIELDS}
     return tokens, med
 
 
-def verify_ratio(model_args, ks, reps, threads, what):
-    """{K: median prefill ms of K+1 positions / median cached step ms}."""
-    out = {}
+def verify_ratio(model_args, ks, reps, threads, what, with_step=False):
+    """{K: median prefill ms of K+1 positions / median cached step ms} (and the median of
+    those steps, with_step)."""
+    out, steps = {}, []
     shape = model_args[0] == "--shape"
     for k in ks:
         # K+1 positions in one pass: BOS and k tokens; generated weights take token ids, and
@@ -61,73 +68,97 @@ def verify_ratio(model_args, ks, reps, threads, what):
         if med["prefill_tokens"] != k + 1:
             raise BenchError(f"{what}: the prompt {prompt!r} is {med['prefill_tokens']} positions, not {k + 1}")
         out[k] = med["prefill_ms"] / med["step_ms_median"]
-    return out
+        steps.append(med["step_ms_median"])
+    return (out, statistics.median(steps)) if with_step else out
+
+
+def spec_row(t, drafter, b, k, plain, med, generated):
+    """A table row: the speedup over plain decoding, acceptance, and the drafting cost a token."""
+    return [t, drafter, b, k, f"{plain['tokens_per_s_mean']:.1f}", f"{med['tokens_per_s_mean']:.1f}",
+            f"{med['tokens_per_s_mean'] / plain['tokens_per_s_mean']:.2f}x", f"{100 * med['acceptance_rate']:.1f}%",
+            f"{med['tokens_per_verify_pass']:.2f}", f"{med['draft_ms_total'] / generated:.4f}",
+            f"{100 * med['draft_time_share']:.1f}%"]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="K of the draft model at batch 1")
+    ap.add_argument("--ngram-ks", default="1,2,4,8", help="K of prompt lookup at batch 1")
     ap.add_argument("--n", type=int, default=96, help="tokens generated a run")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--batch-k", type=int, default=4, help="K of the batched runs")
     ap.add_argument("--targets", default=",".join(ORDER))
+    ap.add_argument("--draft", default=DRAFT, help="the draft model's checkpoint")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--shape", default=SHAPE, help="'' leaves the ~1B verify cost and projection out")
+    ap.add_argument("--shape-ks", default="1,2,4,8", help="K of the ~1B verify cost and projection")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = ap.parse_args()
     ks = [int(x) for x in a.ks.split(",") if x]
+    ngram_ks = [int(x) for x in a.ngram_ks.split(",") if x]
     batches = [int(x) for x in a.batches.split(",") if x]
     targets = [t for t in a.targets.split(",") if t]
+    drafters = [("ngram", "ngram", ngram_ks), ("model", a.draft, ks)]
     lines = [f"# Speculative decoding, greedy (bench/spec.py)", "",
-             f"Drafter: prompt lookup (`--draft ngram`). {a.n} tokens a sequence from \"{PROMPT}\", "
-             f"--threads {a.threads}, medians of {a.reps} runs after a warm-up. Speedup: decode tokens/s "
-             f"over plain `--kv` decoding's. Every run's tokens equal plain decoding's.", ""]
-    accept = {}
+             f"Drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft {rel(a.draft)}`). "
+             f"{a.n} tokens a sequence from \"{PROMPT}\", --threads {a.threads}, medians of {a.reps} runs after "
+             f"a warm-up. Speedup: decode tokens/s over plain `--kv` decoding's at the same batch. Drafting: "
+             f"ms a generated token, and its share of the steps' time. Every run's tokens equal plain "
+             f"decoding's.", ""]
+    accept = {}  # (drafter, K): [(tokens a verifying pass, drafting ms a verifying pass)] over the targets
     rows = []
     for t in targets:
         ck = os.path.join(ROOT, "weights", f"{t}.bin")
         base = [ck, "-p", PROMPT, "-k", 1, "-n", a.n, "--kv", "--ignore-eos", "-q", "--threads", a.threads]
         plain_tokens, plain = cell(base, [], a.reps, f"{t} plain")
         log(f"{t}: plain {plain['tokens_per_s_mean']:.1f} tokens/s")
-        for k in ks:
-            tokens, med = cell(base, ["--draft", "ngram", "--draft-k", k], a.reps, f"{t} K={k}")
-            if tokens != plain_tokens:
-                raise BenchError(f"{t} K={k}: speculative tokens differ from plain decoding")
-            accept.setdefault(k, []).append(med["tokens_per_verify_pass"])
-            rows.append([t, 1, k, f"{plain['tokens_per_s_mean']:.1f}", f"{med['tokens_per_s_mean']:.1f}",
-                         f"{med['tokens_per_s_mean'] / plain['tokens_per_s_mean']:.2f}x",
-                         f"{100 * med['acceptance_rate']:.1f}%", f"{med['tokens_per_verify_pass']:.2f}"])
+        for name, drafter, dks in drafters:
+            for k in dks:
+                tokens, med = cell(base, ["--draft", drafter, "--draft-k", k], a.reps, f"{t} {name} K={k}")
+                if tokens != plain_tokens:
+                    raise BenchError(f"{t} {name} K={k}: speculative tokens differ from plain decoding")
+                passes = med["draft_tokens"] / k if med["draft_tokens"] else 0  # about K drafts a verifying pass
+                accept.setdefault((name, k), []).append(
+                    (med["tokens_per_verify_pass"], med["draft_ms_total"] / passes if passes else 0.0))
+                rows.append(spec_row(t, name, 1, k, plain, med, a.n))
         for b in batches:
             bb = base + ["--batch", b]
             _, p = cell(bb, [], a.reps, f"{t} batch {b} plain")
-            _, s = cell(bb, ["--draft", "ngram", "--draft-k", a.batch_k], a.reps, f"{t} batch {b}")
-            rows.append([t, b, a.batch_k, f"{p['tokens_per_s_mean']:.1f}", f"{s['tokens_per_s_mean']:.1f}",
-                         f"{s['tokens_per_s_mean'] / p['tokens_per_s_mean']:.2f}x",
-                         f"{100 * s['acceptance_rate']:.1f}%", f"{s['tokens_per_verify_pass']:.2f}"])
-    lines += [md_table(["target", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
-                        "tokens a verifying pass"], rows), ""]
+            for name, drafter, _ in drafters:
+                _, s = cell(bb, ["--draft", drafter, "--draft-k", a.batch_k], a.reps, f"{t} {name} batch {b}")
+                rows.append(spec_row(t, name, b, a.batch_k, p, s, a.n * b))
+    lines += [md_table(["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
+                        "tokens a verifying pass", "drafting ms/token", "drafting share"], rows), ""]
     lines += ["## The cost of verifying K+1 positions against one cached step", "",
               "A prefill of K+1 positions (BOS and K tokens) over the median cached step of the same run.", ""]
     vrows = []
+    vks = sorted(set(ks) | set(ngram_ks))
     for t in targets:
-        r = verify_ratio([os.path.join(ROOT, "weights", f"{t}.bin")], ks, a.reps, a.threads, t)
-        vrows.append([t] + [f"{r[k]:.2f}" for k in ks])
+        r = verify_ratio([os.path.join(ROOT, "weights", f"{t}.bin")], vks, a.reps, a.threads, t)
+        vrows.append([t] + [f"{r[k]:.2f}" for k in vks])
     if a.shape:
-        shape_r = verify_ratio(["--shape", a.shape], ks, max(1, a.reps // 2), a.threads, a.shape)
-        vrows.append([f"{a.shape} (generated)"] + [f"{shape_r[k]:.2f}" for k in ks])
-    lines += [md_table(["model"] + [f"K={k}" for k in ks], vrows), ""]
+        shape_ks = [int(x) for x in a.shape_ks.split(",") if x]
+        shape_r, shape_step = verify_ratio(["--shape", a.shape], shape_ks, max(1, a.reps // 2), a.threads, a.shape,
+                                           with_step=True)
+        vrows.append([f"{a.shape} (generated)"] + [f"{shape_r[k]:.2f}" if k in shape_r else "" for k in vks])
+    lines += [md_table(["model"] + [f"K={k}" for k in vks], vrows), ""]
     if not a.shape:
         return write(a, lines)
     lines += [f"## Projection for {a.shape} (not measured end to end)", "",
               "Speedup = (tokens a verifying pass, mean over the trained targets at that K) / "
-              f"(verify-cost ratio of {a.shape} at that K); the drafter's own cost (prompt lookup: "
-              "microseconds) left out. A projection from two measurements, not a run.", ""]
+              f"(verify-cost ratio of {a.shape} at that K + the drafting ms a verifying pass measured beside "
+              f"the trained targets over {a.shape}'s median step of {shape_step:.1f} ms). A projection from "
+              "measurements, not a run.", ""]
     prow = []
-    for k in ks:
-        tpp = statistics.mean(accept[k]) if accept.get(k) else 0.0
-        prow.append([k, f"{tpp:.2f}", f"{shape_r[k]:.2f}", f"{tpp / shape_r[k]:.2f}x"])
-    lines += [md_table(["K", "tokens a verifying pass", "verify cost", "projected speedup"], prow), ""]
+    for name, _, dks in drafters:
+        for k in (k for k in dks if k in shape_r):
+            tpp = statistics.mean(x for x, _ in accept[(name, k)])
+            cost = statistics.mean(y for _, y in accept[(name, k)]) / shape_step
+            prow.append([name, k, f"{tpp:.2f}", f"{shape_r[k]:.2f}", f"{cost:.3f}",
+                         f"{tpp / (shape_r[k] + cost):.2f}x"])
+    lines += [md_table(["drafter", "K", "tokens a verifying pass", "verify cost", "drafting cost",
+                        "projected speedup"], prow), ""]
     write(a, lines)
 
 

@@ -8,7 +8,7 @@
 #include "kernels/threads.h"
 #include "kernels/simd.h"
 
-size_t dtype_size(DType dt) { return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1; }
+size_t dtype_size(DType dt) { return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1; } /* int4, int2: see packed_group_bytes */
 
 const char *kernels_simd_name(void) { return SIMD_NAME; }
 
@@ -198,11 +198,43 @@ static inline const float *row_scales(const RowBlocks *r, int b, int i) {
     return dtype_scaled(r->dtype) ? r->scales[b] + (size_t)i * r->n_scales : NULL;
 }
 
+/* Elements [col, col + 16) of row j of a packed group (kernels.h), as the floats they stand
+ * for: the codes spread to 16 bytes by shifts and masks (lane order needs no shuffle),
+ * widened, then code * scale + min in one fma. n is 16, or 0 past the row's end. */
+static inline __attribute__((always_inline)) v16 packed_load(const unsigned char *g, int j, int col, int n, DType dt,
+                                                             int width, int per_channel) {
+    if (n <= 0) return v16_zero();
+    const int bits = dt == DTYPE_I4 ? 4 : 2;
+    const unsigned char *codes = g + ((size_t)j * width + (size_t)col) * bits / 8;
+    uint32_t spread[4]; /* lane l's code in byte l */
+    if (bits == 4) {
+        uint64_t x, half[2];
+        memcpy(&x, codes, 8);
+        half[0] = x & 0x0F0F0F0F0F0F0F0Full, half[1] = (x >> 4) & 0x0F0F0F0F0F0F0F0Full;
+        memcpy(spread, half, 16);
+    } else {
+        uint32_t x;
+        memcpy(&x, codes, 4);
+        for (int k = 0; k < 4; k++) spread[k] = (x >> (2 * k)) & 0x03030303u;
+    }
+    const v16 x = v16_load_i8((const int8_t *)spread, 16);
+    const bf16 *params = (const bf16 *)(g + (size_t)PACK_ROWS * width * bits / 8);
+    if (per_channel) return v16_fma(x, v16_load_bf16(params + col, 16), v16_load_bf16(params + width + col, 16));
+    const int groups = (width + PACK_VALUE_GROUP - 1) / PACK_VALUE_GROUP, k = j * groups + col / PACK_VALUE_GROUP;
+    return v16_fma(x, v16_set1(bf16_to_f32(params[k])), v16_set1(bf16_to_f32(params[PACK_ROWS * groups + k])));
+}
+
+/* Elements [col, col + n) of row j of block b (at base), as floats, whatever the dtype. */
+static inline __attribute__((always_inline)) v16 block_load(const RowBlocks *r, const char *base, int b, int j,
+                                                            int col, int n, DType dt) {
+    if (dtype_packed(dt)) return packed_load((const unsigned char *)base, j, col, n, dt, (int)r->stride, r->per_channel);
+    return row_load(base + (size_t)j * r->stride * dtype_size(dt), row_scales(r, b, j), col, n, dt, r->split);
+}
+
 /* out[j] = dot(q, row j as floats, width) * scale for the rows of block b, j < m: 16 rows at
  * a time reduced side by side, the rest one by one, as dot_rows does. */
 static inline __attribute__((always_inline)) void dot_block_rows(float *out, const float *q, const RowBlocks *r, int b,
                                                                  int m, int width, float scale, DType dt) {
-    const size_t row_bytes = r->stride * dtype_size(dt);
     const char *base = r->block[b];
     int j = 0;
     for (; j + 16 <= m; j += 16) {
@@ -212,10 +244,7 @@ static inline __attribute__((always_inline)) void dot_block_rows(float *out, con
         for (int k = 0; k < width; k += 16) {
             const int len = width - k < 16 ? width - k : 16;
             const v16 qk = v16_load_f32(q + k, len);
-            for (int i = 0; i < 16; i++)
-                acc[i] = v16_fma(
-                    qk, row_load(base + (size_t)(j + i) * row_bytes, row_scales(r, b, j + i), k, len, dt, r->split),
-                    acc[i]);
+            for (int i = 0; i < 16; i++) acc[i] = v16_fma(qk, block_load(r, base, b, j + i, k, len, dt), acc[i]);
         }
         v16_store(out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
     }
@@ -223,8 +252,7 @@ static inline __attribute__((always_inline)) void dot_block_rows(float *out, con
         v16 acc = v16_zero();
         for (int k = 0; k < width; k += 16) {
             const int len = width - k < 16 ? width - k : 16;
-            acc = v16_fma(v16_load_f32(q + k, len),
-                          row_load(base + (size_t)j * row_bytes, row_scales(r, b, j), k, len, dt, r->split), acc);
+            acc = v16_fma(v16_load_f32(q + k, len), block_load(r, base, b, j, k, len, dt), acc);
         }
         out[j] = v16_reduce(acc) * scale;
     }
@@ -234,7 +262,8 @@ static inline __attribute__((always_inline)) void dot_block_rows(float *out, con
  * pool, so the hardware prefetchers lose the stream at every block's start. */
 static inline void prefetch_block(const RowBlocks *r, int b, int m) {
     const char *base = r->block[b];
-    const size_t bytes = (size_t)m * r->stride * dtype_size(r->dtype);
+    const size_t bytes = dtype_packed(r->dtype) ? packed_group_bytes((int)r->stride, r->dtype, r->per_channel)
+                                                : (size_t)m * r->stride * dtype_size(r->dtype);
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 3);
 }
 
@@ -242,16 +271,50 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
                     int width, float scale) {
     for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
+        const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
         for (int h = 0; h < n_heads; h++) { /* every head reads the block while it is in L1 */
             float *o = out + (size_t)h * ld_out + j0;
             const float *qh = q + (size_t)h * ld_q;
-            switch (rows.dtype) { /* fp32 rows take dot_rows' loops with constant widths */
+            switch (dt) { /* fp32 rows take dot_rows' loops with constant widths */
             case DTYPE_F32: dot_rows(o, qh, rows.block[b], rows.stride, m, width, scale); break;
             case DTYPE_BF16: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_BF16); break;
             case DTYPE_I8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I8); break;
             case DTYPE_F8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_F8); break;
+            case DTYPE_I4: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I4); break;
+            case DTYPE_I2: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I2); break;
             }
+        }
+    }
+}
+
+/* One block's m rows (block b at j0) into the chains of heads 0 .. nh-1 over columns
+ * [c, c + 32): the even and odd rows in two chains a slice. */
+static inline __attribute__((always_inline)) void weighted_sum_block(v16 *even0, v16 *odd0, v16 *even1, v16 *odd1,
+                                                                     const float *p, size_t ld_p, const int nh,
+                                                                     const RowBlocks *rows, int b, int j0, int m, int c,
+                                                                     int len0, int len1, DType dt) {
+    const char *base = rows->block[b];
+    int j = 0;
+    for (; j + 2 <= m; j += 2) {
+        const v16 e0 = block_load(rows, base, b, j, c, len0, dt), o0 = block_load(rows, base, b, j + 1, c, len0, dt);
+        const v16 e1 = block_load(rows, base, b, j, c + 16, len1, dt);
+        const v16 o1 = block_load(rows, base, b, j + 1, c + 16, len1, dt);
+        for (int h = 0; h < nh; h++) {
+            const float *pb = p + (size_t)h * ld_p + j0;
+            const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
+            even0[h] = v16_fma(p_even, e0, even0[h]);
+            odd0[h] = v16_fma(p_odd, o0, odd0[h]);
+            even1[h] = v16_fma(p_even, e1, even1[h]);
+            odd1[h] = v16_fma(p_odd, o1, odd1[h]);
+        }
+    }
+    if (j < m) { /* an odd last row: only in the last block */
+        const v16 e0 = block_load(rows, base, b, j, c, len0, dt), e1 = block_load(rows, base, b, j, c + 16, len1, dt);
+        for (int h = 0; h < nh; h++) {
+            const v16 p_last = v16_set1(p[(size_t)h * ld_p + j0 + j]);
+            even0[h] = v16_fma(p_last, e0, even0[h]);
+            even1[h] = v16_fma(p_last, e1, even1[h]);
         }
     }
 }
@@ -261,7 +324,6 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
 static inline __attribute__((always_inline)) void weighted_sum_pass(float *out, size_t ld_out, const float *p,
                                                                     size_t ld_p, const int nh, const RowBlocks *rows,
                                                                     int n, int c, int width, DType dt, int prefetch) {
-    const size_t row_bytes = rows->stride * dtype_size(dt);
     const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16); /* len1 may be 0 */
     v16 even0[2], odd0[2], even1[2], odd1[2];
     for (int h = 0; h < nh; h++) even0[h] = odd0[h] = even1[h] = odd1[h] = v16_zero();
@@ -269,33 +331,10 @@ static inline __attribute__((always_inline)) void weighted_sum_pass(float *out, 
         const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
         if (prefetch && j0 + m < n)
             prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
-        const char *row = rows->block[b];
-        int j = 0;
-        for (; j + 2 <= m; j += 2, row += 2 * row_bytes) {
-            const float *se = row_scales(rows, b, j), *so = row_scales(rows, b, j + 1);
-            const v16 e0 = row_load(row, se, c, len0, dt, rows->split),
-                      o0 = row_load(row + row_bytes, so, c, len0, dt, rows->split);
-            const v16 e1 = row_load(row, se, c + 16, len1, dt, rows->split);
-            const v16 o1 = row_load(row + row_bytes, so, c + 16, len1, dt, rows->split);
-            for (int h = 0; h < nh; h++) {
-                const float *pb = p + (size_t)h * ld_p + j0;
-                const v16 p_even = v16_set1(pb[j]), p_odd = v16_set1(pb[j + 1]);
-                even0[h] = v16_fma(p_even, e0, even0[h]);
-                odd0[h] = v16_fma(p_odd, o0, odd0[h]);
-                even1[h] = v16_fma(p_even, e1, even1[h]);
-                odd1[h] = v16_fma(p_odd, o1, odd1[h]);
-            }
-        }
-        if (j < m) { /* an odd last row: only in the last block */
-            const float *se = row_scales(rows, b, j);
-            const v16 e0 = row_load(row, se, c, len0, dt, rows->split),
-                      e1 = row_load(row, se, c + 16, len1, dt, rows->split);
-            for (int h = 0; h < nh; h++) {
-                const v16 p_last = v16_set1(p[(size_t)h * ld_p + j0 + j]);
-                even0[h] = v16_fma(p_last, e0, even0[h]);
-                even1[h] = v16_fma(p_last, e1, even1[h]);
-            }
-        }
+        if (dt != DTYPE_F32 && rows->last_f32 && j0 + m == n)
+            weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, b, j0, m, c, len0, len1, DTYPE_F32);
+        else
+            weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, b, j0, m, c, len0, len1, dt);
     }
     for (int h = 0; h < nh; h++) {
         float *o = out + (size_t)h * ld_out;
@@ -330,6 +369,99 @@ void weighted_sum_row_blocks(float *out, size_t ld_out, const float *p, size_t l
     case DTYPE_BF16: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_BF16); break;
     case DTYPE_I8: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_I8); break;
     case DTYPE_F8: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_F8); break;
+    case DTYPE_I4: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_I4); break;
+    case DTYPE_I2: weighted_sum_typed(out, ld_out, p, ld_p, n_heads, &rows, n, width, DTYPE_I2); break;
+    }
+}
+
+/* ---- KIVI's packed groups (kernels.h) ---- */
+
+/* The bf16 nearest x from above (up) or below: truncation moves toward zero, so one more
+ * step of magnitude where that went the wrong way; never past the largest finite bf16. */
+static bf16 bf16_toward(float x, int up) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    bf16 t = (bf16)(u >> 16);
+    if ((u & 0xFFFFu) && up != (int)(u >> 31)) t++;
+    return (t & 0x7FFFu) == 0x7F80u ? (bf16)(t - 1) : t;
+}
+
+size_t packed_group_bytes(int width, DType dt, int per_channel) {
+    const size_t codes = (size_t)PACK_ROWS * width * dtype_bits(dt) / 8;
+    const int groups = (width + PACK_VALUE_GROUP - 1) / PACK_VALUE_GROUP;
+    return codes + (per_channel ? 2 * (size_t)width : 2 * (size_t)PACK_ROWS * groups) * sizeof(bf16);
+}
+
+/* One group's n values (x[i * step]) into codes (code i at code_at(i)), its scale and min. */
+static void quantize_group(unsigned char *codes, const size_t *at, int shift_of[], bf16 *scale, bf16 *min,
+                           const float *x, size_t step, int n, int levels) {
+    float lo = INFINITY, hi = -INFINITY;
+    int finite = 1;
+    for (int i = 0; i < n; i++) {
+        const float v = x[(size_t)i * step];
+        if (!isfinite(v)) finite = 0;
+        lo = fminf(lo, v), hi = fmaxf(hi, v);
+    }
+    if (!finite) {
+        *scale = *min = 0x7FC0; /* NaN: the group reads back as NaN */
+        for (int i = 0; i < n; i++) codes[at[i]] &= (unsigned char)~(levels << shift_of[i]);
+        return;
+    }
+    *min = bf16_toward(lo, 0);
+    const float m = bf16_to_f32(*min);
+    bf16 s = bf16_toward(hi / (float)levels - m / (float)levels, 1); /* (hi - m) / levels, without overflow */
+    while (s < 0x7F7Fu && fmaf((float)levels, bf16_to_f32(s), m) < hi) s++;
+    *scale = s;
+    const float sf = bf16_to_f32(s);
+    for (int i = 0; i < n; i++) {
+        const float v = sf > 0.0f ? fminf((float)levels, fmaxf(0.0f, nearbyintf((x[(size_t)i * step] - m) / sf))) : 0.0f;
+        codes[at[i]] = (unsigned char)((codes[at[i]] & ~(levels << shift_of[i])) | ((unsigned)v << shift_of[i]));
+    }
+}
+
+/* Where element (j, c)'s code lives: its byte and its shift (kernels.h's layout). */
+static void code_place(int j, int c, int width, int bits, size_t *byte, int *shift) {
+    const int per_slice = 2 * bits, lane = c % 16;
+    *byte = ((size_t)j * width + (size_t)(c - lane)) * bits / 8 + (size_t)(lane % per_slice);
+    *shift = lane / per_slice * bits;
+}
+
+void block_quantize(void *group, const float *rows, size_t stride, int width, DType dt, int per_channel) {
+    const int bits = dtype_bits(dt), levels = (1 << bits) - 1;
+    unsigned char *codes = group;
+    bf16 *params = (bf16 *)(codes + (size_t)PACK_ROWS * width * bits / 8);
+    size_t at[PACK_VALUE_GROUP > PACK_ROWS ? PACK_VALUE_GROUP : PACK_ROWS];
+    int shift[PACK_VALUE_GROUP > PACK_ROWS ? PACK_VALUE_GROUP : PACK_ROWS];
+    if (per_channel) {
+        for (int c = 0; c < width; c++) {
+            for (int j = 0; j < PACK_ROWS; j++) code_place(j, c, width, bits, &at[j], &shift[j]);
+            quantize_group(codes, at, shift, &params[c], &params[width + c], rows + c, stride, PACK_ROWS, levels);
+        }
+        return;
+    }
+    const int groups = (width + PACK_VALUE_GROUP - 1) / PACK_VALUE_GROUP;
+    for (int j = 0; j < PACK_ROWS; j++)
+        for (int g = 0; g < groups; g++) {
+            const int c0 = g * PACK_VALUE_GROUP, n = width - c0 < PACK_VALUE_GROUP ? width - c0 : PACK_VALUE_GROUP;
+            for (int i = 0; i < n; i++) code_place(j, c0 + i, width, bits, &at[i], &shift[i]);
+            quantize_group(codes, at, shift, &params[j * groups + g], &params[PACK_ROWS * groups + j * groups + g],
+                           rows + (size_t)j * stride + c0, 1, n, levels);
+        }
+}
+
+void block_dequantize_row(float *dst, const void *group, int j, int width, DType dt, int per_channel) {
+    const int bits = dtype_bits(dt), levels = (1 << bits) - 1;
+    const unsigned char *codes = group;
+    const bf16 *params = (const bf16 *)(codes + (size_t)PACK_ROWS * width * bits / 8);
+    const int groups = (width + PACK_VALUE_GROUP - 1) / PACK_VALUE_GROUP;
+    for (int c = 0; c < width; c++) {
+        size_t byte;
+        int shift;
+        code_place(j, c, width, bits, &byte, &shift);
+        const float code = (float)((codes[byte] >> shift) & levels);
+        const int k = j * groups + c / PACK_VALUE_GROUP;
+        const bf16 scale = per_channel ? params[c] : params[k], min = per_channel ? params[width + c] : params[PACK_ROWS * groups + k];
+        dst[c] = fmaf(code, bf16_to_f32(scale), bf16_to_f32(min));
     }
 }
 
@@ -397,7 +529,7 @@ void row_dequantize(float *dst, const void *row, const float *scales, int n, int
 
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
     const void *one[2] = {rows, NULL}; /* [1] is never read, but GCC cannot tell (prefetch_block) */
-    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0}; /* one block holding every row */
+    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0, 0, 0}; /* one block holding every row */
     weighted_sum_typed(out, 0, p, 0, 1, &all, n, width, DTYPE_F32);
 }
 

@@ -15,10 +15,31 @@
 #include "kernels/isa.h"
 #include "kernels/threads.h"
 
-/* Weights are fp32 or bf16; the KV cache may also hold int8 with a scale per vector. */
-typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_I8 = 2, DTYPE_F8 = 3 } DType;
+/* Weights are fp32 or bf16; the KV cache may also hold int8 or fp8 with a scale per vector,
+ * or int4 / int2 codes packed by blocks of PACK_ROWS rows (KIVI, below). */
+typedef enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_I8 = 2, DTYPE_F8 = 3, DTYPE_I4 = 4, DTYPE_I2 = 5 } DType;
 /* int8 and fp8 (e4m3) carry scales */
 static inline int dtype_scaled(DType dt) { return dt == DTYPE_I8 || dt == DTYPE_F8; }
+/* int4 and int2: a block of rows is quantized as one unit */
+static inline int dtype_packed(DType dt) { return dt == DTYPE_I4 || dt == DTYPE_I2; }
+static inline int dtype_bits(DType dt) { return dt == DTYPE_I4 ? 4 : dt == DTYPE_I2 ? 2 : 8 * (int)(dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1); }
+
+/* KIVI's asymmetric groups (Liu et al., 2024) over a block of PACK_ROWS rows of `width`
+ * elements (width a multiple of 16): an element stands for code * scale + min, one fmaf,
+ * codes in [0, 2^bits - 1], scale and min in bf16 (min rounded down, scale up, so every
+ * code's range covers its group). Per channel (keys): a scale and a min a column over the
+ * block's rows. Per token (values): a scale and a min a row for each PACK_VALUE_GROUP
+ * columns. A group holding Inf or NaN gets NaN scale and min, so it reads back as NaN.
+ * A group is [codes: row j's 16-column slice s at (j * width + 16 s) * bits / 8, 2 * bits
+ * bytes, byte i's bits [k * bits, (k + 1) * bits) holding lane i + 2 * bits * k]
+ * [scales][mins]: per channel scale[width], min[width]; per token scale[PACK_ROWS][groups],
+ * min[PACK_ROWS][groups]. */
+enum { PACK_ROWS = 16, PACK_VALUE_GROUP = 32 };
+size_t packed_group_bytes(int width, DType dt, int per_channel);
+/* rows: PACK_ROWS rows of width floats, `stride` floats apart */
+void block_quantize(void *group, const float *rows, size_t stride, int width, DType dt, int per_channel);
+/* Row j of a group as the floats it stands for: the plain reference of the kernels' loads. */
+void block_dequantize_row(float *dst, const void *group, int j, int width, DType dt, int per_channel);
 
 /* A weight matrix [rows][cols] in the checkpoint's dtype (a vector is rows = 1), held in
  * the packed layout that matmul streams through memory in order:
@@ -131,7 +152,8 @@ void weighted_sum_rows(float *out, const float *p, const float *rows, size_t str
  * (j % block_rows) * stride of block[j / block_rows], in dtype. An int8 (fp8) row stands for
  * the floats scale * int8 (scale * e4m3; one IEEE product each), with n_scales scales a row: element c
  * uses the row's first scale for c < split, its second from split on; block b's rows'
- * scales are scales[b][r * n_scales + part]. block_rows is even. */
+ * scales are scales[b][r * n_scales + part]. block_rows is even. An int4 (int2) block is one
+ * group of block_rows = PACK_ROWS rows of stride elements. */
 typedef struct {
     const void *const *block;
     const float *const *scales; /* DTYPE_I8 and DTYPE_F8 only */
@@ -139,6 +161,8 @@ typedef struct {
     size_t stride;
     DType dtype;
     int n_scales, split; /* DTYPE_I8 and DTYPE_F8 only */
+    int per_channel;     /* DTYPE_I4 and DTYPE_I2: block[b] is a group (block_quantize), keys' or values' */
+    int last_f32;        /* the last block (of the n rows) is fp32 rows, `stride` floats apart (KIVI's residual) */
 } RowBlocks;
 /* dot_rows and weighted_sum_rows over such rows for n_heads heads that read the same rows
  * (a GQA group, MQA's or MLA's heads): head h's query (or probabilities) at q + h*ld_q

@@ -267,9 +267,13 @@ int team_wait(Worker *w) {
     static _Thread_local unsigned seen; /* the posts this thread has taken */
     for (;;) {
         wait_for_change(t, &t->posted, seen);
-        seen++;
+        /* the newest post: one this thread did not see ran without it (thread 0 cannot end
+         * a step of the team's without it), and taking them one by one would start a step
+         * that was never posted, on the last one's state */
+        seen = atomic_load_explicit(&t->posted, memory_order_acquire);
         if (t->closing) return 0;
-        if (w->thread < atomic_load_explicit(&t->active, memory_order_relaxed)) break;
+        /* in the team, unless it was let back in for a post still to come */
+        if (w->thread < atomic_load_explicit(&t->active, memory_order_acquire) && (int)(t->join_post - seen) <= 0) break;
         /* left out: asleep until the team lets this thread back in, at post join_post */
         for (;;) {
             const unsigned roster = atomic_load_explicit(&t->roster, memory_order_acquire);

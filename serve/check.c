@@ -1,5 +1,6 @@
-/* check.c: the two checks of the bitwise promise (modes.h): --check-batch, each sequence of
- * a batch against itself run alone; --check-kv, greedy with the cache against without. */
+/* check.c: the checks of the bitwise promise (modes.h): --check-batch, each sequence of a
+ * batch against itself run alone; --check-kv, greedy with the cache against without;
+ * --check-spec, greedy with speculation against without. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,19 +33,20 @@ BatchVerdict compare_hashed_runs(const HashedRun *a, const HashedRun *b) {
     return (BatchVerdict){a->generated, same_tokens - a->n_prompt, identical, first_difference};
 }
 
-/* Runs the requests through max_batch slots to their ends; the hash of the logits of each
- * request's step s goes to hashes[index * stride + s]. */
-static void run_hashed(const Model *m, KVPool *pool, const Options *o, Request *requests, int n, int max_batch,
-                       uint64_t *hashes, int stride) {
+/* Runs the requests through max_batch slots to their ends; the hash of the logits that
+ * sample a request's generated token s goes to hashes[index * stride + s] (a step of
+ * speculation samples several). */
+static void run_hashed(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o, Request *requests,
+                       int n, int max_batch, uint64_t *hashes, int stride) {
     Scheduler sch;
-    scheduler_open(&sch, m, pool, o, max_batch);
+    scheduler_open(&sch, m, pool, draft, o, max_batch);
     for (int i = 0; i < n; i++) scheduler_add(&sch, &requests[i]);
     StepResult st;
     int rc;
     while ((rc = scheduler_step(&sch, &st)) > 0)
         for (int k = 0; k < st.n_rows; k++) {
-            const Request *r = st.rows[k].request; /* its step r->generated - 1 */
-            hashes[(size_t)r->index * stride + r->generated - 1] =
+            const Request *r = st.rows[k].request; /* the row after position pos samples token pos + 1 */
+            hashes[(size_t)r->index * stride + st.rows[k].pos + 1 - r->n_prompt] =
                 hash_logits(st.logits + (size_t)k * m->cfg.vocab_size, m->cfg.vocab_size);
         }
     check_model(rc);
@@ -59,14 +61,14 @@ int mode_check_batch(const Model *m, KVPool *pool, const Options *o) {
              *alone = calloc((size_t)B * stride, sizeof(uint64_t));
     BatchVerdict *verdicts = malloc((size_t)B * sizeof *verdicts);
     if (!in_batch || !alone || !verdicts) die(1, "out of memory");
-    run_hashed(m, pool, o, batch.requests, B, o->batch, in_batch, stride);
+    run_hashed(m, pool, NULL, o, batch.requests, B, o->batch, in_batch, stride);
     int differ = 0, n_identical = 0;
     for (int i = 0; i < B; i++) {
         const Request *a = &batch.requests[i];
         Request b = {.index = i, .n_prompt = a->n_prompt, .cap_tokens = a->n_prompt + 1, .seed = a->seed};
         if (!(b.tokens = malloc((size_t)b.cap_tokens * sizeof(int)))) die(1, "out of memory");
         memcpy(b.tokens, a->tokens, (size_t)a->n_prompt * sizeof(int));
-        run_hashed(m, pool, o, &b, 1, 1, alone, stride);
+        run_hashed(m, pool, NULL, o, &b, 1, 1, alone, stride);
         const HashedRun batched = {a->tokens, a->n_tokens, a->n_prompt, in_batch + (size_t)i * stride, a->generated},
                         solo = {b.tokens, b.n_tokens, b.n_prompt, alone + (size_t)i * stride, b.generated};
         verdicts[i] = compare_hashed_runs(&batched, &solo);
@@ -121,7 +123,7 @@ static GreedyRun greedy_run(const Model *m, KVPool *pool, const Options *o, cons
     if (!g.logits || !(r.tokens = malloc((size_t)r.cap_tokens * sizeof(int)))) die(1, "out of memory");
     memcpy(r.tokens, prompt, (size_t)n_prompt * sizeof(int));
     Scheduler sch;
-    scheduler_open(&sch, m, pool, &greedy, 1);
+    scheduler_open(&sch, m, pool, NULL, &greedy, 1);
     scheduler_add(&sch, &r);
     StepResult st;
     int rc;
@@ -241,4 +243,63 @@ int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     kv_pool_free(&whole);
     free(prompt);
     return fails;
+}
+
+/* ---- --check-spec ---- */
+
+/* The batch (or --prompts) through its slots greedily, with speculation and without: each
+ * sequence's tokens and the hashes of the logits of every emitted position compared. One
+ * line for people, then one key=value line a sequence (or one JSON object). Returns 1 when
+ * a sequence differs. */
+int mode_check_spec(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o) {
+    Options spec = *o, plain = *o;
+    spec.top_k = plain.top_k = 1;
+    plain.draft = 0;
+    RequestList a = requests_of(m, o), b = requests_of(m, o);
+    const int B = a.n, stride = (o->steps > m->cfg.max_seq_len ? o->steps : m->cfg.max_seq_len) + 1;
+    uint64_t *with = calloc((size_t)B * stride, sizeof(uint64_t)), *without = calloc((size_t)B * stride, sizeof(uint64_t));
+    BatchVerdict *verdicts = malloc((size_t)B * sizeof *verdicts);
+    if (!with || !without || !verdicts) die(1, "out of memory");
+    run_hashed(m, pool, draft, &spec, a.requests, B, o->batch, with, stride);
+    run_hashed(m, pool, NULL, &plain, b.requests, B, o->batch, without, stride);
+    int differ = 0, n_identical = 0;
+    for (int i = 0; i < B; i++) {
+        const Request *x = &a.requests[i], *y = &b.requests[i];
+        const HashedRun hx = {x->tokens, x->n_tokens, x->n_prompt, with + (size_t)i * stride, x->generated},
+                        hy = {y->tokens, y->n_tokens, y->n_prompt, without + (size_t)i * stride, y->generated};
+        verdicts[i] = compare_hashed_runs(&hx, &hy);
+        differ |= !verdicts[i].identical;
+        n_identical += verdicts[i].identical;
+    }
+    const char *drafter = o->draft_path ? o->draft_path : "ngram";
+    if (o->json) {
+        json_begin("check-spec", m, o, "kv");
+        fputs(", \"draft\": ", stdout);
+        json_text(stdout, drafter);
+        printf(", \"draft_k\": %d, \"batch\": %d, \"slots\": %d, \"identical\": %s, "
+               "\"sequences_identical\": %d, \"sequences\": [",
+               o->draft_k, B, o->batch, differ ? "false" : "true", n_identical);
+        for (int i = 0; i < B; i++)
+            printf("%s{\"index\": %d, \"seed\": %llu, \"steps\": %d, \"identical_tokens\": %d, "
+                   "\"bitwise_identical\": %s, \"first_difference\": %d}",
+                   i ? ", " : "", i, (unsigned long long)a.requests[i].seed, verdicts[i].steps, verdicts[i].same_tokens, verdicts[i].identical ? "true" : "false",
+                   verdicts[i].first_difference);
+        putchar(']');
+        json_end();
+    } else {
+        printf("%s kv, %d sequences in %d slots, draft %s k %d: %d of %d give the same tokens and bitwise the same "
+               "logits as without speculation\n",
+               variant_name(&m->cfg), B, o->batch, drafter, o->draft_k, n_identical, B);
+        for (int i = 0; i < B; i++)
+            printf("check-spec variant=%s index=%d seed=%llu steps=%d identical_tokens=%d bitwise_identical=%d "
+                   "first_difference=%d\n",
+                   variant_name(&m->cfg), i, (unsigned long long)a.requests[i].seed, verdicts[i].steps, verdicts[i].same_tokens, verdicts[i].identical,
+                   verdicts[i].first_difference);
+    }
+    free(verdicts);
+    free(with);
+    free(without);
+    requests_free(&a);
+    requests_free(&b);
+    return differ;
 }

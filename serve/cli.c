@@ -39,12 +39,16 @@ void cli_usage(FILE *f) {
           "                        speed says is faster for that sequence; without: recompute)\n"
           "      --prompts FILE    serve a file of prompts, one a line, through the --batch slots, sequence i\n"
           "                        with seed s+i (continuous batching)\n"
-          "      --kv-dtype fp32|bf16|int8|fp8  precision of the cached keys and values (default fp32)\n"
-          "      --window W        with --kv: keep W positions a sequence, so -n may exceed the context\n"
+          "      --kv-dtype fp32|bf16|int8|fp8|int4|int2  precision of the cached keys and values\n"
+          "                        (default fp32; int4 and int2 after KIVI: docs/KVCACHE.md)\n"
+          "      --kv-budget N, --window N  with --kv: keep N positions a sequence, so -n may exceed the\n"
+          "                        context\n"
           "      --fill N          with --kv: start every sequence at position N, over a cache of generated\n"
           "                        entries that no pass computed (the step time at a long context)\n"
-          "      --window-policy ring|sinks  overwrite the oldest position (ring, default), or keep the\n"
-          "                        first 4 for good and slide the rest (sinks)\n"
+          "      --evict ring|sinks|h2o|block, --window-policy  what a full budget gives up: the oldest\n"
+          "                        position (ring, default), the oldest after the first 4 (sinks), the\n"
+          "                        least attended older than the recent half (h2o), or the least attended\n"
+          "                        block of 16 older than it (block; a budget of 32, 48, ...)\n"
           "      --threads N       threads, 1..256 (default: OMP_NUM_THREADS, else all cores)\n"
           "      --log FILE.csv    write the per-step latencies as CSV\n"
           "      --dump-logits FILE  write the logits of every step as raw float32 (steps x vocab)\n"
@@ -64,7 +68,9 @@ void cli_usage(FILE *f) {
           "      --check-kv        greedy runs with and without the cache: the same tokens, bitwise the same\n"
           "                        logits? Exit 1 when not\n"
           "      --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
-          "      --draft ngram     with --kv, greedy: speculative decoding, drafts by prompt lookup\n"
+          "      --check-spec      with --draft: greedy with and without speculation, bitwise the same?\n"
+          "      --draft ngram|CKPT  with --kv: speculative decoding, drafts by prompt lookup or by a\n"
+          "                        small model of the same tokenizer (a checkpoint)\n"
           "      --draft-k K       draft tokens verified a pass, 1..16 (default 4)\n"
           "      --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
           "                        by <|endoftext|> lines), each story scored in windows of the context\n"
@@ -76,7 +82,14 @@ void cli_usage(FILE *f) {
 
 const char *mla_form_name(MlaForm form) { return form == MLA_ABSORBED ? "absorb" : "expand"; }
 
-const char *kv_dtype_name(DType dtype) { return dtype == DTYPE_F32 ? "fp32" : dtype == DTYPE_BF16 ? "bf16" : dtype == DTYPE_I8 ? "int8" : "fp8"; }
+const char *evict_name(const Options *o) {
+    return o->evict == KV_EVICT_H2O ? "h2o" : o->evict == KV_EVICT_BLOCK ? "block" : o->window_sinks ? "sinks" : "ring";
+}
+
+const char *kv_dtype_name(DType dtype) {
+    static const char *const names[] = {"fp32", "bf16", "int8", "fp8", "int4", "int2"};
+    return names[dtype];
+}
 
 /* 0 with *out set, or 2 with the message in err. */
 static int parse_long(const char *flag, const char *s, long lo, long hi, long *out, char *err, size_t errlen) {
@@ -121,6 +134,7 @@ enum {
     OPT_IGNORE_EOS,
     OPT_CHECK_KV,
     OPT_CHECK_BATCH,
+    OPT_CHECK_SPEC,
     OPT_DRAFT,
     OPT_DRAFT_K,
     OPT_PPL,
@@ -157,7 +171,9 @@ static const struct option LONG_OPTIONS[] = {
     {"prompts", required_argument, NULL, OPT_PROMPTS},
     {"kv-dtype", required_argument, NULL, OPT_KV_DTYPE},
     {"window", required_argument, NULL, OPT_WINDOW},
+    {"kv-budget", required_argument, NULL, OPT_WINDOW},
     {"window-policy", required_argument, NULL, OPT_WINDOW_POLICY},
+    {"evict", required_argument, NULL, OPT_WINDOW_POLICY},
     {"fill", required_argument, NULL, OPT_FILL},
     {"threads", required_argument, NULL, OPT_THREADS},
     {"log", required_argument, NULL, OPT_LOG},
@@ -168,6 +184,7 @@ static const struct option LONG_OPTIONS[] = {
     {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
     {"check-kv", no_argument, NULL, OPT_CHECK_KV},
     {"check-batch", no_argument, NULL, OPT_CHECK_BATCH},
+    {"check-spec", no_argument, NULL, OPT_CHECK_SPEC},
     {"draft", required_argument, NULL, OPT_DRAFT},
     {"draft-k", required_argument, NULL, OPT_DRAFT_K},
     {"ppl", required_argument, NULL, OPT_PPL},
@@ -230,6 +247,7 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
     if (o->check_kv) given[n++] = "--check-kv";
     if (o->ppl_path) given[n++] = "--ppl";
     if (o->check_batch) given[n++] = "--check-batch";
+    if (o->check_spec) given[n++] = "--check-spec";
     if (n > 1) return errmsg(err, errlen, 2, "%s and %s cannot be combined: one mode a run", given[0], given[1]);
     const char *output = o->log_path         ? "--log"
                          : o->dump_path      ? "--dump-logits"
@@ -237,7 +255,7 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
                          : o->dump_attn_path ? "--dump-attn"
                                              : NULL;
     if (output && n) return errmsg(err, errlen, 2, "%s records a generation: it takes no %s", output, given[0]);
-    if (o->prompts_path && n && !o->check_batch)
+    if (o->prompts_path && n && !o->check_batch && !o->check_spec)
         return errmsg(err, errlen, 2, "--prompts serves a generation: it takes no %s", given[0]);
     if (o->batch_given && o->check_kv)
         return errmsg(err, errlen, 2, "--check-kv compares one sequence; --check-batch compares a batch");
@@ -349,8 +367,12 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
                 o->kv_dtype = DTYPE_I8;
             else if (!strcmp(v, "fp8"))
                 o->kv_dtype = DTYPE_F8;
+            else if (!strcmp(v, "int4"))
+                o->kv_dtype = DTYPE_I4;
+            else if (!strcmp(v, "int2"))
+                o->kv_dtype = DTYPE_I2;
             else
-                rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16, int8 or fp8, got '%s'", v);
+                rc = errmsg(err, errlen, 2, "--kv-dtype takes fp32, bf16, int8, fp8, int4 or int2, got '%s'", v);
             break;
         case OPT_WINDOW:
             if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n;
@@ -360,12 +382,15 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
             break;
         case OPT_WINDOW_POLICY:
             policy_given = 1;
-            if (!strcmp(v, "ring"))
-                o->window_sinks = 0;
-            else if (!strcmp(v, "sinks"))
+            o->window_sinks = 0, o->evict = KV_EVICT_OLDEST;
+            if (!strcmp(v, "sinks"))
                 o->window_sinks = CLI_WINDOW_SINKS;
-            else
-                rc = errmsg(err, errlen, 2, "--window-policy takes ring or sinks, got '%s'", v);
+            else if (!strcmp(v, "h2o"))
+                o->evict = KV_EVICT_H2O;
+            else if (!strcmp(v, "block"))
+                o->evict = KV_EVICT_BLOCK;
+            else if (strcmp(v, "ring"))
+                rc = errmsg(err, errlen, 2, "%s takes ring, sinks, h2o or block, got '%s'", flag, v);
             break;
         case OPT_THREADS:
             if (!(rc = parse_long(flag, v, 1, TEAM_MAX_THREADS, &n, err, errlen))) o->threads = (int)n;
@@ -376,10 +401,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         case OPT_IGNORE_EOS: o->ignore_eos = 1; break;
         case OPT_CHECK_KV: o->check_kv = 1; break;
         case OPT_CHECK_BATCH: o->check_batch = 1; break;
+        case OPT_CHECK_SPEC: o->check_spec = 1; break;
         case OPT_DRAFT:
-            if (strcmp(v, "ngram") != 0)
-                rc = errmsg(err, errlen, 2, "--draft takes ngram (a draft model is not supported yet), got '%s'", v);
             o->draft = 1;
+            o->draft_path = strcmp(v, "ngram") ? v : NULL;
             break;
         case OPT_DRAFT_K:
             if (!(rc = parse_long(flag, v, 1, 16, &n, err, errlen))) o->draft_k = (int)n;
@@ -414,16 +439,19 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->prompt_given = prompt_flags != 0;
     if (o->quiet && o->verbose) return errmsg(err, errlen, 2, "-q and -v cannot be combined");
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
-    if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram");
+    if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram|CKPT");
+    if (o->check_spec && !o->draft) return errmsg(err, errlen, 2, "--check-spec needs --draft ngram|CKPT and --kv");
     if (o->draft && !o->draft_k) o->draft_k = 4;
     if (o->draft && (!o->kv || o->window || o->ppl_path || o->info || o->check_kv || o->check_batch))
         return errmsg(err, errlen, 2, "--draft speculates on the cache: it needs --kv and takes no %s",
                       !o->kv ? "run without it" : o->window ? "--window (a ring cannot be rolled back)" : "other mode");
-    if (o->draft && o->top_k != 1 && o->temperature != 0.0f)
-        return errmsg(err, errlen, 2, "--draft is greedy only for now: give -k 1 or -t 0");
     if (o->prompts_path && o->prompt_given)
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
-    if (policy_given && !o->window) return errmsg(err, errlen, 2, "--window-policy needs --window W");
+    if (policy_given && !o->window) return errmsg(err, errlen, 2, "--evict needs a budget: --kv-budget N");
+    if (o->evict != KV_EVICT_OLDEST && (o->check_kv || o->dump_attn_path))
+        return errmsg(err, errlen, 2, "--evict %s %s", evict_name(o),
+                      o->check_kv ? "cannot agree with --check-kv: recomputing without the cache keeps every position"
+                                  : "records the attention itself: it takes no --dump-attn");
     if (o->profile_peaks && !o->profile) return errmsg(err, errlen, 2, "--profile-peaks needs --profile");
     if (!o->dump_attn_path &&
         !(o->dump_attn_layers.all && o->dump_attn_heads.all && o->dump_attn_steps.all && o->dump_attn_sequences.all))
@@ -433,6 +461,9 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2,
                       "--fill starts a generation with --kv over generated entries: it takes no %s",
                       !o->kv ? "run without --kv" : o->window ? "--window" : o->info ? "--info" : o->check_kv ? "--check-kv" : o->check_batch ? "--check-batch" : "--ppl");
+    if (dtype_packed(o->kv_dtype) && (o->window || o->kv_offload))
+        return errmsg(err, errlen, 2, "--kv-dtype %s quantizes whole blocks: it takes no %s", kv_dtype_name(o->kv_dtype),
+                      o->window ? "--window" : "--kv-offload");
     if (o->kv_offload && (!o->kv || o->window))
         return errmsg(err, errlen, 2, "--kv-offload swaps a sequence's cache: it needs --kv and takes no --window");
     if (o->preempt_swap == 1 && !o->kv_offload)

@@ -11,6 +11,7 @@
 
 #include "config.h"
 #include "kernels/threads.h"
+#include "kvcache.h"
 #include "serve/indexlist.h"
 
 #define CLI_MAX_BATCH 256
@@ -45,13 +46,16 @@ typedef struct {
                              * measured rule (scheduler.h's preempt_rule) */
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
-    int draft;   /* --draft ngram: speculative decoding with prompt lookup (greedy) */
+    int check_spec; /* --check-spec: greedy with and without speculation, compared */
+    int draft;   /* --draft ngram|CKPT: speculative decoding */
+    const char *draft_path; /* --draft CKPT: the draft model's checkpoint; NULL: prompt lookup */
     int draft_k; /* --draft-k: draft tokens a pass, 1..16 */
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
     DType kv_dtype;           /* of the cached elements: fp32, bf16, int8 or fp8 (e4m3) */
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */
     int window_from_model;    /* window is the model's own (Config's window), no --window given */
-    int window_sinks;         /* of them, the first positions kept for good (--window-policy sinks) */
+    int window_sinks;         /* of them, the first positions kept for good (--evict sinks) */
+    KVEvict evict;            /* what a full window gives up (--evict) */
     int fill;                 /* --fill: positions of generated cache entries every sequence starts after */
     int prompt_given;         /* -p or -f was on the command line */
     int mla_given;        /* --mla was on the command line (refused for a model without MLA) */
@@ -80,11 +84,13 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen);
 /* The help text. */
 void cli_usage(FILE *f);
 
-/* The sink positions --window-policy sinks keeps, as StreamingLLM's default. */
+/* The sink positions --evict sinks keeps, as StreamingLLM's default. */
 enum { CLI_WINDOW_SINKS = 4 };
 
 /* "fp32", "bf16", "int8" or "fp8" */
 const char *kv_dtype_name(DType dtype);
+/* --evict's name for the policy o chose: ring, sinks, h2o or block. */
+const char *evict_name(const Options *o);
 
 /* "absorb" or "expand", as --mla spells them */
 const char *mla_form_name(MlaForm form);

@@ -218,6 +218,7 @@ static double percentile(double *v, int n, double q) {
 typedef struct {
     int sequences, served, cut, not_started;
     int prefill_tokens, decode_steps, decode_tokens, stops[4]; /* stops by StopReason; NONE: interrupted */
+    double steps_ms; /* every step's time, summed */
     double prefill_ms, decode_ms, step_median_ms, step_mean_ms, ms_per_token;
     double tokens_per_s_mean, tokens_per_s_median, per_sequence_ms_per_token_mean;
     long served_tokens;                      /* every token sampled, the first included */
@@ -278,6 +279,7 @@ static Figures figures_of(const Generation *g) {
     f.stops[STOP_NONE] = f.cut; /* interrupted: begun and cut short */
     f.per_sequence_ms_per_token_mean = n_decoding ? f.per_sequence_ms_per_token_mean / n_decoding : 0.0;
     for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[i + 1];
+    f.steps_ms = f.prefill_ms + f.decode_ms;
     f.step_median_ms = percentile(steps, f.decode_steps, 0.5);
     for (int i = 0; i < f.decode_steps; i++) f.slow_steps += g->step_ms[i + 1] > 3.0 * f.step_median_ms;
     f.step_mean_ms = f.decode_steps ? f.decode_ms / f.decode_steps : 0.0;
@@ -329,9 +331,12 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
         print_stops(out, f), fputc('\n', out);
     if (sch->draft_k)
         fprintf(out,
-                "speculation: ngram, k %d | %ld draft tokens, %ld accepted (%.1f%%) | %.2f tokens a verifying pass\n",
-                sch->draft_k, sch->drafted, sch->accepted, sch->drafted ? 100.0 * sch->accepted / sch->drafted : 0.0,
-                sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0);
+                "speculation: %s, k %d | %ld draft tokens, %ld accepted (%.1f%%) | %.2f tokens a verifying pass | "
+                "drafting %.3f ms, %.1f%% of the steps' time\n",
+                g->o->draft_path ? g->o->draft_path : "ngram", sch->draft_k, sch->drafted, sch->accepted,
+                sch->drafted ? 100.0 * sch->accepted / sch->drafted : 0.0,
+                sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0,
+                sch->draft_ms, f->steps_ms > 0 ? 100.0 * sch->draft_ms / f->steps_ms : 0.0);
     if (disturbed(f))
         fprintf(out,
                 "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
@@ -459,35 +464,43 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            st->blocks_written, st->peak_blocks, (double)st->layers_read * (double)st->layer_bytes, st->read_ms,
            st->wait_ms, 2 * (size_t)st->max_blocks * st->layer_bytes);
     printf(", \"tier_rule_recomputes\": %d, \"tier_blocks_kept\": %ld", sch->rule_recomputes, t->blocks_kept);
-    printf(", \"draft\": %s, \"draft_k\": %d, \"draft_tokens\": %ld, \"draft_accepted\": %ld, "
-           "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f",
-           sch->draft_k ? "\"ngram\"" : "null", sch->draft_k, sch->drafted, sch->accepted,
-           sch->drafted ? (double)sch->accepted / sch->drafted : 0.0,
-           sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0);
+    fputs(", \"draft\": ", stdout);
+    if (!sch->draft_k)
+        fputs("null", stdout);
+    else
+        json_text(stdout, g->o->draft_path ? g->o->draft_path : "ngram");
+    printf(", \"draft_k\": %d, \"draft_tokens\": %ld, \"draft_accepted\": %ld, "
+           "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f, \"draft_ms_total\": %.3f, "
+           "\"draft_time_share\": %.4f",
+           sch->draft_k, sch->drafted, sch->accepted, sch->drafted ? (double)sch->accepted / sch->drafted : 0.0,
+           sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0,
+           sch->draft_ms, f->steps_ms > 0 ? sch->draft_ms / f->steps_ms : 0.0);
     if (g->profile) profile_json(g->profile);
     json_end();
 }
 
 /* Warm-up, as llama.cpp does after loading: one untimed forward of the first prompt (what
- * a window takes in one pass), on the run's own scheduler, whose cache is emptied after
- * and whose figures start over. A process's first forward runs cold (its weights come from
- * DRAM, its buffers are touched for the first time); that is a cost of loading, so the
- * timed prefill runs warm, like every decode step. The arithmetic is batch-invariant, so
- * the prefill's logits are the same bits either way. */
-static void warm_up(Scheduler *sch, const Request *first, Generation *g) {
+ * a window takes in one pass), on a cache emptied after. A process's first forward runs
+ * cold (its weights come from DRAM); that is a cost of loading, so the timed prefill runs
+ * warm, like every decode step. The arithmetic is batch-invariant, so the prefill's
+ * logits are the same bits either way. */
+static void warm_up(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o, const Request *first,
+                    Generation *g) {
     const double t0 = now_ms();
-    const KVPool *pool = sch->pool;
-    const int fill = sch->fill;
-    sch->fill = 0; /* the generated entries are the timed run's: the warm-up computes the prompt */
+    Scheduler sch;
+    scheduler_open(&sch, m, pool, draft, o, 1);
+    sch.fill = 0; /* the generated entries are the timed run's: the warm-up computes the prompt */
     const int n = pool->window && first->n_prompt > pool->window ? pool->window : first->n_prompt;
     Request r = {.tokens = first->tokens, .n_prompt = n, .cap_tokens = first->cap_tokens, .score = 1};
-    if (scheduler_add(sch, &r) != 0) die(1, "out of memory");
+    scheduler_add(&sch, &r);
     StepResult st;
     int rc;
-    while ((rc = scheduler_step(sch, &st)) > 0) {}
+    while ((rc = scheduler_step(&sch, &st)) > 0) {}
+    if (rc == MODEL_ERR_TIER)
+        die(1, "--kv-offload: the tier failed under a streamed cache (%s) in the warm-up", strerror(sch.tier_errno));
     check_model(rc);
-    sch->fill = fill;
-    scheduler_restart_figures(sch);
+    scheduler_free(&sch);
+    if (pool->stream) kv_stream_restart_figures(pool->stream);
     if (g->step_lines) {
         start_stderr_line(g);
         fprintf(stderr, "[warm-up] tokens %d ms %.3f (untimed; cache emptied)\n", n, now_ms() - t0);
@@ -534,11 +547,11 @@ static void print_settings(const Model *m, const Options *o, int n_requests, int
     if (n_requests > 1 || slots > 1)
         fprintf(stderr, " | %d sequences in %d slots, seeds %llu..%llu", n_requests, slots, (unsigned long long)o->seed,
                 (unsigned long long)(o->seed + (uint64_t)n_requests - 1));
-    if (o->window) fprintf(stderr, " | window %d, %d sinks", o->window, o->window_sinks);
+    if (o->window) fprintf(stderr, " | window %d, %d sinks, evicting %s", o->window, o->window_sinks, evict_name(o));
     fputc('\n', stderr);
 }
 
-int mode_generate(const Model *m, KVPool *pool, const Options *o) {
+int mode_generate(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o) {
     RequestList list = requests_of(m, o);
     Scheduler sch = {0};
     Generation g = {.o = o,
@@ -581,8 +594,10 @@ int mode_generate(const Model *m, KVPool *pool, const Options *o) {
     catch_interrupts();
     if (streams_text(&g))
         for (int i = 1; i < list.requests[0].n_prompt; i++) print_text(&g, token_text(&g, list.requests[0].tokens[i]));
-    scheduler_open(&sch, m, pool, o, o->batch);
-    warm_up(&sch, &list.requests[0], &g);
+    /* the run's buffers first: touching them after the warm-up would push the weights it
+     * brought into the caches back out, and the timed prefill would run cold */
+    scheduler_open(&sch, m, pool, draft, o, o->batch);
+    warm_up(m, pool, draft, o, &list.requests[0], &g);
     sch.clock = g.profile ? &profile.clock : NULL;
     sch.record = g.attn ? &attn.record : NULL;
     for (int i = 0; i < list.n; i++)

@@ -19,6 +19,7 @@ typedef struct {
     int kept;                     /* positions a sequence keeps: the context, or the window */
     size_t kv_full, kv_batch;     /* one sequence's, the batch's, by the formula */
     size_t kv_contiguous;         /* the batch's full caches in the pool's layout */
+    size_t tail_bytes;            /* int4, int2: one sequence's fp32 tail (kvcache.h) */
     size_t stage_bytes;           /* streaming (kvtier.h): the staging area, part of --kv-mem */
     size_t tier_bytes_full;       /* streaming: one full context's bytes on the tier beside the pool */
     double available, total;      /* this machine's memory; -1 when unknown */
@@ -37,10 +38,11 @@ static InfoFigures figures_of(const Config *c, const Options *o, int pool_blocks
     f.kv_batch = f.kv_full * (size_t)o->batch;
     f.kv_contiguous = f.per_token_allocated * (size_t)f.kept * (size_t)o->batch;
     f.scratch_bytes = scheduler_scratch_bytes(c, o->batch);
+    f.tail_bytes = kv_tail_bytes_for(c, o->kv_dtype) * (o->draft ? 2 : 1);
     f.stage_bytes = stream_stage_bytes(c, o);
     const int over = kv_blocks_for(c->max_seq_len) - pool_blocks;
     f.tier_bytes_full = run_streams(o) && over > 0 ? (size_t)over * f.block_bytes : 0;
-    f.needed = f.model_bytes + f.pool_bytes + f.stage_bytes + f.scratch_bytes;
+    f.needed = f.model_bytes + f.pool_bytes + f.stage_bytes + f.scratch_bytes + f.tail_bytes * (size_t)o->batch;
     if (machine_memory(&f.available, &f.total) != 0) f.available = f.total = -1.0;
     f.fits = f.available >= 0 && (double)f.needed <= f.available;
     return f;
@@ -56,14 +58,14 @@ static void info_json(const Config *c, const Options *o, int pool_blocks, const 
            "\"model_bytes\": %zu, \"kv_bytes_per_token\": %zu, \"kv_bytes_full\": %zu, \"kv_bytes_batch\": %zu, "
            "\"kv_bytes_per_token_allocated\": %zu, \"kv_pool_blocks\": %d, \"kv_block_tokens\": %d, "
            "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"batch\": %d, \"kv_bytes_contiguous\": %zu, "
-           "\"scratch_bytes\": %zu, \"tier_stage_bytes\": %zu, \"tier_bytes_full\": %zu, "
+           "\"kv_tail_bytes\": %zu, \"scratch_bytes\": %zu, \"tier_stage_bytes\": %zu, \"tier_bytes_full\": %zu, "
            "\"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
            c->dtype == DTYPE_BF16 ? "bf16" : "fp32", c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
            c->kv_latent, config_rope_width(c), c->hidden_dim, c->vocab_size, (double)c->rope_theta, c->window,
            o->window_from_model ? "true" : "false", f->params, f->weight_bytes, f->model_bytes, f->per_token,
            f->kv_full, f->kv_batch, f->per_token_allocated, pool_blocks, KV_BLOCK_TOKENS, f->block_bytes,
-           f->pool_bytes, o->batch, f->kv_contiguous, f->scratch_bytes, f->stage_bytes, f->tier_bytes_full, f->needed,
-           kernels_simd_name());
+           f->pool_bytes, o->batch, f->kv_contiguous, f->tail_bytes, f->scratch_bytes, f->stage_bytes, f->tier_bytes_full,
+           f->needed, kernels_simd_name());
     if (f->available < 0)
         fputs(", \"memory_available_bytes\": null, \"memory_total_bytes\": null, \"fits_in_memory\": null", stdout);
     else
@@ -94,7 +96,10 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
            c->hidden_dim, c->vocab_size, c->max_seq_len, (double)c->rope_theta);
     printf("parameters     %zu (%.2f M), %zu bytes of weights (%.2f GiB); loaded %zu bytes\n", f.params, f.params / 1e6,
            f.weight_bytes, f.weight_bytes / gib, f.model_bytes);
-    if (c->variant == VARIANT_MLA) {
+    if (dtype_packed(dt)) {
+        printf("KV cache       %d-bit codes, bf16 scales and mins (KIVI), a %zu-byte fp32 tail a sequence", dtype_bits(dt),
+               f.tail_bytes);
+    } else if (c->variant == VARIANT_MLA) {
         if (dtype_scaled(dt))
             printf("KV cache       L*(d_c+d_R+8) = %d*(%d+%d+8)", c->n_layers, c->kv_latent, c->rope_dim);
         else
@@ -109,9 +114,9 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
            f.per_token, f.kv_full, f.kv_full / gib, o->window ? "window" : "context", f.kept, f.kv_batch, batch,
            batch > 1 ? "s" : "", kv_dtype_name(dt), dtype_scaled(dt) ? ", a 4-byte scale a vector" : "");
     if (o->window)
-        printf("window         %d positions a sequence%s, %d of them sinks kept for good; the rest a ring\n", o->window,
+        printf("window         %d positions a sequence%s, %d of them sinks kept for good; evicting: %s\n", o->window,
                o->window_from_model ? " (the model's own sliding window: the default of --window)" : "",
-               o->window_sinks);
+               o->window_sinks, evict_name(o));
     printf("allocated      %zu bytes/token; %zu bytes (%s)\n", f.per_token_allocated, f.pool_bytes, kv_dtype_name(dt));
     printf("KV pool        %d blocks of %d tokens, %zu bytes each (%zu bytes); a contiguous cache of the full %s "
            "for %d sequence%s would take %zu bytes\n",

@@ -24,6 +24,9 @@ static double token_nll(const float *l, int V, int target) {
 typedef struct {
     double nll, nll_past; /* all targets; targets at positions past the context */
     long count, count_past;
+    double nll_budget; /* with a window, targets from it to the context: what eviction changes, and every
+                        * policy scores alike (a ring goes on past the context, eviction by attention restarts) */
+    long count_budget;
     int stories;
     double story_s2, story_sn, story_n2; /* sums of s_i^2, s_i n_i, n_i^2: story i's NLL s_i over n_i tokens */
 } NllSum;
@@ -41,13 +44,14 @@ static double nll_standard_error(const NllSum *t) {
 /* A story's tokens ids[0 .. n) scored: without a window in windows of the context (at most
  * a pass's SCHEDULER_PASS_TOKENS, whose rows of logits a step holds), each from an empty
  * cache, as train/model.py story_windows() does (the baseline past the context: restart);
- * with one, through the windowed cache, each position seeing what the window keeps. Each
- * window is a scored request; position p's logits predict ids[p + 1]. */
+ * with a ring or sinks, whole through the windowed cache, each position seeing what the
+ * window keeps (eviction by attention stays within the context: in windows of it, each
+ * through the budget). Each window is a scored request; position p's logits predict ids[p + 1]. */
 static void score_story(Scheduler *sch, const int *ids, int n, NllSum *sum) {
     const Model *m = sch->model;
     const int ctx = m->cfg.max_seq_len < SCHEDULER_PASS_TOKENS ? m->cfg.max_seq_len : SCHEDULER_PASS_TOKENS;
     const int V = m->cfg.vocab_size;
-    const int span = sch->pool->window ? n - 1 : ctx; /* inputs a request */
+    const int span = kv_rotates_by_place(sch->pool) ? n - 1 : ctx; /* inputs a request */
     for (int start = 0; start < n - 1; start += span) {
         const int len = n - 1 - start < span ? n - 1 - start : span;
         Request r = {.tokens = (int *)ids + start, .n_prompt = len, .cap_tokens = len + 1, .score = 1};
@@ -61,6 +65,8 @@ static void score_story(Scheduler *sch, const int *ids, int n, NllSum *sum) {
                 sum->nll += nll;
                 sum->count++;
                 if (target >= ctx) sum->nll_past += nll, sum->count_past++;
+                if (sch->pool->window && target >= sch->pool->window && target < ctx)
+                    sum->nll_budget += nll, sum->count_budget++;
             }
         check_model(rc);
     }
@@ -82,6 +88,14 @@ static void print_ppl(const Model *m, const Options *o, const NllSum *sum, int n
         if (sum->count_past) {
             printf("{\"from_position\": %d, \"tokens\": %ld, \"mean_nll\": ", ctx, sum->count_past);
             json_number(stdout, sum->nll_past / sum->count_past);
+            putchar('}');
+        } else {
+            fputs("null", stdout);
+        }
+        printf(", \"past_budget\": ");
+        if (sum->count_budget) {
+            printf("{\"from_position\": %d, \"tokens\": %ld, \"mean_nll\": ", o->window, sum->count_budget);
+            json_number(stdout, sum->nll_budget / sum->count_budget);
             putchar('}');
         } else {
             fputs("null", stdout);
@@ -113,7 +127,7 @@ int mode_ppl(const Model *m, KVPool *pool, const Options *o) {
     Options scoring = *o;
     scoring.kv = 1; /* a window's positions each in one pass through the cache */
     Scheduler sch;
-    scheduler_open(&sch, m, pool, &scoring, 1);
+    scheduler_open(&sch, m, pool, NULL, &scoring, 1);
     const int progress = !o->quiet && isatty(STDERR_FILENO);
     NllSum sum = {0};
     for (int s = 0; s < sf.n_stories; s++) {
@@ -121,6 +135,7 @@ int mode_ppl(const Model *m, KVPool *pool, const Options *o) {
         int n = spm_encode(m->tokenizer, text, strlen(text), 1, ids, cap - 1);
         if (n < 0 || n >= cap) {
             if (progress) fputs("\r\033[K", stderr);
+            free(ids); /* held only in a register at this point, so LeakSanitizer would count it lost */
             die(1, "%s: story %d %s", input_name(o->ppl_path).s, s + 1,
                 n < 0 ? encode_error(n) : "is longer than 65535 tokens");
         }

@@ -36,15 +36,30 @@ struct SchedulerRun {
     StepRow *rows; /* (max_tokens) */
     int n_rows;
     float *logits;    /* (max_tokens, vocab_size) */
-    int *sample_rows; /* (max_batch * (1 + draft_k)) the rows the step samples from */
+    int *sample_rows; /* (max_batch) each sampled sequence's first row: its drafts' rows follow */
+    int *sample_slots; /* (max_batch) and its slot */
     int *drafts;      /* (max_batch * draft_k) the step's draft tokens, draft_k a slot */
     int n_sample;
+    float *scratch;   /* (threads, 3 * vocab_size) speculative sampling's p, residual and a point mass */
+    /* the draft model's passes (draft_model), draft_k a step */
+    RunState draft_state;
+    Batch draft_batch;
+    int *draft_ids, *draft_logit_tokens; /* (max_tokens) */
+    KVCache **draft_caches;              /* (max_tokens) */
+    float *draft_logits; /* (max_batch, vocab_size) a pass's rows, one a drafting sequence */
+    int *draft_slots;    /* (max_batch) the slot of each row */
+    int n_draft_rows;
+    int *n_drafts;       /* (max_batch) the draft tokens of each slot this step */
+    float *q;            /* (max_batch * draft_k, vocab_size) sampling: the distribution each draft
+                          * token was drawn from, for the target's acceptance test */
+    double draft_ms;     /* this step's drafting: the draft model's passes and draws, or prompt lookup */
     Request **finished; /* (max_batch) */
     int rc;             /* of the step's passes: 0, or model.h's error */
     int more;           /* the group being run has another pass (without the cache) */
     double fill_ms;     /* this step's admissions spent generating --fill entries */
     double start;       /* the first step's start */
-    long short_steps_before; /* the team's short steps before the figures restarted */
+    int evicts;         /* the window gives up positions by attention (kvcache.h's KVEvict) */
+    AttnRecord paid;    /* then every token's attention weights, each pass */
 };
 
 static int min_int(int a, int b) { return a < b ? a : b; }
@@ -97,11 +112,16 @@ static int outlives_step(const Scheduler *sch, const Request *q) {
 /* A request's sampler and block table, made when it is first admitted. */
 static int start_request(const Scheduler *sch, Request *r) {
     if (r->started) return 0;
-    const int max_len = sch->pool->window ? INT32_MAX / 2 : sch->model->cfg.max_seq_len;
+    const int max_len = kv_rotates_by_place(sch->pool) ? INT32_MAX / 2 : sch->model->cfg.max_seq_len;
     if (sampler_init(&r->sampler, sch->model->cfg.vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0)
         return -1;
     if (kv_init(&r->cache, sch->pool, max_len) != 0) {
         sampler_free(&r->sampler);
+        return -1;
+    }
+    if (sch->draft_model && kv_init(&r->draft_cache, sch->draft_pool, sch->draft_model->cfg.max_seq_len) != 0) {
+        sampler_free(&r->sampler);
+        kv_free(&r->cache);
         return -1;
     }
     r->started = 1;
@@ -113,6 +133,7 @@ static void end_request(const Scheduler *sch, Request *r) {
     if (sch->pool->stream) kv_stream_drop(sch->pool->stream, &r->cache);
     sampler_free(&r->sampler);
     kv_free(&r->cache);
+    if (sch->draft_model) kv_free(&r->draft_cache);
     r->started = 0;
 }
 
@@ -166,6 +187,7 @@ static int admit(SchedulerRun *run) {
                 shared = min_int(common, q->cache.len), source = q;
             }
         }
+        if (dtype_packed(sch->pool->dtype)) shared -= shared % KV_BLOCK_TOKENS; /* int4, int2: whole blocks (kvcache.h) */
         /* waiting one step for a prompt being computed now saves at least half of this one
          * (and more than BOS) */
         if (!r->waited && pending > shared && pending >= 2 && 2 * (pending - shared) >= r->n_tokens) {
@@ -236,6 +258,7 @@ static int reserve_or_preempt(SchedulerRun *run) {
                 run->sch->swaps++;
             else
                 swap_failed(run->sch, "writing a preempted sequence's blocks to");
+            if (run->sch->draft_model) kv_reset(&victim->draft_cache); /* rebuilt from its tokens */
             victim->preemptions++;
             run->sch->preemptions++;
             queue_push_front(run, victim);
@@ -267,8 +290,11 @@ static int lay_out_pass(SchedulerRun *run, int p) {
          * have room for them (kv_reserve changes nothing when it has not) */
         int *draft = run->drafts + (size_t)i * sch->draft_k, d = 0;
         if (sch->draft_k && count == 1 && r->generated > 0 && !r->score) {
-            d = draft_ngram(r->tokens, r->n_tokens,
-                            min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens), draft);
+            const double t0 = now_ms();
+            d = sch->draft_model ? run->n_drafts[i]
+                                 : draft_ngram(r->tokens, r->n_tokens,
+                                               min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens), draft);
+            if (!sch->draft_model) run->draft_ms += now_ms() - t0;
             if (d > 0 && kv_reserve(&r->cache, r->n_tokens + d) != 0) d = 0;
         }
         r->drafted = d;
@@ -277,15 +303,16 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         run->computed_prompt[i] = r->generated == 0;
         if (r->generated == 0 || (sch->kv && count > 1)) run->prefill_tokens += count; /* prompt, or a recompute */
         run->n_tokens += count;
-        if (count > 0) run->sequence_keys += kv_window_length(sch->pool, from + count - 1);
+        if (count > 0) run->sequence_keys += kv_keys_seen(&r->cache, from + count - 1);
         for (int pos = from; pos < from + count; pos++, T++) {
             run->ids[T] = r->tokens[pos];
             run->caches[T] = &r->cache;
-            run->keys_read += kv_window_length(sch->pool, pos);
+            run->keys_read += kv_keys_seen(&r->cache, pos);
             /* a prompt's positions and each new token, once: not a recompute */
-            run->record_sequence[T] = sch->record_step && (r->generated == 0 || pos + 1 == r->n_tokens) ? r->index : -1;
+            run->record_sequence[T] =
+                run->evicts || (sch->record_step && (r->generated == 0 || pos + 1 == r->n_tokens)) ? r->index : -1;
             if (r->score || (pos + 1 == r->n_tokens)) {
-                if (!r->score) run->sample_rows[run->n_sample++] = run->n_rows;
+                if (!r->score) run->sample_slots[run->n_sample] = i, run->sample_rows[run->n_sample++] = run->n_rows;
                 run->rows[run->n_rows++] = (StepRow){r, pos, -1, d ? draft[0] : -1};
                 run->logit_tokens[n_logits++] = T;
             }
@@ -293,14 +320,13 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         for (int j = 0; j < d; j++, T++) { /* the drafts, a row of logits each */
             run->ids[T] = draft[j];
             run->caches[T] = &r->cache;
-            run->keys_read += kv_window_length(sch->pool, from + count + j);
+            run->keys_read += kv_keys_seen(&r->cache, from + count + j);
             run->record_sequence[T] = -1;
-            run->sample_rows[run->n_sample++] = run->n_rows;
             run->rows[run->n_rows++] = (StepRow){r, from + count + j, -1, j + 1 < d ? draft[j + 1] : -1};
             run->logit_tokens[n_logits++] = T;
         }
         run->n_tokens += d;
-        if (d > 0) run->sequence_keys += kv_window_length(sch->pool, from + count + d - 1) - kv_window_length(sch->pool, from + count - 1);
+        if (d > 0) run->sequence_keys += kv_keys_seen(&r->cache, from + count + d - 1) - kv_keys_seen(&r->cache, from + count - 1);
     }
     /* a pass in which every sequence is still inside its prompt reports nothing, but
      * computes at least one row of logits */
@@ -309,11 +335,28 @@ static int lay_out_pass(SchedulerRun *run, int p) {
                          run->caches,
                          n_logits ? n_logits : 1,
                          run->logit_tokens,
-                         sch->record && sch->record_step ? run->record_sequence : NULL};
+                         (sch->record && sch->record_step) || run->evicts ? run->record_sequence : NULL};
     if (!n_logits) run->logit_tokens[0] = T - 1;
     run->passes++;
     run->logit_rows += run->batch.n_logits;
     return !sch->kv && left;
+}
+
+/* A window that evicts by attention: what each token of the pass paid every position its
+ * cache keeps, over every layer and head, added to the cache's scores token by token (in
+ * that order, so the scores do not depend on how the tokens were grouped into passes). */
+static void pay_attention(SchedulerRun *run) {
+    const Config *c = &run->sch->model->cfg;
+    const AttnRecord *rec = &run->paid;
+    const Batch *b = &run->batch;
+    for (int t = 0; t < b->n_tokens; t++)
+        for (int l = 0; l < c->n_layers; l++)
+            for (int h = 0; h < c->n_heads; h++) {
+                const int e = rec->slot[((size_t)l * b->n_tokens + t) * c->n_heads + h];
+                if (e < 0) continue;
+                const AttnRecordEntry *en = &rec->entries[e];
+                kv_attend(b->cache[t], en->pos, rec->probs + en->offset, en->n_keys);
+            }
 }
 
 /* Groups the running sequences: with the cache, all in one pass; without, whole sequences
@@ -336,12 +379,111 @@ static void plan_passes(SchedulerRun *run) {
     run->pass_first[run->n_passes] = run->n_running;
 }
 
+/* Lays out the draft model's pass j of the step (thread 0): in the first, each decoding
+ * sequence's tokens its draft cache has not seen (its last one at least: a preempted
+ * sequence's all, within the prompt budget), and in the next ones its draft token of the
+ * pass before; a row of logits each. A sequence drafts while its positions fit both
+ * contexts and the draft's pool has room for them. Returns the rows (0: nobody drafts). */
+static int lay_out_draft_pass(SchedulerRun *run, int j) {
+    const Scheduler *sch = run->sch;
+    const int K = sch->draft_k, ctx = sch->model->cfg.max_seq_len, draft_ctx = sch->draft_model->cfg.max_seq_len;
+    int T = 0, budget = run->prompt_budget;
+    run->n_draft_rows = 0;
+    for (int i = 0; i < run->n_running; i++) {
+        Request *r = run->running[i];
+        KVCache *dc = &r->draft_cache;
+        if (j == 0) {
+            const int unseen = r->n_tokens - dc->len; /* 1 or more: it holds all but the last token, or fewer */
+            int want = 0;
+            if (r->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score)
+                want = min_int(K, min_int(ctx - r->n_tokens, draft_ctx + 1 - r->n_tokens));
+            if (want > 0 && unseen > 1 && unseen > budget) want = 0;
+            if (want > 0 && kv_reserve(dc, r->n_tokens + want - 1) != 0) want = 0;
+            run->n_drafts[i] = want;
+            if (!want) continue;
+            if (unseen > 1) budget -= unseen;
+            for (int pos = dc->len; pos < r->n_tokens; pos++, T++)
+                run->draft_ids[T] = r->tokens[pos], run->draft_caches[T] = dc;
+        } else {
+            if (run->n_drafts[i] <= j) continue;
+            run->draft_ids[T] = run->drafts[(size_t)i * K + j - 1], run->draft_caches[T] = dc;
+            T++;
+        }
+        run->draft_slots[run->n_draft_rows] = i;
+        run->draft_logit_tokens[run->n_draft_rows++] = T - 1;
+    }
+    run->draft_batch = (Batch){T, run->draft_ids, run->draft_caches, run->n_draft_rows, run->draft_logit_tokens, NULL};
+    return run->n_draft_rows;
+}
+
+/* The draft model's passes of a step, up to draft_k: after each, every drafting sequence
+ * draws its next draft token from the pass's row (greedy: the argmax; sampling: from q,
+ * its sampler's distribution, kept for the target's acceptance test). */
+static void draft_share(SchedulerRun *run, Worker *wk) {
+    const Scheduler *sch = run->sch;
+    const Model *dm = sch->draft_model;
+    const int V = dm->cfg.vocab_size, K = sch->draft_k;
+    const double t0 = now_ms();
+    for (int j = 0; j < K; j++) {
+        if (team_alone(wk)) run->rc = lay_out_draft_pass(run, j) ? model_prepare(dm, &run->draft_state, &run->draft_batch) : 0;
+        team_barrier(wk);
+        const int n = run->n_draft_rows;
+        if (run->rc != 0 || n == 0) break;
+        model_forward_pass(dm, &run->draft_state, &run->draft_batch, sch->form, run->draft_logits, wk);
+        if (team_alone(wk)) run->rc = model_finish(dm, &run->draft_state, &run->draft_batch, run->draft_logits);
+        Share sh = share_begin(wk, n, SHARE_SPLIT, parallel_mode((long)n * V * 4, n));
+        for (long lo, hi; share_next(&sh, &lo, &hi);)
+            for (long k = lo; k < hi; k++) {
+                const int i = run->draft_slots[k];
+                Sampler *s = &run->running[i]->sampler;
+                const float *logits = run->draft_logits + (size_t)k * V;
+                if (!run->q) {
+                    run->drafts[(size_t)i * K + j] = sampler_sample(s, logits);
+                } else {
+                    float *q = run->q + ((size_t)i * K + j) * V;
+                    sampler_probs(s, logits, q);
+                    run->drafts[(size_t)i * K + j] = sampler_draw(s, q);
+                }
+            }
+        share_end(&sh);
+    }
+    if (team_alone(wk)) run->draft_ms += now_ms() - t0;
+}
+
+/* Samples the rows of sampled sequence k (on thread `thread`): its last token's, then,
+ * while the target keeps the draft token a row was computed on, the row after it. Greedy
+ * keeps a draft exactly when it is the argmax; sampling keeps it by sampler_accept's test
+ * against q (prompt lookup's q is a point mass at its token), and a rejection draws from
+ * the residual, so the tokens follow the target's distribution exactly. */
+static void sample_chain(SchedulerRun *run, long k, int thread) {
+    const Scheduler *sch = run->sch;
+    const int V = sch->model->cfg.vocab_size, K = sch->draft_k, slot = run->sample_slots[k];
+    Sampler *s = &run->rows[run->sample_rows[k]].request->sampler;
+    float *p = run->scratch + (size_t)thread * 3 * V, *residual = p + V, *point = residual + V;
+    for (int row = run->sample_rows[k], j = 0;; row++, j++) {
+        StepRow *sr = &run->rows[row];
+        const float *logits = run->logits + (size_t)row * V;
+        if (sr->draft < 0 || s->top_k == 1 || s->temperature == 0.0f) {
+            sr->token = sampler_sample(s, logits);
+        } else {
+            const float *q = run->q ? run->q + ((size_t)slot * K + j) * V : point;
+            point[sr->draft] = 1.0f; /* unused with the draft model's q */
+            sampler_probs(s, logits, p);
+            int accepted;
+            sr->token = sampler_accept(s, p, q, sr->draft, residual, &accepted);
+            point[sr->draft] = 0.0f;
+        }
+        if (sr->draft < 0 || sr->token != sr->draft) break;
+    }
+}
+
 /* A step as thread wk->thread of the team runs it: each group's passes (thread 0 lays
  * each out and finishes it, every thread computes it), then every thread samples its
  * share of the sequences. */
 static void step_share(SchedulerRun *run, Worker *wk) {
     const Scheduler *sch = run->sch;
     const int V = sch->model->cfg.vocab_size;
+    if (sch->draft_model) draft_share(run, wk);
     for (int p = 0; p < run->n_passes; p++) {
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
@@ -356,6 +498,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
             float *logits = run->logits + (size_t)run->row0 * V;
             model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
             if (team_alone(wk)) run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
+            if (team_alone(wk) && run->rc == 0 && run->evicts) pay_attention(run);
         }
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
@@ -364,10 +507,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
     stage_begin(sch->clock, wk->thread);
     Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4, S));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
-        for (long k = lo; k < hi && run->rc == 0; k++) {
-            StepRow *row = &run->rows[run->sample_rows[k]];
-            row->token = sampler_sample(&row->request->sampler, run->logits + (size_t)run->sample_rows[k] * V);
-        }
+        for (long k = lo; k < hi && run->rc == 0; k++) sample_chain(run, k, wk->thread);
     share_end(&sh);
     stage_end(sch->clock, wk->thread, pass_stage_slot(&sch->model->cfg, PASS_STAGE_SAMPLING));
 }
@@ -433,7 +573,7 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
         if (append_token(r, next) != 0) return -1;
         if (sch->max_new && r->generated >= sch->max_new)
             r->stop = STOP_STEPS;
-        else if (!sch->pool->window && r->n_tokens > c->max_seq_len)
+        else if (!kv_rotates_by_place(sch->pool) && r->n_tokens > c->max_seq_len)
             r->stop = STOP_CONTEXT; /* no position left for it */
         /* the next row was computed on this row's draft: kept only if the target sampled it
          * and the sequence goes on (an EOS above ended it, and its later rows with it) */
@@ -448,6 +588,7 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
     /* the cache holds every token but the last: the rejected drafts' positions go */
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
+        if (sch->draft_model && r->draft_cache.len > r->n_tokens - 1) kv_truncate(&r->draft_cache, r->n_tokens - 1);
         if (!r->drafted) continue;
         sch->drafted += r->drafted;
         sch->verify_passes++;
@@ -471,7 +612,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     SchedulerRun *run = sch->run;
     const double t0 = now_ms();
     if (sch->steps == 0) run->start = t0;
-    run->fill_ms = 0.0;
+    run->fill_ms = run->draft_ms = 0.0;
     int rc = admit(run);
     if (rc != 0) return rc == MODEL_ERR_TIER ? rc : -1;
     if (run->n_running == 0) return run->queue ? -1 : 0;
@@ -480,8 +621,8 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     run->passes = run->logit_rows = 0;
     run->keys_read = run->sequence_keys = 0;
     run->state.attn.clock = sch->clock;
-    run->state.attn.record = sch->record;
-    if (sch->record) attn_record_clear(sch->record);
+    run->state.attn.record = sch->record ? sch->record : run->evicts ? &run->paid : NULL;
+    if (run->state.attn.record) attn_record_clear(run->state.attn.record);
     plan_passes(run);
     run->rc = 0;
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
@@ -489,12 +630,13 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     /* thread 0's share; once it returns the members are done with the step too: they do
      * nothing alone, and every shared operation ended in a barrier thread 0 passed */
     step_share(run, leader);
-    if (run->team) sch->short_team_steps = team_short_steps(run->team) - run->short_steps_before;
+    if (run->team) sch->short_team_steps = team_short_steps(run->team);
     if (run->rc == MODEL_ERR_TIER) sch->tier_errno = sch->pool->stream->err;
     if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE || run->rc == MODEL_ERR_TIER ? run->rc : -1;
     /* generated entries stand for a prefill that never ran: no step's time */
     const double step_ms = now_ms() - t0 - run->fill_ms;
     sch->fill_ms += run->fill_ms;
+    sch->draft_ms += run->draft_ms;
     run->start += run->fill_ms;
     if (run->prefill_tokens && run->prefill_tokens == run->n_tokens)
         sch->prefill_ms += step_ms, sch->prefill_tokens += run->prefill_tokens;
@@ -524,24 +666,14 @@ int scheduler_max_tokens(const Config *c, int max_batch) {
     return min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS) + max_batch;
 }
 
-static void zero_figures(Scheduler *sch) {
+int scheduler_init(Scheduler *sch) {
+    const Config *c = &sch->model->cfg;
+    sch->run = NULL;
     sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = sch->rule_recomputes = 0;
     sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
     sch->drafted = sch->accepted = sch->verify_passes = 0;
-}
-
-void scheduler_restart_figures(Scheduler *sch) {
-    zero_figures(sch);
-    KVStream *st = sch->pool->stream;
-    if (st) st->blocks_written = st->layers_read = st->peak_blocks = 0, st->wait_ms = st->read_ms = 0.0;
-    if (sch->run->team) sch->run->short_steps_before = team_short_steps(sch->run->team);
-}
-
-int scheduler_init(Scheduler *sch) {
-    const Config *c = &sch->model->cfg;
-    sch->run = NULL;
-    zero_figures(sch);
+    sch->draft_ms = 0.0;
     if (sch->max_batch < 1 ||
         (!sch->pool->stream && sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)))
         return -1;
@@ -552,6 +684,7 @@ int scheduler_init(Scheduler *sch) {
     run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
     /* a streamed sequence's pass writes into the pool alone: what it holds, less the block in part written */
     if (sch->pool->stream) run->prompt_budget = min_int(run->prompt_budget, (sch->pool->n_blocks - 1) * KV_BLOCK_TOKENS);
+    run->evicts = sch->kv && kv_evicts_by_attention(sch->pool);
     const int B = sch->max_batch, T = scheduler_max_tokens(c, B) + B * sch->draft_k;
     run->running = malloc((size_t)B * sizeof *run->running);
     run->computed_prompt = malloc((size_t)B * sizeof *run->computed_prompt);
@@ -562,14 +695,32 @@ int scheduler_init(Scheduler *sch) {
     run->record_sequence = malloc((size_t)T * sizeof *run->record_sequence);
     run->rows = malloc((size_t)T * sizeof *run->rows);
     run->logits = alloc_floats_touched((size_t)T * (size_t)c->vocab_size);
-    run->sample_rows = malloc((size_t)B * (1 + sch->draft_k) * sizeof *run->sample_rows);
+    run->sample_rows = malloc((size_t)B * sizeof *run->sample_rows);
+    run->sample_slots = malloc((size_t)B * sizeof *run->sample_slots);
     run->drafts = malloc((size_t)(B * sch->draft_k + 1) * sizeof *run->drafts);
+    run->scratch = calloc((size_t)threads_count() * 3 * c->vocab_size, sizeof(float));
     run->finished = malloc((size_t)B * sizeof *run->finished);
     if (!run->running || !run->computed_prompt || !run->pass_first || !run->ids || !run->caches || !run->logit_tokens ||
-        !run->record_sequence || !run->rows || !run->logits || !run->sample_rows || !run->drafts || !run->finished ||
-        runstate_init(&run->state, c, T) != 0) {
+        !run->record_sequence || !run->rows || !run->logits || !run->sample_rows || !run->sample_slots ||
+        !run->drafts || !run->scratch || !run->finished || runstate_init(&run->state, c, T) != 0) {
         scheduler_free(sch);
         return -1;
+    }
+    if (sch->draft_model) {
+        const int sampling = sch->top_k != 1 && sch->temperature != 0.0f;
+        run->draft_ids = malloc((size_t)T * sizeof *run->draft_ids);
+        run->draft_logit_tokens = malloc((size_t)T * sizeof *run->draft_logit_tokens);
+        run->draft_caches = malloc((size_t)T * sizeof *run->draft_caches);
+        run->draft_logits = alloc_floats_touched((size_t)B * c->vocab_size);
+        run->draft_slots = malloc((size_t)B * sizeof *run->draft_slots);
+        run->n_drafts = calloc((size_t)B, sizeof *run->n_drafts);
+        if (sampling) run->q = alloc_floats_touched((size_t)B * sch->draft_k * c->vocab_size);
+        if (!run->draft_ids || !run->draft_logit_tokens || !run->draft_caches || !run->draft_logits ||
+            !run->draft_slots || !run->n_drafts || (sampling && !run->q) ||
+            runstate_init(&run->draft_state, &sch->draft_model->cfg, T) != 0) {
+            scheduler_free(sch);
+            return -1;
+        }
     }
     const int threads = threads_count();
     if (threads > 1 && !(run->team = team_open(threads, team_member, run))) {
@@ -614,6 +765,16 @@ void scheduler_free(Scheduler *sch) {
     for (Request *r = run->queue; r; r = r->next)
         if (r->started) end_request(sch, r);
     runstate_free(&run->state);
+    if (sch->draft_model) runstate_free(&run->draft_state);
+    free(run->draft_ids);
+    free(run->draft_logit_tokens);
+    free(run->draft_caches);
+    free(run->draft_logits);
+    free(run->draft_slots);
+    free(run->n_drafts);
+    free(run->q);
+    free(run->sample_slots);
+    free(run->scratch);
     free(run->running);
     free(run->computed_prompt);
     free(run->pass_first);
@@ -626,6 +787,7 @@ void scheduler_free(Scheduler *sch) {
     free(run->sample_rows);
     free(run->drafts);
     free(run->finished);
+    attn_record_free(&run->paid);
     free(run);
     sch->run = NULL;
 }

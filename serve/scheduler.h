@@ -77,6 +77,8 @@ struct Request {
     int waited;  /* it waited a step for a prefix being computed */
     Sampler sampler;
     KVCache cache;
+    KVCache draft_cache; /* the draft model's (--draft CKPT): every token but the last, like
+                          * cache, or fewer; rebuilt from the tokens after a preemption */
     KVSwapped swapped; /* its cache on the tier while preempted with swap; n_blocks 0 otherwise */
     Request *next; /* in the queue */
     /* its timing, from the start of the first step */
@@ -125,6 +127,12 @@ typedef struct {
 
 typedef struct SchedulerRun SchedulerRun;
 
+/* --draft CKPT: the draft model and the pool of its caches (model NULL: none). */
+typedef struct {
+    const Model *model;
+    KVPool *pool;
+} DraftModel;
+
 typedef struct {
     const Model *model;
     KVPool *pool;
@@ -137,10 +145,15 @@ typedef struct {
     int top_k;
     float top_p;
     float temperature;
-    int draft_k; /* greedy speculation with prompt lookup (draft.h): up to draft_k draft
-                  * tokens after each decoding sequence's last one, verified in the same
-                  * pass; the longest prefix the target agrees with is kept, the rest of
-                  * the cache rolled back (kv_truncate). 0 = off; needs kv, no window. */
+    int draft_k; /* speculation: up to draft_k draft tokens after each decoding sequence's
+                  * last one, verified in the same pass; the longest prefix the target
+                  * accepts is kept (greedy: the tokens it would have sampled; sampling:
+                  * sampler_accept's test, so that the tokens follow the target's
+                  * distribution), the rest of the cache rolled back (kv_truncate).
+                  * 0 = off; needs kv, no window. */
+    const Model *draft_model; /* drafts by this model (draft_k passes of it a step, every
+                               * drafting sequence in each), or NULL: prompt lookup (draft.h) */
+    KVPool *draft_pool;       /* the draft model's caches */
     int preempt_rule; /* with a tier, swap a preempted sequence only when the measured rule says
                        * it is faster than its recompute (--preempt's default; scheduler.c's
                        * swap_pays); 0: always swap */
@@ -168,6 +181,7 @@ typedef struct {
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
     long drafted, accepted; /* speculation: draft tokens verified, and of them accepted */
     long verify_passes;     /* sequences' passes that verified at least one draft token */
+    double draft_ms;        /* drafting: the draft model's passes and draws, or prompt lookup */
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;
 
@@ -187,9 +201,6 @@ int scheduler_add(Scheduler *sch, Request *r);
  * finite (nothing is sampled from them); MODEL_ERR_TIER when a streamed cache's tier
  * failed (a write, a read or a checksum: tier_errno), which the run cannot go on from. */
 int scheduler_step(Scheduler *sch, StepResult *out);
-/* Starts the figures over (steps, times, counts) once every request has ended: the
- * warm-up runs on the scheduler the timed run uses, so its buffers and team are warm. */
-void scheduler_restart_figures(Scheduler *sch);
 /* Closes the team and frees the run, and what requests still running hold. */
 void scheduler_free(Scheduler *sch);
 

@@ -136,7 +136,8 @@ void requests_free(RequestList *l) {
     memset(l, 0, sizeof *l);
 }
 
-void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options *o, int max_batch) {
+void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const DraftModel *draft, const Options *o,
+                    int max_batch) {
     *sch = (Scheduler){.model = m,
                        .pool = pool,
                        .kv = o->kv,
@@ -148,6 +149,8 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options 
                        .top_p = o->top_p,
                        .temperature = o->temperature,
                        .draft_k = o->draft ? o->draft_k : 0,
+                       .draft_model = o->draft && draft ? draft->model : NULL,
+                       .draft_pool = o->draft && draft ? draft->pool : NULL,
                        .fill = o->fill,
                        .preempt_rule = o->kv_offload && o->preempt_swap < 0};
     if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);
@@ -174,8 +177,12 @@ void json_begin(const char *type, const Model *m, const Options *o, const char *
         printf("\"%s\"", mla_form_name(o->mla_form));
     else
         fputs("null", stdout); /* --check-kv names the form of each run it compares */
-    printf(", \"window\": %d, \"window_sinks\": %d, \"threads\": %d, \"seed\": %llu", o->window,
-           o->window ? o->window_sinks : 0, threads_count(), (unsigned long long)o->seed);
+    printf(", \"window\": %d, \"window_sinks\": %d, \"evict\": ", o->window, o->window ? o->window_sinks : 0);
+    if (o->window)
+        printf("\"%s\"", evict_name(o));
+    else
+        fputs("null", stdout);
+    printf(", \"threads\": %d, \"seed\": %llu", threads_count(), (unsigned long long)o->seed);
 }
 
 size_t scheduler_scratch_bytes(const Config *c, int max_batch) {

@@ -41,9 +41,10 @@ typedef struct {
 RequestList requests_of(const Model *m, const Options *o);
 void requests_free(RequestList *l);
 
-/* A scheduler for the options' cache, form, sampling and -n, with max_batch slots,
- * initialized (dies when it cannot be). */
-void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Options *o, int max_batch);
+/* A scheduler for the options' cache, form, sampling, -n and speculation (draft: the
+ * model of --draft CKPT, or NULL), with max_batch slots, initialized (dies when it cannot be). */
+void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const DraftModel *draft, const Options *o,
+                    int max_batch);
 
 /* Opens a --json object with what every one carries: what it is, the program's version
  * and commit, the checkpoint, variant and cache settings, the threads and the seed. The

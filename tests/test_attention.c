@@ -32,7 +32,7 @@ static void use_cache(Fixture *f, DType dtype, int window, int sinks) {
     assert_non_null(order);
     assert_int_equal(scramble_free_blocks(&f->pool, order), 0);
     free(order);
-    if (window) kv_pool_set_window(&f->pool, window, sinks);
+    if (window) kv_pool_set_window(&f->pool, window, sinks, KV_EVICT_OLDEST);
     assert_int_equal(kv_init(&f->cache, &f->pool, window ? 1 << 16 : f->m.cfg.max_seq_len), 0);
 }
 

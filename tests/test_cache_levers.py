@@ -108,13 +108,13 @@ def test_ppl_through_windows(small_checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--kv", "--kv-dtype", "fp16"], "--kv-dtype takes fp32, bf16, int8 or fp8, got 'fp16'"),
+    (["--kv", "--kv-dtype", "fp16"], "--kv-dtype takes fp32, bf16, int8, fp8, int4 or int2, got 'fp16'"),
     (["--kv", "--window", "0"], "--window 0 is out of range (1..1048576)"),
     (["--kv", "--window", "65"], "--window 65 is out of range (1..64, the context)"),
     (["--window", "32"], "--window needs --kv: without the cache every step recomputes the whole sequence"),
     (["--window", "32", "--check-kv", "-n", "65"], "-n 65 is out of range (1..64, the context)"),
-    (["--kv", "--window-policy", "sinks"], "--window-policy needs --window W"),
-    (["--kv", "--window", "8", "--window-policy", "tail"], "--window-policy takes ring or sinks, got 'tail'"),
+    (["--kv", "--window-policy", "sinks"], "--evict needs a budget: --kv-budget N"),
+    (["--kv", "--window", "8", "--window-policy", "tail"], "--window-policy takes ring, sinks, h2o or block, got 'tail'"),
     (["--kv", "--window", "4", "--window-policy", "sinks"], "--window 4 leaves no room beside the 4 sink positions"),
     (["--kv", "-n", "65"], "-n 65 is out of range (1..64, the context; more with --window)"),
 ])

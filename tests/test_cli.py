@@ -250,7 +250,7 @@ def test_json_summary(small_checkpoints, tmp_path):
 
 # Timing figures that are one measurement or a sum, not a statistic over steps or sequences.
 SINGLE_TIMINGS = {"prefill_ms", "decode_ms_total", "fill_ms_total", "tier_wait_ms_total", "tier_stream_read_ms_total",
-                  "tier_stream_wait_ms_total", "total_ms", "first_token_ms"}
+                  "tier_stream_wait_ms_total", "draft_ms_total", "total_ms", "first_token_ms"}
 
 
 def timing_keys_without_statistic(obj):

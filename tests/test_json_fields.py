@@ -67,7 +67,7 @@ def check(obj, section_names):
 
 def test_the_page_parses():
     docs = documented()
-    assert {"common", "sequence", "summary", "info", "ppl", "check-kv", "check-batch"} <= set(docs)
+    assert {"common", "sequence", "summary", "info", "ppl", "check-kv", "check-batch", "check-spec"} <= set(docs)
     assert docs["summary"]["kv_saved_bytes_peak"] == (["integer"], False)
     assert docs["common"]["mla_form"] == (["string"], True)
 
@@ -116,3 +116,9 @@ def test_check_kv(small_checkpoints):
 def test_check_batch(small_checkpoints):
     check(json_one([small_checkpoints["gqa"][0], "--check-batch", "--batch", 2, "--kv", "-n", 4])[1],
           ["common", "check-batch"])
+
+
+def test_check_spec(small_checkpoints):
+    """A draft model (the small gqa, whose tokenizer is the target's) beside the target."""
+    check(json_one([small_checkpoints["gqa"][0], "--check-spec", "--batch", 2, "--kv", "-n", 4,
+                    "--draft", small_checkpoints["mqa"][0]])[1], ["common", "check-spec"])

@@ -505,7 +505,7 @@ static void test_row_blocks_equal_contiguous_rows(void **state) {
             memcpy(dst + (size_t)r * STRIDE, rows + (size_t)(b * BLOCK + r) * STRIDE, STRIDE * sizeof(float));
         blocks[b] = dst;
     }
-    const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0};
+    const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0, 0, 0};
     const int widths[] = {16, 32, 80, 144, 100}, counts[] = {1, 15, 16, 17, 32, 33, 70};
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
@@ -635,10 +635,123 @@ static void test_typed_rows_equal_their_floats(void **state) {
             blocks[b] = (char *)store + (size_t)b * BLOCK * W * dtype_size(dt);
             block_scales[b] = scales + (size_t)b * BLOCK * 2;
         }
-        const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT};
+        const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT, 0, 0};
         for (int n = 1; n <= N; n += 9)
             for (int nh = 1; nh <= HEADS; nh++) check_heads_read_alike(rows, floats, W, n, W, nh, q, W, p, N, 0.7f);
     }
+    free(x);
+    free(q);
+    free(p);
+}
+
+/* A packed group's scale and min of element (j, c), read by kernels.h's layout. */
+static void packed_params(const void *group, int j, int c, int width, DType dt, int per_channel, float *scale,
+                          float *min) {
+    const bf16 *params = (const bf16 *)((const char *)group + (size_t)PACK_ROWS * width * dtype_bits(dt) / 8);
+    const int groups = (width + PACK_VALUE_GROUP - 1) / PACK_VALUE_GROUP, k = j * groups + c / PACK_VALUE_GROUP;
+    *scale = bf(per_channel ? params[c] : params[k]);
+    *min = bf(per_channel ? params[width + c] : params[PACK_ROWS * groups + k]);
+}
+
+/* int4 and int2 (KIVI): every element within half a step of its group (a step the group's
+ * scale), the scale no more than the group's range over the levels rounded up to bf16, the
+ * min at or below the group's; a zero group exact, a constant group within half a step of
+ * a step below 2^-8 of it; a group holding NaN or Inf all NaN, the other groups as before;
+ * values near the float range stay finite. Keys per channel, values per token, a width
+ * whose last value group is narrower (80 = 32 + 32 + 16). */
+static void test_block_quantize_packed(void **state) {
+    enum { W = 80, ROWS = PACK_ROWS };
+    const DType types[] = {DTYPE_I4, DTYPE_I2};
+    uint64_t seed = 5;
+    for (int k = 0; k < 2; k++)
+        for (int per_channel = 0; per_channel <= 1; per_channel++) {
+            const DType dt = types[k];
+            const int levels = (1 << dtype_bits(dt)) - 1;
+            float x[ROWS * W], out[W];
+            for (int i = 0; i < ROWS * W; i++) x[i] = test_uniform(&seed) * (i % 7 == 0 ? 20.0f : 1.0f) + (i % W) * 0.01f;
+            for (int j = 0; j < ROWS; j++) x[j * W + 5] = 0.0f;      /* channel 5: zero */
+            for (int j = 0; j < ROWS; j++) x[j * W + 6] = 0.3f;      /* channel 6: constant */
+            for (int c = 0; c < W; c++) x[3 * W + c] = 0.0f;         /* row 3: zero */
+            for (int c = 0; c < W; c++) x[4 * W + c] = -0.7f;        /* row 4: constant */
+            for (int c = 0; c < W; c++) x[9 * W + c] = c % 2 ? 3e38f : -3e38f; /* row 9: extremes */
+            x[11 * W + 40] = 2e38f, x[11 * W + 41] = -3.3e38f;
+            unsigned char group[4096];
+            assert_true(packed_group_bytes(W, dt, per_channel) <= sizeof group);
+            memset(group, 0xA5, sizeof group);
+            block_quantize(group, x, W, W, dt, per_channel);
+            for (int j = 0; j < ROWS; j++) {
+                block_dequantize_row(out, group, j, W, dt, per_channel);
+                for (int c = 0; c < W; c++) {
+                    const float v = x[j * W + c];
+                    float scale, min, lo = INFINITY, hi = -INFINITY;
+                    packed_params(group, j, c, W, dt, per_channel, &scale, &min);
+                    for (int i = 0; i < (per_channel ? ROWS : W); i++) { /* the group's values */
+                        const int jj = per_channel ? i : j, cc = per_channel ? c : i;
+                        if (!per_channel && cc / PACK_VALUE_GROUP != c / PACK_VALUE_GROUP) continue;
+                        lo = fminf(lo, x[jj * W + cc]), hi = fmaxf(hi, x[jj * W + cc]);
+                    }
+                    assert_true(isfinite(out[c]));
+                    assert_true(fabs((double)out[c] - v) <= 0.5 * scale * (1 + 1e-6) + 1e-30);
+                    assert_true(min <= lo && (double)min >= lo - fabs(lo) * 0x1p-7);
+                    assert_true((double)scale <= ((double)hi - lo) / levels * (1 + 0x1p-6) + fabs(lo) * 0x1p-7 / levels);
+                    if (lo == 0.0f && hi == 0.0f) assert_true(out[c] == 0.0f);
+                    if (lo == hi) assert_true(scale <= fabsf(lo) * 0x1p-8f);
+                }
+            }
+            /* one NaN (or Inf) poisons its group only */
+            x[2 * W + 33] = NAN;
+            x[7 * W + 70] = INFINITY;
+            block_quantize(group, x, W, W, dt, per_channel);
+            for (int j = 0; j < ROWS; j++) {
+                block_dequantize_row(out, group, j, W, dt, per_channel);
+                for (int c = 0; c < W; c++) {
+                    const int poisoned = per_channel ? c == 33 || c == 70
+                                                     : (j == 2 && c / 32 == 1) || (j == 7 && c / 32 == 2);
+                    assert_true(poisoned ? isnan(out[c]) : isfinite(out[c]));
+                }
+            }
+        }
+}
+
+/* Packed groups (and an fp32 last block, KIVI's residual) give the scores and weighted
+ * sums of the floats they stand for, bit for bit, for one to three heads: dequantizing in
+ * the loops keeps the fp32 path's order. */
+static void test_packed_rows_equal_their_floats(void **state) {
+    enum { W = 80, BLOCK = PACK_ROWS, BLOCKS = 4, N = BLOCKS * BLOCK, HEADS = 3 };
+    float *x = random_floats(N * W, 81), *q = random_floats(HEADS * W, 82), *p = random_floats(HEADS * N, 83);
+    float floats[N * W];
+    const DType types[] = {DTYPE_I4, DTYPE_I2};
+    for (int k = 0; k < 2; k++)
+        for (int per_channel = 0; per_channel <= 1; per_channel++) {
+            const DType dt = types[k];
+            const size_t bytes = packed_group_bytes(W, dt, per_channel);
+            unsigned char *store = malloc(bytes * BLOCKS);
+            const void *blocks[BLOCKS];
+            for (int b = 0; b < BLOCKS; b++) {
+                block_quantize(store + (BLOCKS - 1 - b) * bytes, x + (size_t)b * BLOCK * W, W, W, dt, per_channel);
+                blocks[b] = store + (BLOCKS - 1 - b) * bytes; /* scrambled */
+                for (int j = 0; j < BLOCK; j++)
+                    block_dequantize_row(floats + ((size_t)b * BLOCK + j) * W, blocks[b], j, W, dt, per_channel);
+            }
+            for (int n = 1; n <= N; n += 7)
+                for (int nh = 1; nh <= HEADS; nh++) {
+                    for (int width = 16; width <= W; width += 64) { /* all columns, or the first (absorbed MLA's c) */
+                        const RowBlocks rows = {blocks, NULL, BLOCK, W, dt, 0, 0, per_channel, 0};
+                        check_heads_read_alike(rows, floats, W, n, width, nh, q, W, p, N, 0.7f);
+                    }
+                    /* the last block fp32 rows: the block a query's own position is in */
+                    const void *mixed[BLOCKS];
+                    float expect[N * W];
+                    memcpy(mixed, blocks, sizeof mixed);
+                    memcpy(expect, floats, sizeof expect);
+                    const int last = (n - 1) / BLOCK;
+                    mixed[last] = x + (size_t)last * BLOCK * W;
+                    memcpy(expect + (size_t)last * BLOCK * W, mixed[last], sizeof(float) * BLOCK * W);
+                    const RowBlocks rows = {mixed, NULL, BLOCK, W, dt, 0, 0, per_channel, 1};
+                    check_heads_read_alike(rows, expect, W, n, W, nh, q, W, p, N, 0.7f);
+                }
+            free(store);
+        }
     free(x);
     free(q);
     free(p);
@@ -662,6 +775,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_row_quantize),
         cmocka_unit_test(test_row_quantize_fp8),
         cmocka_unit_test(test_typed_rows_equal_their_floats),
+        cmocka_unit_test(test_block_quantize_packed),
+        cmocka_unit_test(test_packed_rows_equal_their_floats),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);
 }

@@ -215,6 +215,60 @@ static void test_bytes_per_token_by_dtype(void **state) {
         assert_int_equal(kv_bytes_per_token(&p), cases[i].expect);
         kv_pool_free(&p);
     }
+    /* int4, int2 (KIVI): a token's codes, plus per channel a bf16 scale and min shared by a
+     * block's 16 tokens (keys, MLA's rows), per token one for each 32 channels (values),
+     * plus the 16 fp32 rows of a sequence's tail spread over its 256 positions */
+    const struct {
+        Config cfg;
+        DType dt;
+        size_t expect;
+    } packed[] = {
+        {shipped(VARIANT_MHA, 16, 0), DTYPE_I4, 4 * 16 * ((16 + 2 * 32 * 2 / 16) + (16 + 2 * 2)) + 2 * 4 * 16 * 32 * 4 * 16 / 256},
+        {shipped(VARIANT_MHA, 16, 0), DTYPE_I2, 4 * 16 * ((8 + 2 * 32 * 2 / 16) + (8 + 2 * 2)) + 2 * 4 * 16 * 32 * 4 * 16 / 256},
+        {shipped(VARIANT_GQA, 4, 0), DTYPE_I4, 4 * 4 * ((16 + 8) + (16 + 4)) + 2 * 4 * 4 * 32 * 4 * 16 / 256},
+        {shipped(VARIANT_MLA, 0, 64), DTYPE_I4, 4 * (40 + 2 * 80 * 2 / 16) + 4 * 80 * 4 * 16 / 256},
+        {shipped(VARIANT_MLA, 0, 128), DTYPE_I2, 4 * (36 + 2 * 144 * 2 / 16) + 4 * 144 * 4 * 16 / 256},
+    };
+    for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++)
+        assert_int_equal(kv_bytes_per_token_for(&packed[i].cfg, packed[i].dt), packed[i].expect);
+}
+
+/* int4: a block's rows stay fp32 in the tail until its 16th position is written, its
+ * pool block untouched; from then on the block is the packed group of those 16 rows
+ * (block_quantize; keys per channel, values per token), and the next block starts in the
+ * tail. Positions are written one at a time, as decoding does. */
+static void test_packed_tail_hand_over(void **state) {
+    Config c = shipped(VARIANT_GQA, 2, 0);
+    KVPool p, f;
+    KVCache s, r;
+    assert_int_equal(kv_pool_init(&p, &c, DTYPE_I4, 4), 0);
+    assert_int_equal(kv_pool_init(&f, &c, DTYPE_F32, 4), 0);
+    assert_int_equal(kv_init(&s, &p, 64), 0);
+    assert_int_equal(kv_init(&r, &f, 64), 0);
+    assert_int_equal(kv_reserve(&s, 40), 0);
+    assert_int_equal(kv_reserve(&r, 40), 0);
+    unsigned char expect[1024], zero[1024] = {0};
+    for (int n = 1; n <= 40; n++) {
+        kv_fill_generated(&s, n, 7);
+        kv_fill_generated(&r, n, 7); /* the same rows, in fp32 */
+        for (int l = 0; l < c.n_layers; l++)
+            for (int row = 0; row < 4; row++) {
+                const int keys = row < 2;
+                const size_t bytes = keys ? p.key_group_bytes : p.value_group_bytes;
+                assert_true(bytes <= sizeof expect);
+                for (int pos = n / 16 * 16; pos < n; pos++)
+                    assert_memory_equal(kv_tail_row(&s, l, row, pos), kv_row(&r, l, row, pos).data, 32 * sizeof(float));
+                for (int b = 0; b < n / 16; b++) {
+                    block_quantize(expect, kv_row(&r, l, row, b * 16).data, 32, 32, DTYPE_I4, keys);
+                    assert_memory_equal(kv_row(&s, l, row, b * 16).data, expect, bytes);
+                }
+                if (n % 16) assert_memory_equal(kv_row(&s, l, row, n / 16 * 16).data, zero, bytes);
+            }
+    }
+    kv_free(&s);
+    kv_free(&r);
+    kv_pool_free(&p);
+    kv_pool_free(&f);
 }
 
 /* A window of 8 slots: the ring overwrites the oldest position; with 3 sinks, positions
@@ -223,13 +277,13 @@ static void test_window_slots_and_positions(void **state) {
     Config c = shipped(VARIANT_MQA, 1, 0);
     KVPool p;
     assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
-    kv_pool_set_window(&p, 8, 0);
+    kv_pool_set_window(&p, 8, 0, KV_EVICT_OLDEST);
     const int ring[] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0};
     for (int pos = 0; pos < 17; pos++) assert_int_equal(kv_slot(&p, pos), ring[pos]);
     assert_int_equal(kv_window_length(&p, 5), 6);
     assert_int_equal(kv_window_length(&p, 20), 8);
     for (int i = 0; i < 8; i++) assert_int_equal(kv_window_position(&p, 20, i), 13 + i); /* 13 .. 20 */
-    kv_pool_set_window(&p, 8, 3);
+    kv_pool_set_window(&p, 8, 3, KV_EVICT_OLDEST);
     const int sinks[] = {0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3};
     for (int pos = 0; pos < 14; pos++) assert_int_equal(kv_slot(&p, pos), sinks[pos]);
     const int seen[] = {0, 1, 2, 16, 17, 18, 19, 20};
@@ -246,6 +300,97 @@ static void test_window_slots_and_positions(void **state) {
     assert_int_equal(kv_reserve(&s, 5000), 0);
     assert_int_equal(s.n_blocks, 1);
     kv_free(&s);
+    kv_pool_free(&p);
+}
+
+/* ---- eviction by attention ---- */
+
+/* Advances c by one position, as a pass does: reserve (which places and may evict), then
+ * the cache's length. */
+static void step_one(KVCache *c) {
+    assert_int_equal(kv_reserve(c, c->len + 1), 0);
+    c->len++;
+}
+
+/* The positions c keeps, oldest first, as a query at pos sees them. */
+static void kept_positions(const KVCache *c, int pos, int *out) {
+    for (int i = 0; i < kv_keys_seen(c, pos); i++) out[i] = c->slot_pos[kv_kept_slot(c, pos, i)];
+}
+
+/* Pays every kept position of c its weight from `weights` (by position), as a query at pos would. */
+static void pay(KVCache *c, int pos, const float *weights) {
+    float probs[64];
+    const int n = kv_keys_seen(c, pos);
+    for (int i = 0; i < n; i++) probs[i] = weights[c->slot_pos[kv_kept_slot(c, pos, i)]];
+    kv_attend(c, pos, probs, n);
+}
+
+/* H2O, a budget of 8: the recent half (4) stays; of the older, the least attended goes
+ * (ties: the oldest), and the new position takes its slot. */
+static void test_h2o_evicts_least_attended_older_than_recent_half(void **state) {
+    Config cfg = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache c;
+    assert_int_equal(kv_pool_init(&p, &cfg, DTYPE_F32, 4), 0);
+    kv_pool_set_window(&p, 8, 0, KV_EVICT_H2O);
+    assert_int_equal(kv_init(&c, &p, 1 << 20), 0);
+    for (int i = 0; i < 8; i++) step_one(&c); /* positions 0..7 in slots 0..7 */
+    float w[64] = {0};
+    w[0] = 5.0f, w[1] = 0.5f, w[2] = 3.0f, w[3] = 0.5f; /* 1 and 3 tie: 1 is older */
+    w[4] = w[5] = w[6] = w[7] = 0.0f;                  /* least of all, but recent */
+    pay(&c, 7, w);
+    step_one(&c); /* position 8: recent are 4..7, so 1 goes */
+    int kept[8];
+    kept_positions(&c, 8, kept);
+    const int expect[] = {0, 2, 3, 4, 5, 6, 7, 8};
+    assert_memory_equal(kept, expect, sizeof expect);
+    assert_int_equal(kv_slot_of(&c, 8), 1); /* the freed slot, where position 8 is written */
+    assert_int_equal(kv_keys_seen(&c, 8), 8);
+    /* position 9: recent are 5..8; 3 (0.5 twice) and 4 (0 then 1) tie at 1: the older, 3, goes */
+    w[4] = 1.0f;
+    pay(&c, 8, w);
+    step_one(&c);
+    kept_positions(&c, 9, kept);
+    const int expect9[] = {0, 2, 4, 5, 6, 7, 8, 9};
+    assert_memory_equal(kept, expect9, sizeof expect9);
+    /* a reset forgets it all */
+    kv_reset(&c);
+    for (int i = 0; i < 3; i++) step_one(&c);
+    kept_positions(&c, 2, kept);
+    const int fresh[] = {0, 1, 2};
+    assert_memory_equal(kept, fresh, sizeof fresh);
+    kv_free(&c);
+    kv_pool_free(&p);
+}
+
+/* Block-wise, a budget of 64 (4 blocks): the least attended whole block older than the
+ * recent half (32) goes, and the next 16 positions fill its slots in order. */
+static void test_block_evicts_least_attended_whole_block(void **state) {
+    Config cfg = shipped(VARIANT_MQA, 1, 0);
+    KVPool p;
+    KVCache c;
+    assert_int_equal(kv_pool_init(&p, &cfg, DTYPE_F32, 8), 0);
+    kv_pool_set_window(&p, 64, 0, KV_EVICT_BLOCK);
+    assert_int_equal(kv_init(&c, &p, 1 << 20), 0);
+    for (int i = 0; i < 64; i++) step_one(&c);
+    float w[64] = {0};
+    for (int i = 0; i < 16; i++) w[i] = 1.0f;  /* block 0: 16 */
+    for (int i = 16; i < 32; i++) w[i] = 0.5f; /* block 1: 8, the least of the old ones */
+    /* blocks 2 and 3 (32..63) are the recent half: 0, but kept */
+    pay(&c, 63, w);
+    step_one(&c); /* position 64 */
+    assert_int_equal(kv_slot_of(&c, 64), 16);
+    assert_int_equal(kv_keys_seen(&c, 64), 49);
+    for (int i = 0; i < 15; i++) step_one(&c); /* 65..79 fill slots 17..31, no eviction */
+    assert_int_equal(kv_slot_of(&c, 79), 31);
+    int kept[64];
+    kept_positions(&c, 79, kept);
+    for (int i = 0; i < 16; i++) assert_int_equal(kept[i], i);
+    for (int i = 16; i < 64; i++) assert_int_equal(kept[i], i + 16); /* 32..79 */
+    /* full again, recent half 48..79 (blocks 3 and 1): block 0 (16) against block 2 (32..47, 0 paid) */
+    step_one(&c);
+    assert_int_equal(kv_slot_of(&c, 80), 32);
+    kv_free(&c);
     kv_pool_free(&p);
 }
 
@@ -386,7 +531,7 @@ static void test_scrambled_blocks_window(void **state) {
     int order[4];
     assert_int_equal(kv_pool_init(&p, &c, DTYPE_F32, 4), 0);
     assert_int_equal(scramble_free_blocks(&p, order), 0);
-    kv_pool_set_window(&p, 40, 4);
+    kv_pool_set_window(&p, 40, 4, KV_EVICT_OLDEST);
     assert_int_equal(kv_init(&s, &p, 1 << 20), 0);
     for (int pos = 0; pos < 100; pos++) {
         assert_int_equal(kv_reserve(&s, pos + 1), 0);
@@ -506,6 +651,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_share_and_copy_on_write),
         cmocka_unit_test(test_copy_needs_a_block),
         cmocka_unit_test(test_bytes_per_token_by_dtype),
+        cmocka_unit_test(test_packed_tail_hand_over),
         cmocka_unit_test(test_window_slots_and_positions),
         cmocka_unit_test(test_scrambled_blocks_rows_land_in_their_blocks),
         cmocka_unit_test(test_scrambled_blocks_latents_land_in_their_blocks),
@@ -513,6 +659,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_scrambled_blocks_window),
         cmocka_unit_test(test_truncate_positions_and_blocks),
         cmocka_unit_test(test_truncate_shared_prefix),
+        cmocka_unit_test(test_h2o_evicts_least_attended_older_than_recent_half),
+        cmocka_unit_test(test_block_evicts_least_attended_whole_block),
     };
     return cmocka_run_group_tests_name("kvcache", tests, NULL, NULL);
 }

@@ -35,7 +35,7 @@ def test_quality_tables(small_checkpoints, tmp_path):
     valid.write_text(VALID)
     ckpts = {v: small_checkpoints[v] for v in ("gqa", "mla64")}
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--valid", str(valid),
-                        "--long-texts", "1", "--stories-per-text", "4", "--out", str(tmp_path)]
+                        "--long-texts", "1", "--evict-stories", "1", "--evict-stories-per-text", "4", "--stories-per-text", "4", "--out", str(tmp_path)]
                        + [path for path, _ in ckpts.values()],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        env=dict(os.environ, RUN_BINARY=RUN), timeout=600)
@@ -68,7 +68,24 @@ def test_quality_tables(small_checkpoints, tmp_path):
             assert rows[("window", variant, policy, "tokens")] == restart["tokens"]
             assert rows[("window", variant, policy, "past_tokens")] == restart["past_tokens"]
             assert f"{float(rows[('window', variant, policy, 'past_nll')]):.4f}" != f"{float(restart['past_nll']):.4f}"
-        assert f"| {variant} | int8 |" in md
+        # eviction: every policy scores the same tokens past a budget (block only at whole blocks, 32 on)
+        for budget in (16, 32, 48):
+            past = {q: rows[("evict", variant, f"ring@{budget}", q)] for q in ("past_tokens", "past_nll")}
+            assert int(past["past_tokens"]) > 0
+            for policy in ("sinks", "h2o") + (("block",) if budget >= 32 else ()):
+                assert rows[("evict", variant, f"{policy}@{budget}", "past_tokens")] == past["past_tokens"]
+                assert f"{float(rows[('evict', variant, f'{policy}@{budget}', 'past_nll')]):.4f}" != \
+                    f"{float(past['past_nll']):.4f}", (variant, policy, budget)
+        assert rows[("evict", variant, "block@16", "past_nll")] == ""
+        assert f"| {variant} | int8 |" in md and f"| {variant} | fp8 |" in md
+        # int4 and int2 where the rows come in slices of 16 (small gqa: 16 wide; small mla64: 24)
+        width = c.kv_latent + c.rope_dim if c.kv_latent else c.head_dim
+        for dtype in ("int4", "int2"):
+            assert (("dtype", variant, dtype, "nll") in rows) == (width % 16 == 0), (variant, dtype)
+        # KIVI's statistics: every layer, a max over a median is at least 1
+        for layer in range(c.n_layers):
+            for q in ("key_channel", "key_token"):
+                assert float(rows[("key_statistics", variant, f"layer {layer}", q)]) >= 1.0
     version = subprocess.run([RUN, "--version"], stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
     assert f"Engine: `{version}`." in md
     for path, _ in ckpts.values():

@@ -323,6 +323,89 @@ static void test_fill_is_regenerated_after_preemption(void **state) {
     model_free(&long_model);
 }
 
+/* Two requests through the scheduler with a draft model on its own pool (--draft CKPT), K
+ * 4, greedy. After every step each running sequence's target cache holds its tokens but
+ * the last, its draft cache at most that (the rejected drafts rolled back) in exactly the
+ * blocks those positions take, and the draft pool holds no other block; at the end, none.
+ * Returns the steps; the tokens are left in rs. */
+static int run_drafted(const Model *draft, Request *rs, int max_new, long *drafted, long *accepted) {
+    KVPool pool, draft_pool;
+    const int blocks = 2 * kv_blocks_for(model.cfg.max_seq_len);
+    assert_int_equal(kv_pool_init(&pool, &model.cfg, DTYPE_F32, blocks), 0);
+    assert_int_equal(kv_pool_init(&draft_pool, &draft->cfg, DTYPE_F32, blocks), 0);
+    Scheduler sch = greedy(&pool, 2, max_new);
+    sch.draft_k = 4, sch.draft_model = draft, sch.draft_pool = &draft_pool;
+    assert_int_equal(scheduler_init(&sch), 0);
+    for (int i = 0; i < 2; i++) scheduler_add(&sch, &rs[i]);
+    StepResult st;
+    int rc, steps = 0;
+    while ((rc = scheduler_step(&sch, &st)) > 0) {
+        steps++;
+        int held = 0;
+        for (int i = 0; i < 2; i++) {
+            const Request *r = &rs[i];
+            if (!r->started) continue;
+            assert_int_equal(r->cache.len, r->n_tokens - 1);
+            assert_true(r->draft_cache.len <= r->n_tokens - 1);
+            assert_int_equal(r->draft_cache.n_blocks, kv_blocks_for(r->draft_cache.len));
+            held += r->draft_cache.n_blocks;
+        }
+        assert_int_equal(kv_blocks_in_use(&draft_pool), held);
+    }
+    assert_int_equal(rc, 0);
+    *drafted = sch.drafted, *accepted = sch.accepted;
+    scheduler_free(&sch);
+    assert_int_equal(kv_blocks_in_use(&draft_pool), 0);
+    assert_int_equal(kv_blocks_in_use(&pool), 0);
+    kv_pool_free(&draft_pool);
+    kv_pool_free(&pool);
+    return steps;
+}
+
+/* Two prompts that share only BOS, so that neither waits for the other. */
+static Request apart(int i) {
+    Request r = request(i, 2 + i);
+    r.tokens[1] = 50 + i;
+    return r;
+}
+
+/* Drafted by the target itself, every draft is kept (the same bits: batch invariance), so
+ * 21 tokens take the prefill's step and 4 of K + 1 = 5 tokens. Drafted by another model,
+ * most drafts are rejected and rolled back, and the tokens are still the plain run's. */
+static void test_draft_model_rollback(void **state) {
+    (void)state;
+    Request same[2] = {apart(0), apart(1)};
+    long drafted, accepted;
+    assert_int_equal(run_drafted(&model, same, 21, &drafted, &accepted), 5);
+    assert_true(drafted > 0);
+    for (int i = 0; i < 2; i++) assert_int_equal(same[i].generated, 21);
+    Config c = test_config(VARIANT_MQA, 0, 320, DTYPE_BF16);
+    c.vocab_size = model.cfg.vocab_size;
+    const char *path = temp_path("draft.bin");
+    char err[256];
+    Model other;
+    assert_int_equal(write_test_checkpoint(path, &c, g_tokenizer_path, 78), 0);
+    assert_int_equal(model_load(&other, path, err, sizeof err), 0);
+    Request rs[2] = {apart(0), apart(1)};
+    run_drafted(&other, rs, 30, &drafted, &accepted);
+    assert_true(drafted > accepted); /* rejections happened, and were rolled back */
+    for (int i = 0; i < 2; i++) {
+        KVPool pool;
+        assert_int_equal(kv_pool_init(&pool, &model.cfg, DTYPE_F32, kv_blocks_for(model.cfg.max_seq_len)), 0);
+        Request alone = apart(i);
+        Scheduler solo = greedy(&pool, 1, 30);
+        run_all(&solo, &alone, 1);
+        assert_int_equal(alone.n_tokens, rs[i].n_tokens);
+        assert_memory_equal(alone.tokens, rs[i].tokens, (size_t)rs[i].n_tokens * sizeof(int));
+        assert_memory_equal(same[i].tokens, rs[i].tokens, (size_t)same[i].n_tokens * sizeof(int));
+        free(alone.tokens);
+        free(rs[i].tokens);
+        free(same[i].tokens);
+        kv_pool_free(&pool);
+    }
+    model_free(&other);
+}
+
 int main(int argc, char **argv) {
     g_tokenizer_path = argc > 1 ? argv[1] : NULL;
     const struct CMUnitTest tests[] = {
@@ -333,6 +416,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_scored_request_reports_every_position),
         cmocka_unit_test(test_long_prompt_in_passes),
         cmocka_unit_test(test_fill_is_regenerated_after_preemption),
+        cmocka_unit_test(test_draft_model_rollback),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,16 +1,23 @@
-"""Speculative decoding (--draft ngram): greedy output, tokens and the logits of every
-emitted position, bit for bit what plain cached decoding gives, on every trained target,
-alone and in a batch of prompts where each sequence accepts its own count; the summary's
-speculation figures add up; bad combinations are refused in one line, exit 2."""
+"""Speculative decoding (--draft ngram and --draft CKPT): greedy output, tokens and the
+logits of every emitted position, bit for bit what plain cached decoding gives, on every
+trained target, alone and in a batch of prompts where each sequence accepts its own count,
+with a pool tight enough to preempt; --check-spec says so; sampled speculation follows the
+target's distribution; the summary's speculation figures add up; bad combinations and bad
+drafts are refused in one line, exit 2."""
+import math
 import os
+import shutil
 
 import numpy as np
 import pytest
 
-from conftest import PROMPT, ROOT, VARIANTS, generate_json, read_logits, run
+from conftest import PROMPT, ROOT, TOKENIZER, VARIANTS, generate_json, json_one, read_logits, run
 
 # a prompt that repeats itself, so that prompt lookup finds drafts the target accepts
 REPEATING = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog"
+
+
+DRAFT = os.path.join(ROOT, "weights", "draft", "gqa-2x256.bin")
 
 
 def weights(variant):
@@ -63,12 +70,13 @@ def test_a_tight_pool_rolls_back_and_still_matches(tmp_path):
 
 @pytest.mark.parametrize("args", [
     ["--draft", "ngram"],                                          # without --kv
-    ["--kv", "--draft", "weights/draft/gqa-2x256.bin"],           # a model: not yet
     ["--kv", "--draft", "ngram", "--draft-k", 0],
     ["--kv", "--draft", "ngram", "--draft-k", 17],
     ["--kv", "--draft-k", 4],                                      # -k without --draft
     ["--kv", "--draft", "ngram", "--window", 64],                  # a ring cannot roll back
-    ["--kv", "--draft", "ngram", "-k", 40, "-t", 0.8],             # sampling: greedy only for now
+    ["--kv", "--draft", DRAFT, "--draft-k", 17],
+    [ "--draft", DRAFT],                                           # a model, without --kv
+    ["--kv", "--check-spec"],                                      # nothing to check without --draft
 ])
 def test_bad_draft_flags(args):
     extra = [] if "-k" in args else ["-k", 1]
@@ -76,3 +84,169 @@ def test_bad_draft_flags(args):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "draft" in lines[0], lines
+
+
+# ---- the draft model (--draft CKPT) ----
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_draft_model_is_bitwise_plain_decoding(tmp_path, variant):
+    plain_tokens, plain_logits, _ = greedy(variant, PROMPT, [], tmp_path / "plain.bin")
+    spec_tokens, spec_logits, spec = greedy(variant, PROMPT, ["--draft", DRAFT, "--draft-k", 4], tmp_path / "spec.bin")
+    assert spec_tokens == plain_tokens
+    assert spec_logits.tobytes() == plain_logits.tobytes()  # every emitted position, bitwise
+    assert spec["draft"] == DRAFT and spec["draft_k"] == 4
+    # the draft model proposes at every decode step but those near the end
+    assert spec["draft_tokens"] > 0 and 0 <= spec["draft_accepted"] <= spec["draft_tokens"]
+    assert spec["draft_ms_total"] > 0 and 0 < spec["draft_time_share"] < 1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_draft_model_in_a_batch_of_prompts(tmp_path, variant):
+    """Five prompts through three slots: each sequence accepts its own count, the tokens are
+    plain decoding's, and --check-spec compares every emitted position's logits bitwise."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([PROMPT, REPEATING, "Lily had a red ball. Lily had a", PROMPT, "Tom ran and ran and"]) + "\n")
+    base = [weights(variant), "--prompts", prompts, "--batch", 3, "-k", 1, "-n", 40, "--kv", "-q"]
+    _, plain, _ = generate_json(base)
+    _, spec, summary = generate_json(base + ["--draft", DRAFT, "--draft-k", 6])
+    assert [s["tokens"] for s in spec] == [s["tokens"] for s in plain]
+    assert summary["draft_accepted"] > 0 and summary["draft_tokens"] >= summary["draft_accepted"]
+    rc, check = json_one(base[:-1] + ["--draft", DRAFT, "--draft-k", 6, "--check-spec"])
+    assert rc == 0 and check["identical"] is True
+    assert [s["bitwise_identical"] for s in check["sequences"]] == [True] * 5
+    assert [s["steps"] for s in check["sequences"]] == [len(s["tokens"]) for s in plain]
+
+
+def test_draft_model_with_a_tight_pool_preempts_and_matches(tmp_path):
+    """A pool of 17 blocks for four sequences: one is preempted, its draft cache freed and
+    rebuilt from its tokens; the tokens stay plain decoding's."""
+    base = [weights("gqa"), "-p", REPEATING, "--batch", 4, "-k", 1, "-n", 60, "--kv", "-q", "--kv-mem", "1.1"]
+    _, plain, _ = generate_json(base)
+    _, spec, summary = generate_json(base + ["--draft", DRAFT, "--draft-k", 8])
+    assert summary["preemptions"] > 0
+    assert [s["tokens"] for s in spec] == [s["tokens"] for s in plain]
+    rc, check = json_one(base[:-3] + ["--kv-mem", "1.1", "--draft", DRAFT, "--draft-k", 8, "--check-spec"])
+    assert rc == 0 and check["identical"] is True
+
+
+@pytest.mark.parametrize("drafter", ["ngram", DRAFT])
+def test_check_spec_on_every_target(drafter):
+    for variant in VARIANTS:
+        p = run([weights(variant), "-p", REPEATING, "-n", 40, "--kv", "--batch", 2, "--draft", drafter,
+                 "--check-spec"], check=False)
+        assert p.returncode == 0, p.stdout
+        lines = [l for l in p.stdout.decode().splitlines() if l.startswith("check-spec ")]
+        assert len(lines) == 2 and all("bitwise_identical=1" in l for l in lines), lines
+
+
+# ---- sampled speculation ----
+
+def chi_square_p(observed, expected):
+    """The p-value of Pearson's chi-square for counts against expected counts (bins under 5
+    expected merged into one)."""
+    from scipy.stats import chi2
+    big = [i for i in range(len(expected)) if expected[i] >= 5]
+    small = [i for i in range(len(expected)) if expected[i] < 5]
+    obs = [observed[i] for i in big] + ([sum(observed[i] for i in small)] if small else [])
+    exp = [expected[i] for i in big] + ([sum(expected[i] for i in small)] if small else [])
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    return chi2.sf(stat, len(obs) - 1)
+
+
+# its first token is often one of the prompt's, where prompt lookup finds a draft
+SAMPLED = "Lily saw a big red ball and Tom saw a big red ball and Lily saw a big"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", DRAFT])
+def test_sampled_speculation_follows_the_target(tmp_path, drafter):
+    """The second token of 1024 seeds (-k 8 -t 1.5), the first one verified against a draft,
+    among the seeds whose first token is the most common of those the prompt holds (so that
+    prompt lookup drafts after it): its counts against the target's distribution after that
+    token, the top 8 of the logits --dump-logits gives at that position, softmax at 1.5. A
+    drafter's tokens kept without the acceptance test (q's distribution, a point mass for
+    prompt lookup, instead of p's) or a residual drawn wrongly moves the counts away."""
+    import sentencepiece
+    in_prompt = set(sentencepiece.SentencePieceProcessor(model_file=TOKENIZER).encode(SAMPLED))
+    K, T, B = 8, 1.5, 256
+    first, second = {}, {}
+    for s in range(4):
+        _, seqs, summary = generate_json([weights("mha"), "-p", SAMPLED, "--batch", B, "-s", 1000 + s * B, "-k", K,
+                                          "-t", T, "-n", 2, "--kv", "--kv-mem", 80, "-q", "--ignore-eos",
+                                          "--draft", drafter, "--draft-k", 3])
+        assert summary["draft_tokens"] > 0
+        for q in seqs:
+            first.setdefault(q["tokens"][0], []).append(q["seed"])
+            second.setdefault(q["tokens"][0], []).append(q["tokens"][1])
+    top = max((t for t in first if t in in_prompt), key=lambda t: len(first[t]))
+    seed = first[top][0]
+    dump = tmp_path / "logits.bin"
+    run([weights("mha"), "-p", SAMPLED, "-s", seed, "-k", K, "-t", T, "-n", 2, "--kv", "-q", "--ignore-eos",
+         "--dump-logits", dump])
+    logits = np.fromfile(dump, dtype=np.float32).reshape(2, -1)[1].astype(np.float64)
+    best = np.argsort(-logits, kind="stable")[:K]
+    p = np.exp((logits[best] - logits[best[0]]) / T)
+    p /= p.sum()
+    n = len(second[top])
+    assert n >= 100, n
+    counts = [second[top].count(int(t)) for t in best]
+    assert sum(counts) == n  # nothing outside the target's top 8
+    assert chi_square_p(counts, list(p * n)) > 1e-4, (counts, list(p * n))
+
+
+# ---- bad drafts ----
+
+def tokenizer_of(tmp_path_factory, name, words):
+    """A 300-piece tokenizer trained here on sentences of these words."""
+    import prepare
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path_factory.mktemp(name) / "tok")
+    prepare.train_tokenizer([" ".join(rng.choice(words.split(), 20)) for _ in range(50)], prefix, vocab_size=300)
+    return prefix + ".model"
+
+
+@pytest.fixture(scope="module")
+def other_vocabularies(tmp_path_factory):
+    """(target, draft of the same tokenizer, draft of another tokenizer of as many pieces), small
+    random models of a 300-piece vocabulary."""
+    import export
+    a = tokenizer_of(tmp_path_factory, "a", "once upon a time there was little cat who liked to play in the sun with her friend")
+    b = tokenizer_of(tmp_path_factory, "b", "the big brown dog ran fast over green hills and jumped into cold blue water today")
+    d = tmp_path_factory.mktemp("models")
+    paths = []
+    for name, tok, seed in (("target", a, 1), ("same", a, 2), ("other", b, 3)):
+        model = export.random_model("gqa", small=True, seed=seed, vocab_size=300)
+        paths.append(str(d / f"{name}.bin"))
+        export.export(model, paths[-1], tok, dtype="bf16")
+    return paths
+
+
+def refused(args, *words):
+    p = run(args, check=False)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "draft" in lines[0], lines
+    for w in words:
+        assert w in lines[0], lines
+    return lines[0]
+
+
+def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(other_vocabularies):
+    target, same, other = other_vocabularies
+    # a draft of the committed 4096-piece tokenizer beside a 300-piece target, and the other way round
+    refused([target, "-p", PROMPT, "-n", 4, "--kv", "--draft", DRAFT], "vocabulary")
+    refused([weights("mqa"), "-p", PROMPT, "-n", 4, "--kv", "--draft", same], "vocabulary")
+    # as many pieces, other pieces
+    refused([target, "-p", PROMPT, "-n", 4, "--kv", "--draft", other], "tokenizer")
+    p = run([target, "-p", PROMPT, "-n", 8, "-k", 1, "--kv", "--draft", same, "--check-spec"], check=False)
+    assert p.returncode == 0, p.stderr  # the positive control: the same tokenizer is taken
+
+
+def test_a_missing_or_corrupt_draft_is_refused(tmp_path):
+    refused([weights("mqa"), "-p", PROMPT, "-n", 4, "--kv", "--draft", tmp_path / "none.bin"], "none.bin")
+    cut = tmp_path / "cut.bin"
+    with open(DRAFT, "rb") as f:
+        cut.write_bytes(f.read()[:100000])
+    refused([weights("mqa"), "-p", PROMPT, "-n", 4, "--kv", "--draft", cut])
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a checkpoint at all" * 100)
+    refused([weights("mqa"), "-p", PROMPT, "-n", 4, "--kv", "--draft", junk])
