@@ -44,6 +44,7 @@ if __package__ in (None, ""):
 
 from bench.common import (BenchError, CAPACITY_MIB, Interrupted, LARGE_BATCH, MAX_BATCH, ROOFLINE, ROOT, RUN, log,
                           on_signal, rel, warn)
+from bench.engine import PINNING
 from bench.machine import logical_cpus, survey
 from bench.measure import Bench, measure, read_checkpoints
 from bench.report import latency_table, write_report
@@ -142,12 +143,8 @@ def number_list(ap, flag, text, default, kind, ok, what):
     return tuple(vals)
 
 
-# OpenMP threads pinned one per core, for the engine, the roofline probe and PyTorch (set
-# before torch loads libgomp). Unpinned, a thread woken from sleep can land on the CPU of
-# the thread that woke it: on this project's 2-core VM, 5 of 12 two-thread prefills then
-# took 9-23 ms instead of 1.6-1.9 ms; pinned, 12 of 12 took 1.6-2.1 ms. A user's own
-# OMP_PROC_BIND / OMP_PLACES win.
-PINNING = {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}
+# Threads pinned one per core, for the engine (bench/engine.py), the roofline probe and PyTorch
+# (set before torch loads libgomp). A user's own OMP_PROC_BIND / OMP_PLACES win.
 
 
 def checkpoint_paths(args):

@@ -3,15 +3,23 @@
 human text; a change of the JSON's fields is mended here."""
 import csv
 import json
+import os
 import signal
 import subprocess
 
 from bench.common import BenchError, Interrupted, PROMPT, RUN, engine_message, rel
 
 
+# The engine's team bound one thread a CPU (kernels/threads.c, libgomp's variables): unbound, the
+# kernel may stack two of its threads on one CPU for milliseconds (docs/PERFORMANCE.md). A
+# user's own settings win.
+PINNING = {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}
+
+
 def run_engine(args, what, ok=(0,)):
     """ok: the exit codes that are results (--check-kv exits 1 when the runs differ)."""
-    p = subprocess.run([RUN] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.run([RUN] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       env={**PINNING, **os.environ})
     if p.returncode in (-signal.SIGINT, 128 + signal.SIGINT):   # Ctrl-C in a terminal reaches the engine too
         raise Interrupted(signal.SIGINT)
     if p.returncode < 0:

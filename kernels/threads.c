@@ -160,6 +160,39 @@ static void *member_main(void *arg) {
 }
 
 
+/* The CPUs the process may run on, as it started: binding the leader narrows the main
+ * thread's own mask, which later teams and threads_count must not take for the process's. */
+static cpu_set_t process_cpus;
+static int process_cpus_known;
+
+static int allowed_cpus(cpu_set_t *out) {
+    if (!process_cpus_known) {
+        if (sched_getaffinity(0, sizeof process_cpus, &process_cpus) != 0) return -1;
+        process_cpus_known = 1;
+    }
+    *out = process_cpus;
+    return 0;
+}
+
+/* OMP_PROC_BIND=true|close|spread (libgomp's variable): thread i of the team on the i-th CPU
+ * the process may use, so the scheduler never stacks a woken member on its waker's CPU while
+ * another CPU idles, which can cost a step milliseconds until it balances the load. */
+static void bind_threads(Team *t) {
+    const char *bind = getenv("OMP_PROC_BIND");
+    if (!bind || !(strcmp(bind, "true") == 0 || strcmp(bind, "close") == 0 || strcmp(bind, "spread") == 0)) return;
+    cpu_set_t allowed;
+    if (allowed_cpus(&allowed) != 0 || CPU_COUNT(&allowed) < 2) return;
+    int cpus[CPU_SETSIZE], n = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &allowed)) cpus[n++] = c;
+    for (int i = 0; i < t->threads; i++) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[i % n], &one);
+        pthread_setaffinity_np(i ? t->ids[i] : pthread_self(), sizeof one, &one);
+    }
+}
+
 Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
     if (n < 1 || n > TEAM_MAX_THREADS) return NULL;
     Team *t = NULL;
@@ -179,6 +212,7 @@ Team *team_open(int n, void (*member)(void *arg, Worker *w), void *arg) {
             team_close(t);
             return NULL;
         }
+    bind_threads(t);
     return t;
 }
 
@@ -416,7 +450,7 @@ int threads_count(void) {
     if (!n && env && env_threads_verdict(env, &n) != ENV_THREADS_FINE) n = 0;
     if (!n) {
         cpu_set_t cpus;
-        n = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+        n = allowed_cpus(&cpus) == 0 ? CPU_COUNT(&cpus) : (int)sysconf(_SC_NPROCESSORS_ONLN);
     }
     if (limit && env_threads_verdict(limit, &cap) == ENV_THREADS_FINE && cap < n) n = cap;
     return n < 1 ? 1 : n < TEAM_MAX_THREADS ? n : TEAM_MAX_THREADS;

@@ -2,9 +2,11 @@
  * is done once, by one thread, in every mode and for every team size; a barrier makes every
  * thread's writes visible to all; work done alone by thread 0 is seen by the next shared
  * operation; a late member makes the team shrink, and it grows back when calm, its
- * left-out members asleep; OMP_NUM_THREADS and OMP_THREAD_LIMIT set the count. */
-#define _GNU_SOURCE /* syscall(SYS_gettid) */
+ * left-out members asleep; OMP_NUM_THREADS and OMP_THREAD_LIMIT set the count, and
+ * OMP_PROC_BIND binds thread i to the i-th CPU. */
+#define _GNU_SOURCE /* syscall(SYS_gettid), the affinity calls */
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdio.h>
 #include <sys/syscall.h>
@@ -309,6 +311,48 @@ static void test_thread_count_from_the_environment(void **state) {
     assert_int_equal(threads_count(), 7);
 }
 
+/* Each thread's CPUs, recorded in the team's one step. */
+typedef struct {
+    cpu_set_t mask[4];
+} Masks;
+
+static void record_mask(void *arg, Worker *w) {
+    Masks *m = arg;
+    assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof m->mask[0], &m->mask[w->thread]), 0);
+    team_barrier(w);
+}
+
+/* OMP_PROC_BIND=true puts thread i on the i-th CPU the process may use (wrapping around);
+ * unset, every thread may run anywhere. A later team binds the same way, though the
+ * leader's own mask is one CPU by then. */
+static void test_proc_bind_pins_thread_i_to_cpu_i(void **state) {
+    (void)state;
+    cpu_set_t all;
+    assert_int_equal(sched_getaffinity(0, sizeof all, &all), 0);
+    int cpus[CPU_SETSIZE], n = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &all)) cpus[n++] = c;
+    Masks *m = calloc(1, sizeof *m);
+    unsetenv("OMP_PROC_BIND");
+    run_on_team(3, record_mask, m);
+    for (int i = 0; i < 3; i++) assert_true(CPU_EQUAL(&m->mask[i], &all));
+    setenv("OMP_PROC_BIND", "true", 1);
+    for (int team = 0; team < 2; team++) { /* the second team opens with the leader bound already */
+        memset(m, 0, sizeof *m);
+        run_on_team(3, record_mask, m);
+        for (int i = 0; i < 3; i++)
+            if (n >= 2) {
+                assert_int_equal(CPU_COUNT(&m->mask[i]), 1);
+                assert_true(CPU_ISSET(cpus[i % n], &m->mask[i]));
+            } else { /* one CPU: nothing to choose */
+                assert_true(CPU_EQUAL(&m->mask[i], &all));
+            }
+    }
+    unsetenv("OMP_PROC_BIND");
+    assert_int_equal(sched_setaffinity(0, sizeof all, &all), 0);
+    free(m);
+}
+
 int main(int argc, char **argv) {
     g_tokenizer_path = argc > 1 ? argv[1] : NULL;
     const struct CMUnitTest tests[] = {
@@ -320,6 +364,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_fixed_team_keeps_its_size),
         cmocka_unit_test(test_team_size_policy),
         cmocka_unit_test(test_thread_count_from_the_environment),
+        cmocka_unit_test(test_proc_bind_pins_thread_i_to_cpu_i),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
