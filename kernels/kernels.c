@@ -206,18 +206,18 @@ static inline __attribute__((always_inline)) v16 packed_load(const unsigned char
     if (n <= 0) return v16_zero();
     const int bits = dt == DTYPE_I4 ? 4 : 2;
     const unsigned char *codes = g + ((size_t)j * width + (size_t)col) * bits / 8;
-    uint32_t spread[4]; /* lane l's code in byte l */
+    uint64_t lo, hi; /* lane l's code in byte l of lo, l - 8 of hi */
     if (bits == 4) {
-        uint64_t x, half[2];
+        uint64_t x;
         memcpy(&x, codes, 8);
-        half[0] = x & 0x0F0F0F0F0F0F0F0Full, half[1] = (x >> 4) & 0x0F0F0F0F0F0F0F0Full;
-        memcpy(spread, half, 16);
+        lo = x & 0x0F0F0F0F0F0F0F0Full, hi = (x >> 4) & 0x0F0F0F0F0F0F0F0Full;
     } else {
         uint32_t x;
         memcpy(&x, codes, 4);
-        for (int k = 0; k < 4; k++) spread[k] = (x >> (2 * k)) & 0x03030303u;
+        lo = (uint64_t)(x & 0x03030303u) | (uint64_t)((x >> 2) & 0x03030303u) << 32;
+        hi = (uint64_t)((x >> 4) & 0x03030303u) | (uint64_t)((x >> 6) & 0x03030303u) << 32;
     }
-    const v16 x = v16_load_i8((const int8_t *)spread, 16);
+    const v16 x = v16_from_bytes(lo, hi);
     const bf16 *params = (const bf16 *)(g + (size_t)PACK_ROWS * width * bits / 8);
     if (per_channel) return v16_fma(x, v16_load_bf16(params + col, 16), v16_load_bf16(params + width + col, 16));
     const int groups = (width + PACK_VALUE_GROUP - 1) / PACK_VALUE_GROUP, k = j * groups + col / PACK_VALUE_GROUP;

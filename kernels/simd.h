@@ -57,6 +57,11 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
     __m128i b = n >= 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(v16_mask(n), p);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
+/* lane l: byte l of lo (l < 8) or of hi (l >= 8), each under 128; built in registers, as a
+ * 16-byte load of bytes just stored would wait for the stores to retire */
+static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x((long long)hi, (long long)lo)));
+}
 /* the first n (<= 16) e4m3 values, exactly (f8_to_f32); the rest are 0 */
 static inline v16 v16_load_f8(const uint8_t *p, int n) {
     const __m512i x = _mm512_cvtepu8_epi32(n >= 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(v16_mask(n), p));
@@ -206,6 +211,11 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
     v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return v;
+}
+static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
+    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)lo))),
+             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)hi)))};
     return v;
 }
 static inline __m256 f8x8_to_ps(__m128i b) {
@@ -359,6 +369,11 @@ static inline v16 v16_load_bf16(const bf16 *p, int n) {
 static inline v16 v16_load_i8(const int8_t *p, int n) {
     v16 v = {{0}};
     for (int l = 0; l < 16 && l < n; l++) v.x[l] = (float)p[l];
+    return v;
+}
+static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
+    v16 v;
+    for (int l = 0; l < 16; l++) v.x[l] = (float)(int8_t)((l < 8 ? lo : hi) >> (8 * (l % 8)));
     return v;
 }
 static inline v16 v16_load_f8(const uint8_t *p, int n) {
