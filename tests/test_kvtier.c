@@ -219,6 +219,23 @@ static void filled(KVPool *p, KVCache *a, int blocks, int len, uint64_t seed) {
     kv_fill_generated(a, len, seed);
 }
 
+/* A stream over a pool of `blocks` blocks holding len filled positions, on a fresh tier. */
+static void streamed(KVPool *p, KVCache *a, int blocks, int len, uint64_t seed, KVTier *t, KVStream *s) {
+    filled(p, a, blocks, len, seed);
+    char path[256];
+    tier_path(path, sizeof path);
+    assert_int_equal(kv_tier_open(t, path, kv_block_bytes(p)), 0);
+    assert_int_equal(kv_stream_open(s, t, p, a->max_blocks), 0);
+}
+
+/* Closes what streamed opened. */
+static void unstreamed(KVPool *p, KVCache *a, KVTier *t, KVStream *s) {
+    kv_free(a);
+    kv_stream_close(s);
+    kv_tier_close(t);
+    kv_pool_free(p);
+}
+
 /* every row of layer l of positions [0, len): the same bytes in a and ref */
 static void assert_layer_equal(const KVCache *a, const KVCache *ref, int l, int len) {
     const KVPool *p = ref->pool;
@@ -233,14 +250,10 @@ static void assert_layer_equal(const KVCache *a, const KVCache *ref, int l, int 
 static void test_stream_bookkeeping(void **state) {
     KVPool p, rp;
     KVCache a, ref;
-    filled(&p, &a, 3, 40, 11);
-    filled(&rp, &ref, 4, 40, 11);
-    char path[256];
-    tier_path(path, sizeof path);
     KVTier t;
-    assert_int_equal(kv_tier_open(&t, path, kv_block_bytes(&p)), 0);
     KVStream s;
-    assert_int_equal(kv_stream_open(&s, &t, &p, a.max_blocks), 0);
+    streamed(&p, &a, 3, 40, 11, &t, &s);
+    filled(&rp, &ref, 4, 40, 11);
     assert_int_equal(kv_blocks_in_use(&p), 3);
     assert_int_equal(kv_stream_spill(&s, &a, 1), 1);
     assert_int_equal(a.n_disk, 1);
@@ -268,12 +281,9 @@ static void test_stream_bookkeeping(void **state) {
     assert_int_equal(a.n_disk, 0);
     assert_int_equal(s.n, 0);
     assert_int_equal(kv_blocks_in_use(&p), 0);
-    kv_free(&a);
     kv_free(&ref);
-    kv_stream_close(&s);
-    kv_tier_close(&t);
-    kv_pool_free(&p);
     kv_pool_free(&rp);
+    unstreamed(&p, &a, &t, &s);
 }
 
 /* a pass over streamed blocks that cannot be read whole (a truncated file), or one that
@@ -282,13 +292,9 @@ static void test_stream_truncated_and_corrupt(void **state) {
     for (int corrupt = 0; corrupt < 2; corrupt++) {
         KVPool p;
         KVCache a;
-        filled(&p, &a, 4, 40, 5);
-        char path[256];
-        tier_path(path, sizeof path);
         KVTier t;
-        assert_int_equal(kv_tier_open(&t, path, kv_block_bytes(&p)), 0);
         KVStream s;
-        assert_int_equal(kv_stream_open(&s, &t, &p, a.max_blocks), 0);
+        streamed(&p, &a, 4, 40, 5, &t, &s);
         assert_int_equal(kv_stream_spill(&s, &a, 2), 2);
         if (corrupt) {
             const unsigned char flip = 0x5a;
@@ -301,10 +307,7 @@ static void test_stream_truncated_and_corrupt(void **state) {
         assert_int_equal(kv_stream_end(&a), -1);
         assert_int_equal(errno, corrupt ? EBADMSG : EIO);
         kv_stream_drop(&s, &a);
-        kv_free(&a);
-        kv_stream_close(&s);
-        kv_tier_close(&t);
-        kv_pool_free(&p);
+        unstreamed(&p, &a, &t, &s);
     }
 }
 
@@ -312,13 +315,9 @@ static void test_stream_truncated_and_corrupt(void **state) {
 static void test_stream_file_size_limit(void **state) {
     KVPool p;
     KVCache a;
-    filled(&p, &a, 4, 40, 9);
-    char path[256];
-    tier_path(path, sizeof path);
     KVTier t;
-    assert_int_equal(kv_tier_open(&t, path, kv_block_bytes(&p)), 0);
     KVStream s;
-    assert_int_equal(kv_stream_open(&s, &t, &p, a.max_blocks), 0);
+    streamed(&p, &a, 4, 40, 9, &t, &s);
     struct rlimit old, lim;
     getrlimit(RLIMIT_FSIZE, &old);
     lim = old;
@@ -334,10 +333,7 @@ static void test_stream_file_size_limit(void **state) {
     assert_int_equal(a.n_disk, 0);
     assert_int_equal(s.n, 0);
     assert_int_equal(kv_blocks_in_use(&p), 3);
-    kv_free(&a);
-    kv_stream_close(&s);
-    kv_tier_close(&t);
-    kv_pool_free(&p);
+    unstreamed(&p, &a, &t, &s);
 }
 
 int main(int argc, char **argv) {
