@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 from bench.common import BenchError, ORDER, PROMPT, ROOT, log, md_table, rel
 from bench.engine import engine_json
-from bench.machine import machine_name_for_scale
+from bench.machine import write_machine_report
 
 MIB = 64
 
@@ -88,12 +88,8 @@ def main():
              f"{a.threads} threads). What each dtype costs in quality: `make quality`.", "",
              md_table(["variant", "--kv-dtype", "KV bytes/token", f"full contexts in {MIB} MiB"]
                       + [f"tokens/s at B={b}" for b in batches], rows), ""]
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"{machine_name_for_scale(a.threads)}-kivi.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
     print("\n".join(lines))
-    log(f"wrote {rel(path)}")
+    log(f"wrote {rel(write_machine_report(a.out, a.threads, 'kivi', lines))}")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,15 @@ def machine_name_for_scale(threads):
     return machine_slug(cpu_model(), physical_cores(), threads)
 
 
+def write_machine_report(out, threads, suffix, lines):
+    """Writes lines to OUT/<machine>-<suffix>.md; returns its path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{machine_name_for_scale(threads)}-{suffix}.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
 def cpu_jiffies():
     """(busy, steal) seconds of all CPUs since boot, from /proc/stat."""
     try:

@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 from bench.common import BenchError, ORDER, PROMPT, ROOT, log, md_table, rel
 from bench.engine import engine_json
-from bench.machine import machine_name_for_scale
+from bench.machine import write_machine_report
 
 SHAPE = "tinyllama-1.1b"
 DRAFT = os.path.join(ROOT, "weights", "draft", "gqa-2x256.bin")
@@ -100,7 +100,7 @@ def main():
     batches = [int(x) for x in a.batches.split(",") if x]
     targets = [t for t in a.targets.split(",") if t]
     drafters = [("ngram", "ngram", ngram_ks), ("model", a.draft, ks)]
-    lines = [f"# Speculative decoding, greedy (bench/spec.py)", "",
+    lines = ["# Speculative decoding, greedy (bench/spec.py)", "",
              f"Drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft {rel(a.draft)}`). "
              f"{a.n} tokens a sequence from \"{PROMPT}\", --threads {a.threads}, medians of {a.reps} runs after "
              f"a warm-up. Speedup: decode tokens/s over plain `--kv` decoding's at the same batch. Drafting: "
@@ -163,11 +163,7 @@ def main():
 
 
 def write(a, lines):
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"{machine_name_for_scale(a.threads)}-spec.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-    log(f"wrote {rel(path)}")
+    log(f"wrote {rel(write_machine_report(a.out, a.threads, 'spec', lines))}")
 
 
 if __name__ == "__main__":

@@ -352,7 +352,7 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
                 "waited %.1f ms for the disk | staging %zu bytes\n",
                 st->blocks_written, kv_block_bytes(sch->pool) * (size_t)st->peak_blocks,
                 (double)st->layers_read * (double)st->layer_bytes, st->read_ms, st->wait_ms,
-                2 * (size_t)st->max_blocks * st->layer_bytes);
+                kv_stream_stage_bytes(sch->pool, st->max_blocks));
     if (!sch->kv || (f->sequences == 1 && !g->o->verbose)) return;
     const KVPool *pool = sch->pool;
     const size_t contiguous = kv_bytes_per_token(pool) * (size_t)g->model->cfg.max_seq_len * (size_t)sch->max_batch;
@@ -462,7 +462,7 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     printf(", \"tier_stream_blocks\": %ld, \"tier_stream_peak_blocks\": %d, \"tier_stream_bytes_read\": %.0f, "
            "\"tier_stream_read_ms_total\": %.3f, \"tier_stream_wait_ms_total\": %.3f, \"tier_stage_bytes\": %zu",
            st->blocks_written, st->peak_blocks, (double)st->layers_read * (double)st->layer_bytes, st->read_ms,
-           st->wait_ms, 2 * (size_t)st->max_blocks * st->layer_bytes);
+           st->wait_ms, kv_stream_stage_bytes(pool, st->max_blocks));
     printf(", \"tier_rule_recomputes\": %d, \"tier_blocks_kept\": %ld", sch->rule_recomputes, t->blocks_kept);
     fputs(", \"draft\": ", stdout);
     if (!sch->draft_k)
@@ -479,6 +479,15 @@ static void print_summary_json(const Generation *g, const Figures *f) {
     json_end();
 }
 
+/* Ends the run in one line when a step failed: check_model's errors, or a streamed cache's
+ * tier, whose blocks have no other copy. */
+static void check_step(const Scheduler *sch, int rc) {
+    if (rc == MODEL_ERR_TIER)
+        die(1, "--kv-offload: the tier failed under a streamed cache (%s); its blocks have no other copy, so the run "
+               "cannot go on", strerror(sch->tier_errno));
+    check_model(rc);
+}
+
 /* Warm-up, as llama.cpp does after loading: one untimed forward of the first prompt (what
  * a window takes in one pass), on a cache emptied after. A process's first forward runs
  * cold (its weights come from DRAM); that is a cost of loading, so the timed prefill runs
@@ -492,13 +501,11 @@ static void warm_up(const Model *m, KVPool *pool, const DraftModel *draft, const
     sch.fill = 0; /* the generated entries are the timed run's: the warm-up computes the prompt */
     const int n = pool->window && first->n_prompt > pool->window ? pool->window : first->n_prompt;
     Request r = {.tokens = first->tokens, .n_prompt = n, .cap_tokens = first->cap_tokens, .score = 1};
-    scheduler_add(&sch, &r);
+    if (scheduler_add(&sch, &r) != 0) die(1, "out of memory");
     StepResult st;
     int rc;
     while ((rc = scheduler_step(&sch, &st)) > 0) {}
-    if (rc == MODEL_ERR_TIER)
-        die(1, "--kv-offload: the tier failed under a streamed cache (%s) in the warm-up", strerror(sch.tier_errno));
-    check_model(rc);
+    check_step(&sch, rc);
     scheduler_free(&sch);
     if (pool->stream) kv_stream_restart_figures(pool->stream);
     if (g->step_lines) {
@@ -609,10 +616,7 @@ int mode_generate(const Model *m, KVPool *pool, const DraftModel *draft, const O
         if ((rc = scheduler_step(&sch, &st)) <= 0) break;
         report_step(&g, &st);
     }
-    if (rc == MODEL_ERR_TIER && !interrupted_by)
-        die(1, "--kv-offload: the tier failed under a streamed cache (%s); its blocks have no other copy, so the run "
-               "cannot go on", strerror(sch.tier_errno));
-    if (!interrupted_by) check_model(rc < 0 ? rc : 0);
+    if (!interrupted_by) check_step(&sch, rc < 0 ? rc : 0);
     if ((g.interrupted = interrupted_by != 0) && streams_text(&g)) { /* the text so far, as it is */
         print_text(&g, stream_end(&g));
         if (g.mid_line || !g.one_terminal) print_text(&g, "\n");
