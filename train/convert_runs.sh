@@ -18,5 +18,8 @@ one() {  # one VARIANT TOKENS OUT [--init CKPT]
 P5=953549 P20=3814195
 for v in gqa mqa mla64 mla128; do one $v $P5 out/convert/up5-$v --init out/convert/$v.bin || exit 1; done
 for v in gqa mqa mla64 mla128; do one $v $P5 out/convert/scratch5-$v || exit 1; done
-for v in gqa mla64 mqa mla128; do one $v $P20 out/convert/up20-$v --init out/convert/$v.bin || exit 1; done
-for v in gqa mla64 mqa mla128; do one $v $P20 out/convert/scratch20-$v || exit 1; done
+# each variant's 20% pair together, so the table fills a whole row at a time
+for v in gqa mqa mla64 mla128; do
+    one $v $P20 out/convert/up20-$v --init out/convert/$v.bin || exit 1
+    one $v $P20 out/convert/scratch20-$v || exit 1
+done
