@@ -199,25 +199,27 @@ static inline const float *row_scales(const RowBlocks *r, int b, int i) {
 }
 
 /* Elements [col, col + 16) of row j of a packed group (kernels.h), as the floats they stand
- * for: the codes spread to 16 bytes by shifts and masks (lane order needs no shuffle),
+ * for: int4 codes spread to 16 bytes by shifts and masks, int2 codes shifted per lane,
  * widened, then code * scale + min in one fma. n is 16, or 0 past the row's end. */
 static inline __attribute__((always_inline)) v16 packed_load(const unsigned char *g, int j, int col, int n, DType dt,
                                                              int width, int per_channel) {
     if (n <= 0) return v16_zero();
     const int bits = dt == DTYPE_I4 ? 4 : 2;
     const unsigned char *codes = g + ((size_t)j * width + (size_t)col) * bits / 8;
-    uint64_t lo, hi; /* lane l's code in byte l of lo, l - 8 of hi */
-    if (bits == 4) {
-        uint64_t x;
-        memcpy(&x, codes, 8);
-        lo = x & 0x0F0F0F0F0F0F0F0Full, hi = (x >> 4) & 0x0F0F0F0F0F0F0F0Full;
+    v16 x;
+    if (bits == 4) { /* lane l's code in byte l of lo, l - 8 of hi */
+        uint64_t w;
+        memcpy(&w, codes, 8);
+#if ISA_AVX512
+        x = v16_from_4bit(w);
+#else
+        x = v16_from_bytes(w & 0x0F0F0F0F0F0F0F0Full, (w >> 4) & 0x0F0F0F0F0F0F0F0Full);
+#endif
     } else {
-        uint32_t x;
-        memcpy(&x, codes, 4);
-        lo = (uint64_t)(x & 0x03030303u) | (uint64_t)((x >> 2) & 0x03030303u) << 32;
-        hi = (uint64_t)((x >> 4) & 0x03030303u) | (uint64_t)((x >> 6) & 0x03030303u) << 32;
+        uint32_t w;
+        memcpy(&w, codes, 4);
+        x = v16_from_2bit(w);
     }
-    const v16 x = v16_from_bytes(lo, hi);
     const bf16 *params = (const bf16 *)(g + (size_t)PACK_ROWS * width * bits / 8);
     if (per_channel) return v16_fma(x, v16_load_bf16(params + col, 16), v16_load_bf16(params + width + col, 16));
     const int groups = (width + PACK_VALUE_GROUP - 1) / PACK_VALUE_GROUP, k = j * groups + col / PACK_VALUE_GROUP;

@@ -62,6 +62,20 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
 static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x((long long)hi, (long long)lo)));
 }
+/* lane l: the 4-bit code at bit 8 * (l % 8) + 4 * (l / 8) of x (kernels.h's int4 order) */
+static inline v16 v16_from_4bit(uint64_t x) {
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i shift = _mm512_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24, 4, 12, 20, 28, 4, 12, 20, 28);
+    const __m512i words = _mm512_permutexvar_epi32(half, _mm512_castsi128_si512(_mm_cvtsi64_si128((long long)x)));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shift), _mm512_set1_epi32(15)));
+}
+/* lane l: the 2-bit code at bit 8 * (l % 4) + 2 * (l / 4) of x (kernels.h's int2 order):
+ * one broadcast and one shift per lane, instead of spreading the codes to bytes */
+static inline v16 v16_from_2bit(uint32_t x) {
+    const __m512i shift = _mm512_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26, 4, 12, 20, 28, 6, 14, 22, 30);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)x), shift), _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_ps(codes);
+}
 /* the first n (<= 16) e4m3 values, exactly (f8_to_f32); the rest are 0 */
 static inline v16 v16_load_f8(const uint8_t *p, int n) {
     const __m512i x = _mm512_cvtepu8_epi32(n >= 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(v16_mask(n), p));
@@ -216,6 +230,13 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
 static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
     v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)lo))),
              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)hi)))};
+    return v;
+}
+static inline v16 v16_from_2bit(uint32_t x) {
+    const __m256i all = _mm256_set1_epi32((int)x), three = _mm256_set1_epi32(3);
+    const __m256i s0 = _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26), s1 = _mm256_setr_epi32(4, 12, 20, 28, 6, 14, 22, 30);
+    v16 v = {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(all, s0), three)),
+             _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(all, s1), three))};
     return v;
 }
 static inline __m256 f8x8_to_ps(__m128i b) {
@@ -374,6 +395,11 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
 static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
     v16 v;
     for (int l = 0; l < 16; l++) v.x[l] = (float)(int8_t)((l < 8 ? lo : hi) >> (8 * (l % 8)));
+    return v;
+}
+static inline v16 v16_from_2bit(uint32_t x) {
+    v16 v;
+    for (int l = 0; l < 16; l++) v.x[l] = (float)((x >> (8 * (l % 4) + 2 * (l / 4))) & 3u);
     return v;
 }
 static inline v16 v16_load_f8(const uint8_t *p, int n) {
