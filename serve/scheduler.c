@@ -100,7 +100,7 @@ static int common_prefix(const Request *a, const Request *b) {
 static int blocks_for_running(const SchedulerRun *run) {
     int need = 0;
     for (int i = 0; i < run->n_running; i++)
-        need += kv_blocks_needed(&run->running[i]->cache, run->running[i]->n_tokens);
+        need += kv_blocks_needed(&run->running[i]->live->cache, run->running[i]->n_tokens);
     return need;
 }
 
@@ -111,30 +111,37 @@ static int outlives_step(const Scheduler *sch, const Request *q) {
 
 /* A request's sampler and block table, made when it is first admitted. */
 static int start_request(const Scheduler *sch, Request *r) {
-    if (r->started) return 0;
+    if (r->live) return 0;
     const int max_len = kv_rotates_by_place(sch->pool) ? INT32_MAX / 2 : sch->model->cfg.max_seq_len;
-    if (sampler_init(&r->sampler, sch->model->cfg.vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0)
-        return -1;
-    if (kv_init(&r->cache, sch->pool, max_len) != 0) {
-        sampler_free(&r->sampler);
-        return -1;
-    }
-    if (sch->draft_model && kv_init(&r->draft_cache, sch->draft_pool, sch->draft_model->cfg.max_seq_len) != 0) {
-        sampler_free(&r->sampler);
-        kv_free(&r->cache);
+    RequestLive *live = calloc(1, sizeof *live);
+    if (!live) return -1;
+    if (sampler_init(&live->sampler, sch->model->cfg.vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0) {
+        free(live);
         return -1;
     }
-    r->started = 1;
+    if (kv_init(&live->cache, sch->pool, max_len) != 0) {
+        sampler_free(&live->sampler);
+        free(live);
+        return -1;
+    }
+    if (sch->draft_model && kv_init(&live->draft_cache, sch->draft_pool, sch->draft_model->cfg.max_seq_len) != 0) {
+        sampler_free(&live->sampler);
+        kv_free(&live->cache);
+        free(live);
+        return -1;
+    }
+    r->live = live;
     return 0;
 }
 
 static void end_request(const Scheduler *sch, Request *r) {
-    if (r->swapped.n_blocks) kv_swap_drop(sch->pool->tier, &r->swapped);
-    if (sch->pool->stream) kv_stream_drop(sch->pool->stream, &r->cache);
-    sampler_free(&r->sampler);
-    kv_free(&r->cache);
-    if (sch->draft_model) kv_free(&r->draft_cache);
-    r->started = 0;
+    if (r->live->swapped.n_blocks) kv_swap_drop(sch->pool->tier, &r->live->swapped);
+    if (sch->pool->stream) kv_stream_drop(sch->pool->stream, &r->live->cache);
+    sampler_free(&r->live->sampler);
+    kv_free(&r->live->cache);
+    if (sch->draft_model) kv_free(&r->live->draft_cache);
+    free(r->live);
+    r->live = NULL;
 }
 
 /* A swap that failed leaves the sequence to be recomputed, which gives the same bits: a
@@ -149,9 +156,9 @@ static void swap_failed(Scheduler *sch, const char *what) {
  * (kvtier.h), its oldest blocks go to the tier first. Returns 0; -1 when it does not fit;
  * MODEL_ERR_TIER when a write to the tier failed (errno in sch->tier_errno). */
 static int reserve_streaming(Scheduler *sch, Request *r, int new_len) {
-    while (kv_reserve(&r->cache, new_len) != 0) {
-        const int short_by = kv_blocks_needed(&r->cache, new_len) - sch->pool->n_free;
-        const int moved = sch->pool->stream ? kv_stream_spill(sch->pool->stream, &r->cache, short_by) : 0;
+    while (kv_reserve(&r->live->cache, new_len) != 0) {
+        const int short_by = kv_blocks_needed(&r->live->cache, new_len) - sch->pool->n_free;
+        const int moved = sch->pool->stream ? kv_stream_spill(sch->pool->stream, &r->live->cache, short_by) : 0;
         if (moved < 0) {
             sch->tier_errno = errno;
             return MODEL_ERR_TIER;
@@ -176,15 +183,15 @@ static int admit(SchedulerRun *run) {
         int shared = 0, pending = 0;
         /* a window's slots are never shared, a scored request computes all its positions, and
          * generated entries are each sequence's own */
-        const int swapped = r->swapped.len; /* positions it gets back from the tier */
+        const int swapped = r->live ? r->live->swapped.len : 0; /* positions it gets back from the tier */
         for (int i = 0; i < run->n_running && sch->kv && !sch->pool->window && !r->score && !sch->fill && !swapped;
              i++) {
             Request *q = run->running[i];
             const int common = min_int(common_prefix(r, q), r->n_tokens - 1);
             if (i >= first_new) { /* computed this step */
                 if (outlives_step(sch, q) && common > pending) pending = common;
-            } else if (min_int(common, q->cache.len) > shared) {
-                shared = min_int(common, q->cache.len), source = q;
+            } else if (min_int(common, q->live->cache.len) > shared) {
+                shared = min_int(common, q->live->cache.len), source = q;
             }
         }
         if (dtype_packed(sch->pool->dtype)) shared -= shared % KV_BLOCK_TOKENS; /* int4, int2: whole blocks (kvcache.h) */
@@ -197,22 +204,22 @@ static int admit(SchedulerRun *run) {
         const int compute = r->n_tokens - (swapped ? swapped : shared + sch->fill); /* a fill is not computed */
         if (sch->kv && run->n_running > first_new && compute > budget) break;
         if (start_request(sch, r) != 0) return -1;
-        if (source) kv_share_prefix(&r->cache, &source->cache, shared);
+        if (source) kv_share_prefix(&r->live->cache, &source->live->cache, shared);
         /* a sequence that streams is alone: it makes room by spilling its oldest blocks */
         if (sch->kv && !sch->pool->stream &&
-            kv_blocks_needed(&r->cache, r->n_tokens) - r->swapped.n_kept + blocks_for_running(run) > sch->pool->n_free) {
-            kv_reset(&r->cache);
+            kv_blocks_needed(&r->live->cache, r->n_tokens) - r->live->swapped.n_kept + blocks_for_running(run) > sch->pool->n_free) {
+            kv_reset(&r->live->cache);
             break;
         }
-        if (swapped && kv_swap_in(&r->cache, sch->pool->tier, &r->swapped) != 0) swap_failed(sch, "reading a preempted sequence's blocks from");
-        if (sch->fill && r->cache.len == 0) {
+        if (swapped && kv_swap_in(&r->live->cache, sch->pool->tier, &r->live->swapped) != 0) swap_failed(sch, "reading a preempted sequence's blocks from");
+        if (sch->fill && r->live->cache.len == 0) {
             const double t0 = now_ms();
             /* a block at a time, so that a streamed cache spills the ones filled already */
             for (int to = 0; to < sch->fill;) {
                 to = min_int(sch->fill, to + KV_BLOCK_TOKENS);
                 const int rc = reserve_streaming(sch, r, to); /* counted in the blocks needed */
                 if (rc != 0) return rc;
-                kv_fill_generated(&r->cache, to, r->seed);
+                kv_fill_generated(&r->live->cache, to, r->seed);
             }
             run->fill_ms += now_ms() - t0;
         }
@@ -237,8 +244,8 @@ static int swap_pays(const Scheduler *sch, const Request *r) {
     const KVTier *t = sch->pool->tier;
     const long blocks = t->blocks_written + t->blocks_read;
     if (blocks == 0 || sch->prefill_tokens == 0) return 1;
-    const double swap_ms = 2.0 * kv_blocks_for(r->cache.len) * (t->wait_ms / (double)blocks);
-    return swap_ms < r->cache.len * (sch->prefill_ms / (double)sch->prefill_tokens);
+    const double swap_ms = 2.0 * kv_blocks_for(r->live->cache.len) * (t->wait_ms / (double)blocks);
+    return swap_ms < r->live->cache.len * (sch->prefill_ms / (double)sch->prefill_tokens);
 }
 
 /* Reserves every running sequence's positions, preempting the latest admitted while the
@@ -246,19 +253,19 @@ static int swap_pays(const Scheduler *sch, const Request *r) {
 static int reserve_or_preempt(SchedulerRun *run) {
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        while (kv_reserve(&r->cache, r->n_tokens) != 0) {
+        while (kv_reserve(&r->live->cache, r->n_tokens) != 0) {
             if (run->n_running == 1) /* alone: a streamed prompt comes a pool's worth a step */
-                return reserve_streaming(run->sch, r, min_int(r->n_tokens, r->cache.len + run->prompt_budget));
+                return reserve_streaming(run->sch, r, min_int(r->n_tokens, r->live->cache.len + run->prompt_budget));
             Request *victim = run->running[run->n_running - 1]; /* running is in admission order */
             if (!run->sch->pool->tier)
-                kv_reset(&victim->cache);
+                kv_reset(&victim->live->cache);
             else if (run->sch->preempt_rule && !swap_pays(run->sch, victim))
-                kv_reset(&victim->cache), run->sch->rule_recomputes++;
-            else if (kv_swap_out(&victim->cache, run->sch->pool->tier, &victim->swapped) == 0)
+                kv_reset(&victim->live->cache), run->sch->rule_recomputes++;
+            else if (kv_swap_out(&victim->live->cache, run->sch->pool->tier, &victim->live->swapped) == 0)
                 run->sch->swaps++;
             else
                 swap_failed(run->sch, "writing a preempted sequence's blocks to");
-            if (run->sch->draft_model) kv_reset(&victim->draft_cache); /* rebuilt from its tokens */
+            if (run->sch->draft_model) kv_reset(&victim->live->draft_cache); /* rebuilt from its tokens */
             victim->preemptions++;
             run->sch->preemptions++;
             queue_push_front(run, victim);
@@ -284,7 +291,7 @@ static int lay_out_pass(SchedulerRun *run, int p) {
     run->row0 = run->n_rows;
     for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) {
         Request *r = run->running[i];
-        const int from = r->cache.len, want = kv_tokens_per_pass(&r->cache, r->n_tokens - from);
+        const int from = r->live->cache.len, want = kv_tokens_per_pass(&r->live->cache, r->n_tokens - from);
         const int count = want > 1 ? min_int(want, budget) : want;
         /* a decoding sequence's drafts follow its last token, if the context and the pool
          * have room for them (kv_reserve changes nothing when it has not) */
@@ -295,7 +302,7 @@ static int lay_out_pass(SchedulerRun *run, int p) {
                                  : draft_ngram(r->tokens, r->n_tokens,
                                                min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens), draft);
             if (!sch->draft_model) run->draft_ms += now_ms() - t0;
-            if (d > 0 && kv_reserve(&r->cache, r->n_tokens + d) != 0) d = 0;
+            if (d > 0 && kv_reserve(&r->live->cache, r->n_tokens + d) != 0) d = 0;
         }
         r->drafted = d;
         if (count > 1) budget -= count;
@@ -303,11 +310,11 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         run->computed_prompt[i] = r->generated == 0;
         if (r->generated == 0 || (sch->kv && count > 1)) run->prefill_tokens += count; /* prompt, or a recompute */
         run->n_tokens += count;
-        if (count > 0) run->sequence_keys += kv_keys_seen(&r->cache, from + count - 1);
+        if (count > 0) run->sequence_keys += kv_keys_seen(&r->live->cache, from + count - 1);
         for (int pos = from; pos < from + count; pos++, T++) {
             run->ids[T] = r->tokens[pos];
-            run->caches[T] = &r->cache;
-            run->keys_read += kv_keys_seen(&r->cache, pos);
+            run->caches[T] = &r->live->cache;
+            run->keys_read += kv_keys_seen(&r->live->cache, pos);
             /* a prompt's positions and each new token, once: not a recompute */
             run->record_sequence[T] =
                 run->evicts || (sch->record_step && (r->generated == 0 || pos + 1 == r->n_tokens)) ? r->index : -1;
@@ -319,14 +326,14 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         }
         for (int j = 0; j < d; j++, T++) { /* the drafts, a row of logits each */
             run->ids[T] = draft[j];
-            run->caches[T] = &r->cache;
-            run->keys_read += kv_keys_seen(&r->cache, from + count + j);
+            run->caches[T] = &r->live->cache;
+            run->keys_read += kv_keys_seen(&r->live->cache, from + count + j);
             run->record_sequence[T] = -1;
             run->rows[run->n_rows++] = (StepRow){r, from + count + j, -1, j + 1 < d ? draft[j + 1] : -1};
             run->logit_tokens[n_logits++] = T;
         }
         run->n_tokens += d;
-        if (d > 0) run->sequence_keys += kv_keys_seen(&r->cache, from + count + d - 1) - kv_keys_seen(&r->cache, from + count - 1);
+        if (d > 0) run->sequence_keys += kv_keys_seen(&r->live->cache, from + count + d - 1) - kv_keys_seen(&r->live->cache, from + count - 1);
     }
     /* a pass in which every sequence is still inside its prompt reports nothing, but
      * computes at least one row of logits */
@@ -391,11 +398,11 @@ static int lay_out_draft_pass(SchedulerRun *run, int j) {
     run->n_draft_rows = 0;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        KVCache *dc = &r->draft_cache;
+        KVCache *dc = &r->live->draft_cache;
         if (j == 0) {
             const int unseen = r->n_tokens - dc->len; /* 1 or more: it holds all but the last token, or fewer */
             int want = 0;
-            if (r->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score)
+            if (r->live->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score)
                 want = min_int(K, min_int(ctx - r->n_tokens, draft_ctx + 1 - r->n_tokens));
             if (want > 0 && unseen > 1 && unseen > budget) want = 0;
             if (want > 0 && kv_reserve(dc, r->n_tokens + want - 1) != 0) want = 0;
@@ -435,7 +442,7 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
         for (long lo, hi; share_next(&sh, &lo, &hi);)
             for (long k = lo; k < hi; k++) {
                 const int i = run->draft_slots[k];
-                Sampler *s = &run->running[i]->sampler;
+                Sampler *s = &run->running[i]->live->sampler;
                 const float *logits = run->draft_logits + (size_t)k * V;
                 if (!run->q) {
                     run->drafts[(size_t)i * K + j] = sampler_sample(s, logits);
@@ -458,7 +465,7 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
 static void sample_chain(SchedulerRun *run, long k, int thread) {
     const Scheduler *sch = run->sch;
     const int V = sch->model->cfg.vocab_size, K = sch->draft_k, slot = run->sample_slots[k];
-    Sampler *s = &run->rows[run->sample_rows[k]].request->sampler;
+    Sampler *s = &run->rows[run->sample_rows[k]].request->live->sampler;
     float *p = run->scratch + (size_t)thread * 3 * V, *residual = p + V, *point = residual + V;
     for (int row = run->sample_rows[k], j = 0;; row++, j++) {
         StepRow *sr = &run->rows[row];
@@ -486,7 +493,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
     if (sch->draft_model) draft_share(run, wk);
     for (int p = 0; p < run->n_passes; p++) {
         if (team_alone(wk) && !sch->kv)
-            for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
+            for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
         for (int more = 1; more;) {
             if (team_alone(wk) && run->rc == 0) { /* an earlier pass's error ends the step */
                 run->more = lay_out_pass(run, p);
@@ -501,7 +508,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
             if (team_alone(wk) && run->rc == 0 && run->evicts) pay_attention(run);
         }
         if (team_alone(wk) && !sch->kv)
-            for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->cache);
+            for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
     }
     const int S = run->n_sample;
     stage_begin(sch->clock, wk->thread);
@@ -561,7 +568,7 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
         }
         kept++;
         if (r->score) {
-            if (!sch->kv || r->cache.len == r->n_tokens) r->stop = STOP_STEPS; /* all of it computed */
+            if (!sch->kv || r->live->cache.len == r->n_tokens) r->stop = STOP_STEPS; /* all of it computed */
             continue;
         }
         const int next = run->rows[k].token;
@@ -588,11 +595,11 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
     /* the cache holds every token but the last: the rejected drafts' positions go */
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        if (sch->draft_model && r->draft_cache.len > r->n_tokens - 1) kv_truncate(&r->draft_cache, r->n_tokens - 1);
+        if (sch->draft_model && r->live->draft_cache.len > r->n_tokens - 1) kv_truncate(&r->live->draft_cache, r->n_tokens - 1);
         if (!r->drafted) continue;
         sch->drafted += r->drafted;
         sch->verify_passes++;
-        if (r->cache.len > r->n_tokens - 1) kv_truncate(&r->cache, r->n_tokens - 1);
+        if (r->live->cache.len > r->n_tokens - 1) kv_truncate(&r->live->cache, r->n_tokens - 1);
     }
     out->n_finished = 0;
     for (int i = 0; i < run->n_running;) {
@@ -749,10 +756,10 @@ int scheduler_add(Scheduler *sch, Request *r) {
     r->n_tokens = r->n_prompt;
     r->generated = 0;
     r->stop = STOP_NONE;
-    r->started = r->waited = 0;
+    r->live = NULL;
+    r->waited = 0;
     r->first_token_ms = r->prefill_ms = r->decode_ms = 0.0;
     r->decode_steps = r->preemptions = 0;
-    memset(&r->swapped, 0, sizeof r->swapped);
     queue_push_back(sch->run, r);
     return 0;
 }
@@ -763,7 +770,7 @@ void scheduler_free(Scheduler *sch) {
     team_close(run->team);
     for (int i = 0; run->running && i < run->n_running; i++) end_request(sch, run->running[i]);
     for (Request *r = run->queue; r; r = r->next)
-        if (r->started) end_request(sch, r);
+        if (r->live) end_request(sch, r);
     runstate_free(&run->state);
     if (sch->draft_model) runstate_free(&run->draft_state);
     free(run->draft_ids);

@@ -59,6 +59,16 @@
 
 typedef enum { STOP_NONE, STOP_EOS, STOP_STEPS, STOP_CONTEXT } StopReason;
 
+/* What a request holds from its first admission to its end, preemptions included (the
+ * sampler's random state goes on where it stopped). */
+typedef struct {
+    Sampler sampler;
+    KVCache cache;
+    KVCache draft_cache; /* the draft model's (--draft CKPT): every token but the last, like
+                          * cache, or fewer; rebuilt from the tokens after a preemption */
+    KVSwapped swapped; /* its cache on the tier while preempted with swap; n_blocks 0 otherwise */
+} RequestLive;
+
 typedef struct Request Request;
 struct Request {
     /* the request, set by the caller */
@@ -73,13 +83,9 @@ struct Request {
     int n_tokens;  /* tokens[0 .. n_tokens) known; the cache holds all but the last */
     int generated; /* tokens sampled (an EOS that ends it included) */
     StopReason stop;
-    int started; /* admitted once: its sampler and cache exist until it ends */
-    int waited;  /* it waited a step for a prefix being computed */
-    Sampler sampler;
-    KVCache cache;
-    KVCache draft_cache; /* the draft model's (--draft CKPT): every token but the last, like
-                          * cache, or fewer; rebuilt from the tokens after a preemption */
-    KVSwapped swapped; /* its cache on the tier while preempted with swap; n_blocks 0 otherwise */
+    int waited; /* it waited a step for a prefix being computed */
+    RequestLive *live; /* from its first admission to its end, NULL before and after: a
+                        * queue of a million prompts holds none */
     Request *next; /* in the queue */
     /* its timing, from the start of the first step */
     double first_token_ms; /* when its first token was sampled */

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import RUN, run, sanitized
+from conftest import RUN, run, run_measured, sanitized
 
 SPM_MAX_TEXT_BYTES = 1 << 18
 
@@ -148,18 +148,6 @@ def test_text_files_that_grow_or_hide_their_size(ckpt, tmp_path, stories, shrink
     one_line_error(p, 1, "grew while it was being read")
     one_line_error(run([ckpt, how, "/proc/self/status", "-n", "2"], check=False, timeout=30), 1,
                    "/proc/self/status grew while it was being read, or does not report its size")
-
-
-def run_measured(args):
-    """./run with args in a child of its own: (returncode, stdout, stderr, peak RSS in KB)."""
-    import sys
-    probe = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True); "
-             "sys.stdout.buffer.write(b'%d %d\\n' % (p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
-             " + p.stderr)")
-    p = subprocess.run([sys.executable, "-c", probe, RUN] + [str(a) for a in args], stdout=subprocess.PIPE, timeout=600)
-    head, _, err = p.stdout.partition(b"\n")
-    code, rss = map(int, head.split())
-    return code, err, rss
 
 
 def test_ppl_memory_in_proportion_to_the_input(ckpt, tmp_path, stories):

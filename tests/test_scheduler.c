@@ -344,11 +344,11 @@ static int run_drafted(const Model *draft, Request *rs, int max_new, long *draft
         int held = 0;
         for (int i = 0; i < 2; i++) {
             const Request *r = &rs[i];
-            if (!r->started) continue;
-            assert_int_equal(r->cache.len, r->n_tokens - 1);
-            assert_true(r->draft_cache.len <= r->n_tokens - 1);
-            assert_int_equal(r->draft_cache.n_blocks, kv_blocks_for(r->draft_cache.len));
-            held += r->draft_cache.n_blocks;
+            if (!r->live) continue;
+            assert_int_equal(r->live->cache.len, r->n_tokens - 1);
+            assert_true(r->live->draft_cache.len <= r->n_tokens - 1);
+            assert_int_equal(r->live->draft_cache.n_blocks, kv_blocks_for(r->live->draft_cache.len));
+            held += r->live->draft_cache.n_blocks;
         }
         assert_int_equal(kv_blocks_in_use(&draft_pool), held);
     }
