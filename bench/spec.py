@@ -1,22 +1,22 @@
 #!/usr/bin/env python3
-"""bench/spec.py: speculative decoding (issue 43) against plain cached decoding, greedy.
+"""bench/spec.py: speculative decoding (issue 43) against plain cached decoding, greedy and sampled.
 
 Two drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft DRAFT`, a 2-layer
 GQA of dim 256 with the targets' tokenizer). For each trained target: decode tokens/s of
 plain `--kv` decoding and of each drafter at each K (batch 1), their ratio (the speedup),
 the acceptance rate, the tokens a verifying pass keeps and the drafting cost (ms per
-generated token, and its share of the steps' time); at batch 16 and 64 the same at one K;
+generated token, and its share of the steps' time); at batch 16 and 64 the same at one K; sampled (top-k 40, temperature 1) at batch 1;
 the cost of a pass over K+1 positions against one cached step (a prefill of K+1 tokens over
 the median step); and that ratio for a generated ~1B shape (--shape tinyllama-1.1b), whose
 step reads its weights from DRAM, with the speedup the measured acceptance rates would give
 there: a projection from measurements, not a run.
 
     /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,3,4,5,6,7,8] [--ngram-ks 1,2,4,8]
-                                   [--shape-ks 1,2,4,8] [--n 96] [--batches 16,64] [--targets mha,gqa,...]
+                                   [--shape-ks 1,2,4,8] [--n 96] [--batches 16,64] [--sampled-ks 1,2,4] [--targets mha,gqa,...]
                                    [--draft weights/draft/gqa-2x256.bin] [--threads N] [--out DIR]
 
 Medians of --reps timed runs after one untimed warm-up run a cell. `make bench-spec` runs it.
-Writes DIR/<machine>-spec.md. Tokens are checked equal to plain decoding in every run."""
+Writes DIR/<machine>-spec.md. Greedy tokens are checked equal to plain decoding in every run."""
 import argparse
 import os
 import statistics
@@ -88,6 +88,7 @@ def main():
     ap.add_argument("--n", type=int, default=96, help="tokens generated a run")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--batch-k", type=int, default=4, help="K of the batched runs")
+    ap.add_argument("--sampled-ks", default="1,2,4", help="K of the sampled runs (batch 1)")
     ap.add_argument("--targets", default=",".join(ORDER))
     ap.add_argument("--draft", default=DRAFT, help="the draft model's checkpoint")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -98,14 +99,15 @@ def main():
     ks = [int(x) for x in a.ks.split(",") if x]
     ngram_ks = [int(x) for x in a.ngram_ks.split(",") if x]
     batches = [int(x) for x in a.batches.split(",") if x]
+    sampled_ks = [int(x) for x in a.sampled_ks.split(",") if x]
     targets = [t for t in a.targets.split(",") if t]
     drafters = [("ngram", "ngram", ngram_ks), ("model", a.draft, ks)]
-    lines = ["# Speculative decoding, greedy (bench/spec.py)", "",
+    lines = ["# Speculative decoding (bench/spec.py)", "",
              f"Drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft {rel(a.draft)}`). "
              f"{a.n} tokens a sequence from \"{PROMPT}\", --threads {a.threads}, medians of {a.reps} runs after "
-             f"a warm-up. Speedup: decode tokens/s over plain `--kv` decoding's at the same batch. Drafting: "
+             f"a warm-up; greedy unless said. Speedup: decode tokens/s over plain `--kv` decoding's at the same batch. Drafting: "
              f"ms a generated token, and its share of the steps' time. Every run's tokens equal plain "
-             f"decoding's.", ""]
+             f"decoding's (greedy).", ""]
     accept = {}  # (drafter, K): [(tokens a verifying pass, drafting ms a verifying pass)] over the targets
     rows = []
     for t in targets:
@@ -130,6 +132,22 @@ def main():
                 rows.append(spec_row(t, name, b, a.batch_k, p, s, a.n * b))
     lines += [md_table(["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
                         "tokens a verifying pass", "drafting ms/token", "drafting share"], rows), ""]
+    lines += ["## Sampled: top-k 40, temperature 1, batch 1", "",
+              "Rejection sampling keeps the target's distribution, not its tokens: a sampled speculative "
+              "run's text differs from the plain run's of the same seed, so the two runs generate different "
+              "stories of the same length (`--ignore-eos`).", ""]
+    srows = []
+    for t in targets:
+        ck = os.path.join(ROOT, "weights", f"{t}.bin")
+        base = [ck, "-p", PROMPT, "-k", 40, "--temp", 1, "-s", 7, "-n", a.n, "--kv", "--ignore-eos", "-q",
+                "--threads", a.threads]
+        _, plain = cell(base, [], a.reps, f"{t} sampled plain")
+        for name, drafter, _ in drafters:
+            for k in sampled_ks:
+                _, med = cell(base, ["--draft", drafter, "--draft-k", k], a.reps, f"{t} {name} sampled K={k}")
+                srows.append(spec_row(t, name, 1, k, plain, med, a.n))
+    lines += [md_table(["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
+                        "tokens a verifying pass", "drafting ms/token", "drafting share"], srows), ""]
     lines += ["## The cost of verifying K+1 positions against one cached step", "",
               "A prefill of K+1 positions (BOS and K tokens) over the median cached step of the same run.", ""]
     vrows = []
