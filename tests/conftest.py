@@ -32,12 +32,13 @@ def run(args, check=True, timeout=300):
     return p
 
 
-def run_measured(args):
-    """./run with args in a child of its own: (returncode, stdout, stderr, peak RSS in KB)."""
+def run_measured(args, env=None):
+    """./run with args in a child of its own: (returncode, stderr, peak RSS in KB)."""
     probe = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True); "
              "sys.stdout.buffer.write(b'%d %d\\n' % (p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
              " + p.stderr)")
-    p = subprocess.run([sys.executable, "-c", probe, RUN] + [str(a) for a in args], stdout=subprocess.PIPE, timeout=600)
+    p = subprocess.run([sys.executable, "-c", probe, RUN] + [str(a) for a in args], stdout=subprocess.PIPE, timeout=600,
+                       env=env)
     head, _, err = p.stdout.partition(b"\n")
     code, rss = map(int, head.split())
     return code, err, rss
