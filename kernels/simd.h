@@ -234,7 +234,8 @@ static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
 }
 static inline v16 v16_from_2bit(uint32_t x) {
     const __m256i all = _mm256_set1_epi32((int)x), three = _mm256_set1_epi32(3);
-    const __m256i s0 = _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26), s1 = _mm256_setr_epi32(4, 12, 20, 28, 6, 14, 22, 30);
+    const __m256i s0 = _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26),
+                  s1 = _mm256_setr_epi32(4, 12, 20, 28, 6, 14, 22, 30);
     v16 v = {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(all, s0), three)),
              _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(all, s1), three))};
     return v;

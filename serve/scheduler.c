@@ -115,7 +115,8 @@ static int start_request(const Scheduler *sch, Request *r) {
     const int max_len = kv_rotates_by_place(sch->pool) ? INT32_MAX / 2 : sch->model->cfg.max_seq_len;
     RequestLive *live = calloc(1, sizeof *live);
     if (!live) return -1;
-    if (sampler_init(&live->sampler, sch->model->cfg.vocab_size, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0) {
+    const int vocab = sch->model->cfg.vocab_size;
+    if (sampler_init(&live->sampler, vocab, sch->top_k, sch->top_p, sch->temperature, r->seed) != 0) {
         free(live);
         return -1;
     }
@@ -207,11 +208,13 @@ static int admit(SchedulerRun *run) {
         if (source) kv_share_prefix(&r->live->cache, &source->live->cache, shared);
         /* a sequence that streams is alone: it makes room by spilling its oldest blocks */
         if (sch->kv && !sch->pool->stream &&
-            kv_blocks_needed(&r->live->cache, r->n_tokens) - r->live->swapped.n_kept + blocks_for_running(run) > sch->pool->n_free) {
+            kv_blocks_needed(&r->live->cache, r->n_tokens) - r->live->swapped.n_kept + blocks_for_running(run) >
+                sch->pool->n_free) {
             kv_reset(&r->live->cache);
             break;
         }
-        if (swapped && kv_swap_in(&r->live->cache, sch->pool->tier, &r->live->swapped) != 0) swap_failed(sch, "reading a preempted sequence's blocks from");
+        if (swapped && kv_swap_in(&r->live->cache, sch->pool->tier, &r->live->swapped) != 0)
+            swap_failed(sch, "reading a preempted sequence's blocks from");
         if (sch->fill && r->live->cache.len == 0) {
             const double t0 = now_ms();
             /* a block at a time, so that a streamed cache spills the ones filled already */
@@ -333,7 +336,9 @@ static int lay_out_pass(SchedulerRun *run, int p) {
             run->logit_tokens[n_logits++] = T;
         }
         run->n_tokens += d;
-        if (d > 0) run->sequence_keys += kv_keys_seen(&r->live->cache, from + count + d - 1) - kv_keys_seen(&r->live->cache, from + count - 1);
+        if (d > 0)
+            run->sequence_keys +=
+                kv_keys_seen(&r->live->cache, from + count + d - 1) - kv_keys_seen(&r->live->cache, from + count - 1);
     }
     /* a pass in which every sequence is still inside its prompt reports nothing, but
      * computes at least one row of logits */
@@ -595,7 +600,8 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
     /* the cache holds every token but the last: the rejected drafts' positions go */
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
-        if (sch->draft_model && r->live->draft_cache.len > r->n_tokens - 1) kv_truncate(&r->live->draft_cache, r->n_tokens - 1);
+        if (sch->draft_model && r->live->draft_cache.len > r->n_tokens - 1)
+            kv_truncate(&r->live->draft_cache, r->n_tokens - 1);
         if (!r->drafted) continue;
         sch->drafted += r->drafted;
         sch->verify_passes++;

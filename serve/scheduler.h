@@ -66,7 +66,7 @@ typedef struct {
     KVCache cache;
     KVCache draft_cache; /* the draft model's (--draft CKPT): every token but the last, like
                           * cache, or fewer; rebuilt from the tokens after a preemption */
-    KVSwapped swapped; /* its cache on the tier while preempted with swap; n_blocks 0 otherwise */
+    KVSwapped swapped;   /* its cache on the tier while preempted with swap; n_blocks 0 otherwise */
 } RequestLive;
 
 typedef struct Request Request;
@@ -83,7 +83,7 @@ struct Request {
     int n_tokens;  /* tokens[0 .. n_tokens) known; the cache holds all but the last */
     int generated; /* tokens sampled (an EOS that ends it included) */
     StopReason stop;
-    int waited; /* it waited a step for a prefix being computed */
+    int waited;        /* it waited a step for a prefix being computed */
     RequestLive *live; /* from its first admission to its end, NULL before and after: a
                         * queue of a million prompts holds none */
     Request *next; /* in the queue */
