@@ -31,6 +31,8 @@ from bench.machine import write_machine_report
 
 SHAPE = "tinyllama-1.1b"
 DRAFT = os.path.join(ROOT, "weights", "draft", "gqa-2x256.bin")
+SPEC_COLUMNS = ["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
+                "tokens a verifying pass", "drafting ms/token", "drafting share"]  # spec_row's
 FIELDS = ("tokens_per_s_mean", "step_ms_median", "prefill_ms", "prefill_tokens", "acceptance_rate",
           "tokens_per_verify_pass", "draft_tokens", "draft_ms_total", "draft_time_share")
 
@@ -130,8 +132,7 @@ def main():
             for name, drafter, _ in drafters:
                 _, s = cell(bb, ["--draft", drafter, "--draft-k", a.batch_k], a.reps, f"{t} {name} batch {b}")
                 rows.append(spec_row(t, name, b, a.batch_k, p, s, a.n * b))
-    lines += [md_table(["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
-                        "tokens a verifying pass", "drafting ms/token", "drafting share"], rows), ""]
+    lines += [md_table(SPEC_COLUMNS, rows), ""]
     lines += ["## Sampled: top-k 40, temperature 1, batch 1", "",
               "Rejection sampling keeps the target's distribution, not its tokens: a sampled speculative "
               "run's text differs from the plain run's of the same seed, so the two runs generate different "
@@ -146,8 +147,7 @@ def main():
             for k in sampled_ks:
                 _, med = cell(base, ["--draft", drafter, "--draft-k", k], a.reps, f"{t} {name} sampled K={k}")
                 srows.append(spec_row(t, name, 1, k, plain, med, a.n))
-    lines += [md_table(["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
-                        "tokens a verifying pass", "drafting ms/token", "drafting share"], srows), ""]
+    lines += [md_table(SPEC_COLUMNS, srows), ""]
     lines += ["## The cost of verifying K+1 positions against one cached step", "",
               "A prefill of K+1 positions (BOS and K tokens) over the median cached step of the same run.", ""]
     vrows = []

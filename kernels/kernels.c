@@ -199,22 +199,18 @@ static inline const float *row_scales(const RowBlocks *r, int b, int i) {
 }
 
 /* Elements [col, col + 16) of row j of a packed group (kernels.h), as the floats they stand
- * for: int4 codes spread to 16 bytes by shifts and masks, int2 codes shifted per lane,
- * widened, then code * scale + min in one fma. n is 16, or 0 past the row's end. */
+ * for: the codes shifted into their lanes (simd.h), widened, then code * scale + min in
+ * one fma. n is 16, or 0 past the row's end. */
 static inline __attribute__((always_inline)) v16 packed_load(const unsigned char *g, int j, int col, int n, DType dt,
                                                              int width, int per_channel) {
     if (n <= 0) return v16_zero();
     const int bits = dt == DTYPE_I4 ? 4 : 2;
     const unsigned char *codes = g + ((size_t)j * width + (size_t)col) * bits / 8;
     v16 x;
-    if (bits == 4) { /* lane l's code in byte l of lo, l - 8 of hi */
+    if (bits == 4) {
         uint64_t w;
         memcpy(&w, codes, 8);
-#if ISA_AVX512
         x = v16_from_4bit(w);
-#else
-        x = v16_from_bytes(w & 0x0F0F0F0F0F0F0F0Full, (w >> 4) & 0x0F0F0F0F0F0F0F0Full);
-#endif
     } else {
         uint32_t w;
         memcpy(&w, codes, 4);

@@ -57,11 +57,6 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
     __m128i b = n >= 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(v16_mask(n), p);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
-/* lane l: byte l of lo (l < 8) or of hi (l >= 8), each under 128; built in registers, as a
- * 16-byte load of bytes just stored would wait for the stores to retire */
-static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x((long long)hi, (long long)lo)));
-}
 /* lane l: the 4-bit code at bit 8 * (l % 8) + 4 * (l / 8) of x (kernels.h's int4 order) */
 static inline v16 v16_from_4bit(uint64_t x) {
     const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
@@ -227,10 +222,15 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
     return v;
 }
+/* lane l: byte l of lo (l < 8) or of hi (l >= 8), each under 128; built in registers, as a
+ * 16-byte load of bytes just stored would wait for the stores to retire */
 static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
     v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)lo))),
              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)hi)))};
     return v;
+}
+static inline v16 v16_from_4bit(uint64_t x) {
+    return v16_from_bytes(x & 0x0F0F0F0F0F0F0F0Full, (x >> 4) & 0x0F0F0F0F0F0F0F0Full);
 }
 static inline v16 v16_from_2bit(uint32_t x) {
     const __m256i all = _mm256_set1_epi32((int)x), three = _mm256_set1_epi32(3);
@@ -393,9 +393,9 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
     for (int l = 0; l < 16 && l < n; l++) v.x[l] = (float)p[l];
     return v;
 }
-static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
+static inline v16 v16_from_4bit(uint64_t x) {
     v16 v;
-    for (int l = 0; l < 16; l++) v.x[l] = (float)(int8_t)((l < 8 ? lo : hi) >> (8 * (l % 8)));
+    for (int l = 0; l < 16; l++) v.x[l] = (float)((x >> (8 * (l % 8) + 4 * (l / 8))) & 15u);
     return v;
 }
 static inline v16 v16_from_2bit(uint32_t x) {
