@@ -1,5 +1,4 @@
 /* loader.c: reading a checkpoint (docs/FORMAT.md; loader.h). */
-#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
 #include "loader.h"
 
 #include <errno.h>
@@ -8,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "attention.h"
@@ -251,22 +249,6 @@ static int derive_absorbed(Model *m) {
     return 0;
 }
 
-/* The weights live in a heap copy in the packed layout of kernels.h, 2 MB-aligned and
- * advised as transparent huge pages: a decode step streams all ~30 MB of them, through
- * ~15 TLB entries instead of ~7,000 4 KB pages (page-cache mappings of a file are never
- * huge). The copy is exactly w_size long, so a read past the last tensor is a heap
- * overflow that ASan reports. */
-#define HUGE_PAGE ((size_t)2 << 20)
-static void *alloc_weights(size_t w_size) {
-    void *p = NULL;
-    if (posix_memalign(&p, w_size >= HUGE_PAGE ? HUGE_PAGE : 64, w_size) != 0) return NULL;
-#ifdef MADV_HUGEPAGE
-    if (w_size >= HUGE_PAGE)
-        madvise(p, w_size / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE); /* a hint; 4 KB pages still work */
-#endif
-    return p;
-}
-
 /* Reading the weights tensor by tensor: each is read into `rowmajor`, checked, and packed
  * into the heap copy. The first failure stops the walk's work and keeps its message. */
 typedef struct {
@@ -336,7 +318,10 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
 /* Storage for the weights of m->cfg and its RoPE tables; 0 or -1 when out of memory. */
 static int alloc_model(Model *m) {
     const Config *c = &m->cfg;
-    m->weights = alloc_weights(model_param_count(c) * dtype_size(c->dtype));
+    /* a heap copy in the packed layout of kernels.h, on huge pages (page-cache mappings of a
+     * file are never huge); exactly its size, so a read past the last tensor is a heap
+     * overflow that ASan reports */
+    m->weights = alloc_huge(model_param_count(c) * dtype_size(c->dtype));
     m->w.layers = calloc((size_t)c->n_layers, sizeof(LayerWeights));
     return m->weights && m->w.layers && rope_tables_init(&m->rope, c) == 0 ? 0 : -1;
 }

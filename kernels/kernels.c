@@ -1,9 +1,11 @@
 /* kernels.c: matmul, dot products, norms, softmax, in the canonical order of simd.h. */
+#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
 #include "kernels/kernels.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "kernels/threads.h"
 #include "kernels/simd.h"
@@ -910,6 +912,16 @@ void mat_row_f32(float *out, Mat w, int r) {
         size_t run = run_offset(w.rows, w.cols, r, c0, cw);
         for (int i = 0; i < cw; i++) out[c0 + i] = mat_elem(w, run + (size_t)chunk_position(w.dtype, w.rows, cw, i));
     }
+}
+
+#define HUGE_PAGE ((size_t)2 << 20)
+void *alloc_huge(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, bytes >= HUGE_PAGE ? HUGE_PAGE : 64, bytes ? bytes : 1) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (bytes >= HUGE_PAGE) madvise(p, bytes / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE); /* a hint; 4 KB pages still work */
+#endif
+    return p;
 }
 
 float *alloc_floats_touched(size_t n) {

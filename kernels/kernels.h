@@ -209,6 +209,10 @@ static inline uint64_t mix64(uint64_t z) {
  * (~12 MB of scratch and cache) would otherwise land in the first timed step. NULL when
  * out of memory. */
 float *alloc_floats_touched(size_t n);
+/* bytes, 2 MB-aligned and advised as transparent huge pages when that large, else 64-byte
+ * aligned; not written. For what a step streams (the weights, the KV pool): through one
+ * TLB entry per 2 MB instead of one per 4 KB page. NULL when out of memory; free() frees it. */
+void *alloc_huge(size_t bytes);
 
 /* The canonical dot in plain scalar C (fmaf, the same lane split and tree): the
  * reference the SIMD kernels must equal bit for bit. */
