@@ -65,6 +65,10 @@ quality: run
 build/matmul_bench: bench/matmul.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h kernels/threads.h
 	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o -o $@ -lm -pthread
 
+# the attention kernels alone on one item of a long-context step (bench/attention.c); not part of `make bench`
+build/attention_bench: bench/attention.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h kernels/threads.h
+	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o -o $@ -lm -pthread
+
 build/roofline: bench/roofline.c
 	@mkdir -p build
 	$(CC) -O3 -march=native -fopenmp -std=c11 $< -o $@

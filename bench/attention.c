@@ -1,0 +1,88 @@
+/* attention.c: the attention kernels alone (dot_row_blocks, weighted_sum_row_blocks), on
+ * one item of a long-context decode step, in GFLOP/s, one thread.
+ *
+ *   build/attention_bench [--reps R]
+ *
+ * An item is nh heads that read the same cache rows (a GQA group, MQA's or MLA's heads)
+ * over one chunk of ATTN_CHUNK_KEYS = 256 keys kept in blocks of 16 bf16 rows, as the
+ * paged pool keeps them: the scores (2 * nh * 256 * width FLOPs) and the weighted sum (the
+ * same). The rows are in cache, as every head after an item's first reads them, so this is
+ * the kernels' arithmetic rate; compare with roofline's peak_best_GFLOPs / threads. Best
+ * and median of R timed calls (default 2000) after 100 untimed. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels/kernels.h"
+
+enum { KEYS = 256, BLOCK_ROWS = 16 };
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int by_value(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* One shape: nh heads of rows `width` wide. Prints best and median GFLOP/s of each kernel. */
+static void run_shape(const char *name, int nh, int width, int reps) {
+    const size_t block_elems = (size_t)BLOCK_ROWS * width;
+    /* 64-byte aligned, as the pool's rows and the engine's scratch are */
+    bf16 *rows = aligned_alloc(64, KEYS * (size_t)width * sizeof(bf16));
+    float *q = aligned_alloc(64, (size_t)nh * width * sizeof(float));
+    float *att = aligned_alloc(64, (size_t)nh * KEYS * sizeof(float));
+    float *out = aligned_alloc(64, (size_t)nh * width * sizeof(float));
+    double *t_dot = malloc((size_t)reps * sizeof(double)), *t_mix = malloc((size_t)reps * sizeof(double));
+    const void *blocks[KEYS / BLOCK_ROWS];
+    if (!rows || !q || !att || !out || !t_dot || !t_mix) {
+        fprintf(stderr, "attention_bench: out of memory\n");
+        exit(1);
+    }
+    for (size_t i = 0; i < KEYS * (size_t)width; i++) rows[i] = (bf16)(0x3c00 + i % 512); /* small positive values */
+    for (int i = 0; i < nh * width; i++) q[i] = 0.01f * (float)(i % 13);
+    for (int b = 0; b < KEYS / BLOCK_ROWS; b++) blocks[b] = rows + (size_t)b * block_elems;
+    const RowBlocks rb = {blocks, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0};
+    for (int r = -100; r < reps; r++) {
+        const double t0 = now_s();
+        dot_row_blocks(att, KEYS, q, (size_t)width, nh, rb, KEYS, width, 0.125f);
+        const double t1 = now_s();
+        for (int i = 0; i < nh * KEYS; i++) att[i] = 1.0f / KEYS; /* the probabilities' values do not matter */
+        const double t2 = now_s();
+        weighted_sum_row_blocks(out, (size_t)width, att, KEYS, nh, rb, KEYS, width);
+        const double t3 = now_s();
+        if (r >= 0) t_dot[r] = t1 - t0, t_mix[r] = t3 - t2;
+    }
+    qsort(t_dot, (size_t)reps, sizeof(double), by_value);
+    qsort(t_mix, (size_t)reps, sizeof(double), by_value);
+    const double flops = 2.0 * nh * KEYS * width;
+    printf("%-22s heads %2d width %3d  scores %6.1f best %6.1f median GFLOP/s   weighted sum %6.1f best %6.1f median "
+           "GFLOP/s  (check %g)\n",
+           name, nh, width, flops / t_dot[0] * 1e-9, flops / t_dot[reps / 2] * 1e-9, flops / t_mix[0] * 1e-9,
+           flops / t_mix[reps / 2] * 1e-9, (double)out[0]);
+    free(rows), free(q), free(att), free(out), free(t_dot), free(t_mix);
+}
+
+int main(int argc, char **argv) {
+    int reps = 2000;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
+            reps = atoi(argv[++i]);
+        } else {
+            fprintf(stderr, "usage: build/attention_bench [--reps R]\n");
+            return 2;
+        }
+    }
+    /* the ~1B twins of bench/scale.py at batch 1 (head_dim 64; MLA's latent 256 + RoPE key 32) */
+    run_shape("MHA twin (1 head)", 1, 64, reps);
+    run_shape("GQA twin (group of 8)", 8, 64, reps);
+    run_shape("MQA twin (16 heads)", 16, 64, reps);
+    run_shape("MLA twin, scores", 16, 288, reps);
+    run_shape("MLA twin, latent", 16, 256, reps);
+    return 0;
+}
