@@ -315,8 +315,8 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
-        int h = 0;
-#if ISA_AVX512 /* every head reads the block while it is in L1 */
+        int h = 0; /* every head reads the block while it is in L1 */
+#if ISA_AVX512
         for (; h + 4 <= n_heads; h += 4) {
             float *o = out + (size_t)h * ld_out + j0;
             const float *qh = q + (size_t)h * ld_q;
@@ -979,7 +979,8 @@ void *alloc_huge(size_t bytes) {
     void *p = NULL;
     if (posix_memalign(&p, bytes >= HUGE_PAGE ? HUGE_PAGE : 64, bytes ? bytes : 1) != 0) return NULL;
 #ifdef MADV_HUGEPAGE
-    if (bytes >= HUGE_PAGE) madvise(p, bytes / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE); /* a hint; 4 KB pages still work */
+    if (bytes >= HUGE_PAGE)
+        madvise(p, bytes / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE); /* a hint; 4 KB pages still work */
 #endif
     return p;
 }
