@@ -267,70 +267,13 @@ static inline void prefetch_block(const RowBlocks *r, int b, int m) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 3);
 }
 
-#if ISA_AVX512
-/* dot_block_rows for heads 0 .. 3 (query h at q + h*ld_q, its outputs at out + h*ld_out),
- * four rows at a time: the 16 chains (a head against a row) stay in registers, so each part
- * of a row is loaded, and widened, once for the four heads. Every chain is the one
- * dot_block_rows runs, and v16_reduce16 reduces each as v16_reduce does. */
-static inline __attribute__((always_inline)) void dot_block_heads4(float *out, size_t ld_out, const float *q,
-                                                                   size_t ld_q, const RowBlocks *r, int b, int m,
-                                                                   int width, float scale, DType dt) {
-    const char *base = r->block[b];
-    int j = 0;
-    for (; j + 4 <= m; j += 4) {
-        v16 acc[16]; /* acc[4h + i]: head h against row j + i */
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) acc[i] = v16_zero();
-        for (int k = 0; k < width; k += 16) {
-            const int len = width - k < 16 ? width - k : 16;
-            v16 row[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) row[i] = block_load(r, base, b, j + i, k, len, dt);
-#pragma GCC unroll 4
-            for (int h = 0; h < 4; h++) {
-                const v16 qk = v16_load_f32(q + (size_t)h * ld_q + k, len);
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) acc[4 * h + i] = v16_fma(qk, row[i], acc[4 * h + i]);
-            }
-        }
-        float dots[16];
-        v16_store(dots, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
-        for (int h = 0; h < 4; h++) memcpy(out + (size_t)h * ld_out + j, dots + 4 * h, 4 * sizeof(float));
-    }
-    for (; j < m; j++)
-        for (int h = 0; h < 4; h++) {
-            v16 acc = v16_zero();
-            for (int k = 0; k < width; k += 16) {
-                const int len = width - k < 16 ? width - k : 16;
-                acc = v16_fma(v16_load_f32(q + (size_t)h * ld_q + k, len), block_load(r, base, b, j, k, len, dt), acc);
-            }
-            out[(size_t)h * ld_out + j] = v16_reduce(acc) * scale;
-        }
-}
-#endif
-
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
                     int width, float scale) {
     for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
-        int h = 0; /* every head reads the block while it is in L1 */
-#if ISA_AVX512
-        for (; h + 4 <= n_heads; h += 4) {
-            float *o = out + (size_t)h * ld_out + j0;
-            const float *qh = q + (size_t)h * ld_q;
-            switch (dt) {
-            case DTYPE_F32: dot_block_heads4(o, ld_out, qh, ld_q, &rows, b, m, width, scale, DTYPE_F32); break;
-            case DTYPE_BF16: dot_block_heads4(o, ld_out, qh, ld_q, &rows, b, m, width, scale, DTYPE_BF16); break;
-            case DTYPE_I8: dot_block_heads4(o, ld_out, qh, ld_q, &rows, b, m, width, scale, DTYPE_I8); break;
-            case DTYPE_F8: dot_block_heads4(o, ld_out, qh, ld_q, &rows, b, m, width, scale, DTYPE_F8); break;
-            case DTYPE_I4: dot_block_heads4(o, ld_out, qh, ld_q, &rows, b, m, width, scale, DTYPE_I4); break;
-            case DTYPE_I2: dot_block_heads4(o, ld_out, qh, ld_q, &rows, b, m, width, scale, DTYPE_I2); break;
-            }
-        }
-#endif
-        for (; h < n_heads; h++) {
+        for (int h = 0; h < n_heads; h++) { /* every head reads the block while it is in L1 */
             float *o = out + (size_t)h * ld_out + j0;
             const float *qh = q + (size_t)h * ld_q;
             switch (dt) { /* fp32 rows take dot_rows' loops with constant widths */
