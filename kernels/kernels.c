@@ -929,9 +929,8 @@ void *alloc_huge(size_t bytes) {
 }
 
 float *alloc_floats_touched(size_t n) {
-    void *p = NULL;
-    if (posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) != 0) return NULL;
-    memset(p, 0, (n ? n : 1) * sizeof(float)); /* writes every page */
+    float *p = alloc_huge((n ? n : 1) * sizeof(float));
+    if (p) memset(p, 0, (n ? n : 1) * sizeof(float)); /* writes every page */
     return p;
 }
 

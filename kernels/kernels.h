@@ -202,16 +202,16 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/* n zeroed floats, 64-byte aligned, every page already written. Aligned: malloc puts a
- * large block 16 bytes past a page start, so every 16-float load of an activation row
- * would straddle two cache lines.
+/* n zeroed floats, 64-byte aligned (on huge pages from 2 MB: alloc_huge), every page
+ * already written. Aligned: malloc puts a large block 16 bytes past a page start, so every
+ * 16-float load of an activation row would straddle two cache lines.
  * Written: a fresh allocation is only mapped on first write, and ~3,000 such page faults
  * (~12 MB of scratch and cache) would otherwise land in the first timed step. NULL when
  * out of memory. */
 float *alloc_floats_touched(size_t n);
 /* bytes, 2 MB-aligned and advised as transparent huge pages when that large, else 64-byte
- * aligned; not written. For what a step streams (the weights, the KV pool): through one
- * TLB entry per 2 MB instead of one per 4 KB page. NULL when out of memory; free() frees it. */
+ * aligned; not written. For what a step streams (the weights, the KV pool, the scratch):
+ * through one TLB entry per 2 MB instead of one per 4 KB page. NULL when out of memory; free() frees it. */
 void *alloc_huge(size_t bytes);
 
 /* The canonical dot in plain scalar C (fmaf, the same lane split and tree): the

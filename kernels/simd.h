@@ -222,15 +222,13 @@ static inline v16 v16_load_i8(const int8_t *p, int n) {
              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
     return v;
 }
-/* lane l: byte l of lo (l < 8) or of hi (l >= 8), each under 128; built in registers, as a
- * 16-byte load of bytes just stored would wait for the stores to retire */
-static inline v16 v16_from_bytes(uint64_t lo, uint64_t hi) {
-    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)lo))),
-             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)hi)))};
-    return v;
-}
+/* lanes 0-7: the low nibbles of x's bytes, lanes 8-15 the high ones; built in registers, as
+ * a 16-byte load of bytes just stored would wait for the stores to retire */
 static inline v16 v16_from_4bit(uint64_t x) {
-    return v16_from_bytes(x & 0x0F0F0F0F0F0F0F0Full, (x >> 4) & 0x0F0F0F0F0F0F0F0Full);
+    const long long lo = (long long)(x & 0x0F0F0F0F0F0F0F0Full), hi = (long long)((x >> 4) & 0x0F0F0F0F0F0F0F0Full);
+    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(lo))),
+             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(hi)))};
+    return v;
 }
 static inline v16 v16_from_2bit(uint32_t x) {
     const __m256i all = _mm256_set1_epi32((int)x), three = _mm256_set1_epi32(3);
