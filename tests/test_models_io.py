@@ -529,7 +529,7 @@ def test_ours_to_hf_and_back(tmp_path, variant, dtype):
     rc, _, err = cli(EXPORT, src, "--hf", hf_dir)
     assert rc == 0, err
     assert sorted(os.listdir(hf_dir)) == ["config.json", "generation_config.json", "model.safetensors",
-                                          "tokenizer.model", "tokenizer_config.json"]
+                                          "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
     assert not os.path.exists(str(hf_dir) + ".tmp")
     back = tmp_path / "back.bin"
     rc, _, err = cli(IMPORT, hf_dir, back)
@@ -546,6 +546,86 @@ def test_ours_to_hf_and_back(tmp_path, variant, dtype):
     fn = hf_deepseek_v2_logits if variant.startswith("mla") else hf_llama_logits
     theirs = fn(cfg, T, ids)
     assert (ours - theirs).abs().max() <= 1e-4 * max(1.0, float(theirs.abs().max()))
+
+
+def test_mla_as_transformers_5_saves_it(tmp_path):
+    """transformers 5 types n_routed_experts and n_shared_experts as int (null fails its strict
+    config), and its save_pretrained adds qk_head_dim (nope + rope) and may add rope_interleave:
+    what it writes back imports to the same bits; a qk_head_dim or rope_interleave that would
+    change the function is refused."""
+    model = export.random_model("mla64", small=True, seed=6)
+    src = str(tmp_path / "src.bin")
+    export.export(model, src, TOKENIZER, "bf16")
+    hf_dir = str(tmp_path / "hf")
+    assert cli(EXPORT, src, "--hf", hf_dir)[0] == 0
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    for k in ("n_routed_experts", "n_shared_experts", "num_experts_per_tok"):
+        assert type(cfg[k]) is int and cfg[k] == 0, k
+    nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    _edit_config(hf_dir, qk_head_dim=nope + rope, rope_interleave=True, head_dim=rope)
+    back = tmp_path / "back.bin"
+    rc, _, err = cli(IMPORT, hf_dir, back)
+    assert rc == 0, err
+    assert back.read_bytes() == open(src, "rb").read()
+    for bad, needle in (({"qk_head_dim": nope}, "qk_head_dim"), ({"rope_interleave": False}, "rope_interleave")):
+        _edit_config(hf_dir, **{"qk_head_dim": nope + rope, "rope_interleave": True, **bad})
+        out = tmp_path / "bad.bin"
+        rc, _, err = cli(IMPORT, hf_dir, out)
+        assert rc == 1 and needle in err and err.count("\n") == 1, err
+        assert not out.exists()
+
+
+def hf_tokenize(tj, text):
+    """ids of text through a tokenizer.json, transcribed from Hugging Face tokenizers: the
+    normalizers in order (Replace of a string or regex, Prepend, Strip), no pre-tokenizer (the
+    text is one word), BPE (each character a symbol, one not in the vocabulary as its UTF-8 byte
+    pieces; then the adjacent pair of lowest merge rank, leftmost first, merged until none is
+    left), then the post-processor's leading special token."""
+    import re
+    for n in tj["normalizer"]["normalizers"]:
+        if n["type"] == "Replace":
+            pat = n["pattern"]
+            text = (re.sub(pat["Regex"], n["content"], text) if "Regex" in pat
+                    else text.replace(pat["String"], n["content"]))
+        elif n["type"] == "Prepend":
+            text = n["prepend"] + text if text else text
+        elif n["type"] == "Strip":
+            text = text.lstrip() if n["strip_left"] else text
+            text = text.rstrip() if n["strip_right"] else text
+        else:
+            raise AssertionError(n["type"])
+    m = tj["model"]
+    vocab, rank = m["vocab"], {tuple(pair): r for r, pair in enumerate(m["merges"])}
+    syms = []
+    for ch in text:
+        if ch in vocab:
+            syms.append(ch)
+        else:
+            assert m["byte_fallback"]
+            syms += [f"<0x{b:02X}>" for b in ch.encode("utf-8")]
+    while True:
+        best = min(((rank[p], i) for i, p in enumerate(zip(syms, syms[1:])) if p in rank), default=None)
+        if best is None:
+            break
+        i = best[1]
+        syms[i:i + 2] = [syms[i] + syms[i + 1]]
+    first = tj["post_processor"]["single"][0]["SpecialToken"]["id"]
+    return tj["post_processor"]["special_tokens"][first]["ids"] + [vocab[s] for s in syms]
+
+
+def test_tokenizer_json_is_sentencepiece():
+    """The tokenizer.json the export writes (transformers 5 reads it, not tokenizer.model, for
+    DeepSeek-V2 directories) gives SentencePiece's ids: stories, runs of spaces at either end
+    and inside, tabs and newlines, digits, and characters only byte fallback can spell."""
+    tok = open(TOKENIZER, "rb").read()
+    sp = export.tokenizer_info(tok)[3]
+    tj = json.loads(json.dumps(hf.tokenizer_json(tok, sp)))
+    texts = [line for line in open(os.path.join(ROOT, "tests", "fixtures", "tiny.txt"), encoding="utf-8")]
+    texts += [PROMPT, "", " ", "   ", "  Once upon  a   time  ", "a\tb\nc\n", "\n\nThe end.\n", "Tom had 12345 apples in 2024.",
+              "caf\u00e9 \U0001F642 \u65e5\u672c \u3000 wide", "she said, \"Hello!\" and ran-away...", "\u2581 already"]
+    for t in texts:
+        assert hf_tokenize(tj, t) == [sp.bos_id()] + sp.encode(t), repr(t)
+    assert len(tj["model"]["merges"]) > 1000 and tj["model"]["vocab"][sp.id_to_piece(300)] == 300
 
 
 def test_hf_to_ours_and_back(tmp_path):

@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,8 @@ def check_one(ckpt, args, work):
         hdr_dtype = int.from_bytes(open(ckpt, "rb").read(16)[12:16], "little")
         model.to("cpu").to(torch.bfloat16 if hdr_dtype == 1 else torch.float32)  # the checkpoint's own dtype
         model.save_pretrained(saved, safe_serialization=True)
+        # save_pretrained writes the model alone; a user saves the tokenizer beside it
+        shutil.copy(os.path.join(d, "tokenizer.model"), saved)
         again = os.path.join(work, f"{name}-again.bin")
         sh([sys.executable, os.path.join(ROOT, "train", "import_model.py"), saved, again])
         same_bits = open(again, "rb").read() == open(ckpt, "rb").read()

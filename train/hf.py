@@ -83,7 +83,8 @@ EXTRA = {"llama": set(), "mistral": {"sliding_window"},
          "deepseek_v2": {"q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                          "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
-                         "norm_topk_prob", "moe_layer_freq", "scoring_func", "aux_loss_alpha", "seq_aux"}}
+                         "norm_topk_prob", "moe_layer_freq", "scoring_func", "aux_loss_alpha", "seq_aux",
+                         "qk_head_dim", "rope_interleave"}}
 
 
 def _int(cfg, key, default=None, lo=1):
@@ -171,6 +172,12 @@ def read_config(d):
             raise HFError(f"config.json: head_dim {cfg['head_dim']} is not qk_rope_head_dim {rd}")
         if rd % 2:
             raise HFError(f"config.json: qk_rope_head_dim = {rd} is odd (RoPE rotates pairs)")
+        if cfg.get("qk_head_dim", hd + rd) != hd + rd:  # transformers 5 writes the sum
+            raise HFError(f"config.json: qk_head_dim {cfg['qk_head_dim']} is not qk_nope_head_dim + "
+                          f"qk_rope_head_dim ({hd + rd})")
+        if cfg.get("rope_interleave", True) is not True:
+            raise HFError("config.json: rope_interleave is not true; the engine's RoPE key rotates "
+                          "interleaved pairs, as DeepSeek-V2's does")
         variant = {64: "mla64", 128: "mla128"}.get(dc, "mla")
         c = Config(variant=variant, head_dim=hd, n_kv_heads=0, kv_latent=dc, rope_dim=rd, **common)
     else:
@@ -334,8 +341,8 @@ def hf_config(cfg, bos, eos, dtype):
         return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **common,
                 "num_key_value_heads": cfg.n_heads, "q_lora_rank": None, "kv_lora_rank": cfg.kv_latent,
                 "qk_rope_head_dim": cfg.rope_dim, "qk_nope_head_dim": cfg.head_dim, "v_head_dim": cfg.head_dim,
-                "first_k_dense_replace": cfg.n_layers, "n_routed_experts": None, "n_shared_experts": None,
-                "num_experts_per_tok": None, "moe_intermediate_size": cfg.hidden_dim, "topk_method": "greedy",
+                "first_k_dense_replace": cfg.n_layers, "n_routed_experts": 0, "n_shared_experts": 0,
+                "num_experts_per_tok": 0, "moe_intermediate_size": cfg.hidden_dim, "topk_method": "greedy",
                 "mlp_bias": False}
     arch, kind, extra = ("LlamaForCausalLM", "llama", {"mlp_bias": False, "pretraining_tp": 1})
     if cfg.window:
@@ -374,6 +381,96 @@ def hf_tensors(cfg, tensors, dtype):
     return out
 
 
+def _varint(buf, i):
+    v = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return v, i
+
+
+def _proto_fields(buf):
+    """{field number: last value} of one protobuf message (varints and bytes): the few settings
+    tokenizer.json needs, read without the protobuf package that Debian's python lacks."""
+    out, i = {}, 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        wire = key & 7
+        if wire == 0:
+            out[key >> 3], i = _varint(buf, i)
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            out[key >> 3], i = bytes(buf[i:i + n]), i + n
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+    return out
+
+
+SPM_BPE, SPM_NORMAL, SPM_UNUSED = 2, 1, 5   # sentencepiece_model.proto's TrainerSpec.ModelType, Piece.Type
+SPACE = "\u2581"
+
+
+def tokenizer_json(tok, sp):
+    """The tokenizer.json (Hugging Face tokenizers) of a SentencePiece BPE model with the identity
+    normalizer, as transformers' Llama converter builds it: the whole text one word, SentencePiece's
+    whitespace rules as normalizers, a merge for every split of a piece into two pieces, ranked by
+    the merged piece's score (SentencePiece merges the best-scored pair first). None for any other
+    model (unigram, NFKC): transformers converts tokenizer.model itself then.
+    Why: transformers 5 ignores tokenizer_config.json's class for DeepSeek-V2 directories and
+    without tokenizer.json builds a tokenizer that adds no leading space."""
+    model = _proto_fields(tok)
+    trainer, norm = _proto_fields(model.get(2, b"")), _proto_fields(model.get(3, b""))
+    if trainer.get(3, 1) != SPM_BPE or norm.get(1, b"nmt_nfkc") != b"identity" or not norm.get(5, 1):
+        return None
+    n = sp.get_piece_size()
+    pieces = [sp.id_to_piece(i) for i in range(n)]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    mergeable = {p for i, p in enumerate(pieces) if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
+    merges = []
+    for i, p in enumerate(pieces):
+        if p in mergeable and not sp.is_unused(i):
+            for k in range(1, len(p)):
+                if p[:k] in mergeable and p[k:] in mergeable:
+                    merges.append((-sp.get_score(i), i, vocab[p[:k]], p[:k], p[k:]))
+    merges.sort()
+    normalizers = []
+    if norm.get(4, 1):  # remove_extra_whitespaces
+        # spaces only (tokenizers' Strip would take newlines and tabs too)
+        normalizers += [{"type": "Replace", "pattern": {"Regex": "^ +| +$"}, "content": ""},
+                        {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]
+    if norm.get(3, 1):  # add_dummy_prefix
+        normalizers.append({"type": "Prepend", "prepend": SPACE})
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE})
+    bos, unk = pieces[sp.bos_id()], pieces[sp.unk_id()]
+    specials = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
+    decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]
+    if norm.get(3, 1):
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": pieces[i], "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i in specials],
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [sp.bos_id()], "tokens": [bos]}}},
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": bool(trainer.get(35, 0)),
+                  "ignore_merges": False, "vocab": vocab, "merges": [[m[3], m[4]] for m in merges]},
+    }
+
+
 def export_hf(src, out_dir, force=False):
     """Writes our checkpoint src (a .bin) as a Hugging Face directory out_dir, in src's dtype
     (bf16 bits unchanged). The directory is built as out_dir.tmp and renamed; an existing
@@ -400,8 +497,12 @@ def export_hf(src, out_dir, force=False):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     try:
-        for name, obj in (("config.json", config), ("tokenizer_config.json", tok_config),
-                          ("generation_config.json", gen_config)):
+        files = [("config.json", config), ("tokenizer_config.json", tok_config),
+                 ("generation_config.json", gen_config)]
+        tok_json = tokenizer_json(tok, sp)
+        if tok_json is not None:
+            files.append(("tokenizer.json", tok_json))
+        for name, obj in files:
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=2)
                 f.write("\n")
