@@ -8,7 +8,8 @@ For each checkpoint (default: weights/*.bin), it
   3. decodes --steps greedy tokens after the prompt with transformers and with ./run -k 1 --json,
      and compares the tokens, and the logits of every step (./run --dump-logits against
      transformers' logits of the same sequence): max |d| / max(1, max |logit|) <= --tol,
-  4. compares the prompt's ids from transformers' tokenizer with SentencePiece's (a note only),
+  4. compares the prompt's ids from transformers' tokenizer with SentencePiece's (other ids
+     fail; a tokenizer that does not load, for want of a package, is a note),
   5. saves the model with transformers' save_pretrained and imports that with
      train/import_model.py: the result must be our checkpoint again, bit for bit.
 It prints the versions first, then one line per model; exit 0 when every model passed.
@@ -98,11 +99,12 @@ def check_one(ckpt, args, work):
 
     sp = spm.SentencePieceProcessor(model_file=os.path.join(d, "tokenizer.model"))
     prompt = [sp.bos_id()] + sp.encode(PROMPT)
-    notes = []
+    notes, same_ids = [], True
     try:
         hf_tok = transformers.AutoTokenizer.from_pretrained(d)
         hf_ids = hf_tok(PROMPT)["input_ids"]
         if hf_ids != prompt:
+            same_ids = False
             notes.append(f"HF tokenizer ids {hf_ids} != SentencePiece {prompt}")
     except Exception as e:  # noqa: BLE001 - a note, not a failure
         notes.append(f"HF tokenizer did not load ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
@@ -146,7 +148,7 @@ def check_one(ckpt, args, work):
         same_bits = False
         back_note += f"failed ({' '.join(str(e).split())[:160]})"
 
-    ok = same == steps and len(our_tokens) == steps and rel <= args.tol and same_bits
+    ok = same == steps and len(our_tokens) == steps and rel <= args.tol and same_bits and same_ids
     line = (f"{arch}: greedy tokens {same}/{steps} equal"
             f"{'' if first_diff is None else f' (first difference at step {first_diff})'}, "
             f"max|d logit| {diff:.3g} (relative {rel:.3g}, tol {args.tol:g}), {back_note}")
