@@ -585,7 +585,8 @@ def hf_tokenize(tj, text):
     for n in tj["normalizer"]["normalizers"]:
         if n["type"] == "Replace":
             pat = n["pattern"]
-            text = (re.sub(pat["Regex"], n["content"], text) if "Regex" in pat
+            # Oniguruma's \z (the end of the text) is Python's \Z
+            text = (re.sub(pat["Regex"].replace("\\z", "\\Z"), n["content"], text) if "Regex" in pat
                     else text.replace(pat["String"], n["content"]))
         elif n["type"] == "Prepend":
             text = n["prepend"] + text if text else text
@@ -621,8 +622,9 @@ def test_tokenizer_json_is_sentencepiece():
     sp = export.tokenizer_info(tok)[3]
     tj = json.loads(json.dumps(hf.tokenizer_json(tok, sp)))
     texts = [line for line in open(os.path.join(ROOT, "tests", "fixtures", "tiny.txt"), encoding="utf-8")]
-    texts += [PROMPT, "", " ", "   ", "  Once upon  a   time  ", "a\tb\nc\n", "\n\nThe end.\n", "Tom had 12345 apples in 2024.",
-              "caf\u00e9 \U0001F642 \u65e5\u672c \u3000 wide", "she said, \"Hello!\" and ran-away...", "\u2581 already"]
+    texts += [PROMPT, "", " ", "   ", "  Once upon  a   time  ", "a\tb\nc\n", "one \n two  \n", "\n\nThe end.\n",
+              "Tom had 12345 apples in 2024.", "caf\u00e9 \U0001F642 \u65e5\u672c \u3000 wide",
+              "she said, \"Hello!\" and ran-away...", "\u2581 already"]
     for t in texts:
         assert hf_tokenize(tj, t) == [sp.bos_id()] + sp.encode(t), repr(t)
     assert len(tj["model"]["merges"]) > 1000 and tj["model"]["vocab"][sp.id_to_piece(300)] == 300

@@ -411,7 +411,12 @@ def _proto_fields(buf):
     return out
 
 
-SPM_BPE, SPM_NORMAL, SPM_UNUSED = 2, 1, 5   # sentencepiece_model.proto's TrainerSpec.ModelType, Piece.Type
+# sentencepiece_model.proto: ModelProto's trainer_spec and normalizer_spec; TrainerSpec's
+# model_type (BPE = 2) and byte_fallback; NormalizerSpec's name, add_dummy_prefix,
+# remove_extra_whitespaces and escape_whitespaces (the last three true when absent)
+MODEL_TRAINER, MODEL_NORMALIZER = 2, 3
+TRAINER_TYPE, TRAINER_BYTE_FALLBACK, SPM_BPE = 3, 35, 2
+NORM_NAME, NORM_DUMMY_PREFIX, NORM_EXTRA_SPACES, NORM_ESCAPE_SPACES = 1, 3, 4, 5
 SPACE = "\u2581"
 
 
@@ -424,8 +429,10 @@ def tokenizer_json(tok, sp):
     Why: transformers 5 ignores tokenizer_config.json's class for DeepSeek-V2 directories and
     without tokenizer.json builds a tokenizer that adds no leading space."""
     model = _proto_fields(tok)
-    trainer, norm = _proto_fields(model.get(2, b"")), _proto_fields(model.get(3, b""))
-    if trainer.get(3, 1) != SPM_BPE or norm.get(1, b"nmt_nfkc") != b"identity" or not norm.get(5, 1):
+    trainer = _proto_fields(model.get(MODEL_TRAINER, b""))
+    norm = _proto_fields(model.get(MODEL_NORMALIZER, b""))
+    if (trainer.get(TRAINER_TYPE) != SPM_BPE or norm.get(NORM_NAME) != b"identity"
+            or not norm.get(NORM_ESCAPE_SPACES, 1)):
         return None
     n = sp.get_piece_size()
     pieces = [sp.id_to_piece(i) for i in range(n)]
@@ -439,18 +446,19 @@ def tokenizer_json(tok, sp):
                     merges.append((-sp.get_score(i), i, vocab[p[:k]], p[:k], p[k:]))
     merges.sort()
     normalizers = []
-    if norm.get(4, 1):  # remove_extra_whitespaces
-        # spaces only (tokenizers' Strip would take newlines and tabs too)
-        normalizers += [{"type": "Replace", "pattern": {"Regex": "^ +| +$"}, "content": ""},
+    if norm.get(NORM_EXTRA_SPACES, 1):
+        # spaces only, at the text's ends (tokenizers' Strip takes newlines and tabs too, and its
+        # regexes' ^ and $ match at every line)
+        normalizers += [{"type": "Replace", "pattern": {"Regex": "\\A +| +\\z"}, "content": ""},
                         {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]
-    if norm.get(3, 1):  # add_dummy_prefix
+    if norm.get(NORM_DUMMY_PREFIX, 1):
         normalizers.append({"type": "Prepend", "prepend": SPACE})
     normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE})
     bos, unk = pieces[sp.bos_id()], pieces[sp.unk_id()]
     specials = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
     decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
                 {"type": "Fuse"}]
-    if norm.get(3, 1):
+    if norm.get(NORM_DUMMY_PREFIX, 1):
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     return {
         "version": "1.0", "truncation": None, "padding": None,
@@ -466,7 +474,8 @@ def tokenizer_json(tok, sp):
             "special_tokens": {bos: {"id": bos, "ids": [sp.bos_id()], "tokens": [bos]}}},
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": bool(trainer.get(35, 0)),
+                  "end_of_word_suffix": None, "fuse_unk": True,
+                  "byte_fallback": bool(trainer.get(TRAINER_BYTE_FALLBACK, 0)),
                   "ignore_merges": False, "vocab": vocab, "merges": [[m[3], m[4]] for m in merges]},
     }
 
