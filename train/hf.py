@@ -6,8 +6,9 @@ In:  a directory with config.json, model.safetensors (or shards and
      export_hf writes (dense, no query compression). What the engine cannot run is refused
      with one line: biases, rope_scaling, another activation or tokenizer, an unknown field.
 Out: LlamaForCausalLM (mha, gqa, mqa; MistralForCausalLM if the model has a window) or
-     DeepseekV2ForCausalLM (mla64, mla128), with tokenizer.model, tokenizer_config.json and
-     generation_config.json, written into DIR.tmp and renamed to DIR.
+     DeepseekV2ForCausalLM (mla64, mla128), with tokenizer.model, tokenizer.json (for a BPE
+     model), tokenizer_config.json and generation_config.json, written into DIR.tmp and
+     renamed to DIR.
 
 RoPE: our q and k rotate interleaved pairs (x[2i], x[2i+1]); Hugging Face's Llama rotates
 halves (x[i], x[i + d/2]). to_rotate_half / to_interleaved reorder each head's rows of wq
