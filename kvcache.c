@@ -73,7 +73,7 @@ int kv_pool_init(KVPool *pool, const Config *c, DType dtype, int n_blocks) {
     pool->tail_positions = KV_BLOCK_TOKENS;
     pool->n_blocks = n_blocks;
     const size_t bytes = (size_t)n_blocks * pool->n_layers * pool->layer_bytes;
-    pool->data = (unsigned char *)alloc_floats_touched((bytes + 3) / 4);
+    pool->data = alloc_touched(bytes);
     pool->refs = calloc((size_t)(n_blocks > 0 ? n_blocks : 1), sizeof(int));
     pool->free_blocks = malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int));
     if (n_blocks < 1 || !pool->data || !pool->refs || !pool->free_blocks) {

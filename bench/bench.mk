@@ -69,9 +69,8 @@ build/matmul_bench: bench/matmul.c $(B)/kernels/kernels.o $(B)/kernels/threads.o
 build/attention_bench: bench/attention.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h kernels/threads.h
 	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o -o $@ -lm -pthread
 
-build/roofline: bench/roofline.c
-	@mkdir -p build
-	$(CC) -O3 -march=native -fopenmp -std=c11 $< -o $@
+build/roofline: bench/roofline.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h
+	$(CC) -O3 -march=native -fopenmp -std=c11 -I. $< $(B)/kernels/kernels.o $(B)/kernels/threads.o -o $@ -lm -pthread
 
 .DEFAULT_GOAL := $(_bench_default_goal)
 

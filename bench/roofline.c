@@ -19,14 +19,14 @@
  *   peak_best_GFLOPs, peak_median_GFLOPs, machine_balance_flop_per_byte
  * (GB = 1e9 bytes, GFLOP = 1e9 FLOPs). */
 #define _POSIX_C_SOURCE 200809L
-#define _DEFAULT_SOURCE /* madvise's MADV_HUGEPAGE */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
+
+#include "kernels/kernels.h"
 
 #if defined(__AVX512F__)
 #define SIMD_NAME "avx512"
@@ -168,14 +168,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     n = per_thread * threads;
-    /* on transparent huge pages where the system offers them, as the engine's weights and
-     * cache pool are: a floor measured on 4 KB pages would be a slower machine's */
-    enum { HUGE_PAGE = 2 << 20 };
-    float *buf = NULL;
-    if (posix_memalign((void **)&buf, HUGE_PAGE, n * sizeof(float)) != 0) buf = NULL;
-#ifdef MADV_HUGEPAGE
-    if (buf) madvise(buf, n * sizeof(float) / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE);
-#endif
+    /* the engine's allocator, so that the probe reads huge pages where the weights and the
+     * cache pool do: a floor measured on 4 KB pages would be a slower machine's */
+    float *buf = alloc_huge(n * sizeof(float));
     if (!buf) {
         fprintf(stderr, "roofline: cannot allocate %zu bytes\n", n * sizeof(float));
         return 1;

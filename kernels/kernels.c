@@ -928,11 +928,13 @@ void *alloc_huge(size_t bytes) {
     return p;
 }
 
-float *alloc_floats_touched(size_t n) {
-    float *p = alloc_huge((n ? n : 1) * sizeof(float));
-    if (p) memset(p, 0, (n ? n : 1) * sizeof(float)); /* writes every page */
+void *alloc_touched(size_t bytes) {
+    void *p = alloc_huge(bytes ? bytes : 1);
+    if (p) memset(p, 0, bytes ? bytes : 1); /* writes every page */
     return p;
 }
+
+float *alloc_floats_touched(size_t n) { return alloc_touched(n * sizeof(float)); }
 
 /* An exponent of all ones, looked for a chunk at a time so that the test of a chunk
  * vectorizes; the bits are read with memcpy, which is how C lets a float be seen as bits. */

@@ -209,6 +209,8 @@ static inline uint64_t mix64(uint64_t z) {
  * (~12 MB of scratch and cache) would otherwise land in the first timed step. NULL when
  * out of memory. */
 float *alloc_floats_touched(size_t n);
+/* The same for bytes (the KV pool). */
+void *alloc_touched(size_t bytes);
 /* bytes, 2 MB-aligned and advised as transparent huge pages when that large, else 64-byte
  * aligned; not written. For what a step streams (the weights, the KV pool, the scratch):
  * through one TLB entry per 2 MB instead of one per 4 KB page. NULL when out of memory; free() frees it. */
