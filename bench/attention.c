@@ -1,14 +1,17 @@
 /* attention.c: the attention kernels alone (dot_row_blocks, weighted_sum_row_blocks), on
  * one item of a long-context decode step, in GFLOP/s, one thread.
  *
- *   build/attention_bench [--reps R]
+ *   build/attention_bench [--reps R] [--dram]
  *
  * An item is nh heads that read the same cache rows (a GQA group, MQA's or MLA's heads)
  * over one chunk of ATTN_CHUNK_KEYS = 256 keys kept in blocks of 16 bf16 rows, as the
  * paged pool keeps them: the scores (2 * nh * 256 * width FLOPs) and the weighted sum (the
  * same). The rows are in cache, as every head after an item's first reads them, so this is
  * the kernels' arithmetic rate; compare with roofline's peak_best_GFLOPs / threads. Best
- * and median of R timed calls (default 2000) after 100 untimed. */
+ * and median of R timed calls (default 2000) after 100 untimed. --dram: the items of a
+ * whole layer over about 1 GB of rows laid out as the pool lays them out, so they come
+ * from DRAM; the read rate, best of R sweeps; compare with roofline's bandwidth at one
+ * thread. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,15 +71,79 @@ static void run_shape(const char *name, int nh, int width, int reps) {
     free(rows), free(q), free(att), free(out), free(t_dot), free(t_mix);
 }
 
+/* The same kernels on rows that come from DRAM: the pool's layout for the twins' shapes (a
+ * block holds 16 positions of every layer, each layer its KV heads' keys then values as
+ * 2 KB runs), one layer's items over a pool of about 1 GB, then the next layer's, as a
+ * decode step at a long context reads them. Prints the cache's read rate. */
+static void run_dram(const char *name, int nh, int kv_heads, int layers, int width, int reps) {
+    /* kv_heads 0: MLA's latent rows, read by the scores (width) and the weighted sum (width - 32) */
+    const int rows_a_layer = kv_heads ? 2 * kv_heads : 1, value_width = kv_heads ? width : width - 32;
+    const size_t run = (size_t)BLOCK_ROWS * width * sizeof(bf16), block = (size_t)layers * rows_a_layer * run;
+    const int chunks = (int)((1u << 30) / (block * (KEYS / BLOCK_ROWS)));
+    char *pool = alloc_huge((size_t)chunks * (KEYS / BLOCK_ROWS) * block);
+    float *q = aligned_alloc(64, (size_t)nh * width * sizeof(float));
+    float *att = aligned_alloc(64, (size_t)nh * KEYS * sizeof(float));
+    float *out = aligned_alloc(64, (size_t)nh * width * sizeof(float));
+    if (!pool || !q || !att || !out) {
+        fprintf(stderr, "attention_bench: out of memory\n");
+        exit(1);
+    }
+    for (size_t i = 0; i < (size_t)chunks * (KEYS / BLOCK_ROWS) * block / 2; i++)
+        ((bf16 *)pool)[i] = (bf16)(0x3c00 + i % 512);
+    for (int i = 0; i < nh * width; i++) q[i] = 0.01f * (float)(i % 13);
+    const void *keys[KEYS / BLOCK_ROWS], *values[KEYS / BLOCK_ROWS];
+    double best = 1e30, t_scores = 0, t_mix = 0;
+    for (int r = 0; r < reps; r++) {
+        double ts = 0, tm = 0;
+        const double t0 = now_s();
+        for (int l = 0; l < layers; l++)
+            for (int g = 0; g < (kv_heads ? kv_heads : 1); g++)
+                for (int c = 0; c < chunks; c++) {
+                    for (int b = 0; b < KEYS / BLOCK_ROWS; b++) {
+                        const char *base =
+                            pool + ((size_t)c * (KEYS / BLOCK_ROWS) + b) * block + (size_t)l * rows_a_layer * run;
+                        keys[b] = base + (size_t)g * run, values[b] = base + (size_t)(kv_heads + g) * run;
+                    }
+                    const RowBlocks kb = {keys, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0};
+                    const RowBlocks vb = {values, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0};
+                    const double a = now_s();
+                    dot_row_blocks(att, KEYS, q, (size_t)width, nh, kb, KEYS, width, 0.125f);
+                    for (int h = 0; h < nh; h++) {
+                        float m, s;
+                        softmax_stats(att + (size_t)h * KEYS, KEYS, &m, &s);
+                    }
+                    const double b2 = now_s();
+                    weighted_sum_row_blocks(out, (size_t)width, att, KEYS, nh, vb, KEYS, value_width);
+                    ts += b2 - a, tm += now_s() - b2;
+                }
+        const double t = now_s() - t0;
+        if (t < best) best = t, t_scores = ts, t_mix = tm;
+    }
+    const double bytes = (double)chunks * (KEYS / BLOCK_ROWS) * block;
+    printf("%-22s heads %2d from DRAM: %.1f ms a sweep of %.0f MB, %.1f GB/s (scores+softmax %.1f ms, weighted sum "
+           "%.1f ms)  (check %g)\n",
+           name, nh, best * 1e3, bytes * 1e-6, bytes / best * 1e-9, t_scores * 1e3, t_mix * 1e3, (double)out[0]);
+    free(pool), free(q), free(att), free(out);
+}
+
 int main(int argc, char **argv) {
-    int reps = 2000;
+    int reps = 2000, dram = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
             reps = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--dram") == 0) {
+            dram = 1;
         } else {
             fprintf(stderr, "usage: build/attention_bench [--reps R]\n");
             return 2;
         }
+    }
+    if (dram) {
+        run_dram("MHA twin (1 head)", 1, 32, 22, 64, reps);
+        run_dram("GQA twin (group of 8)", 8, 4, 22, 64, reps);
+        run_dram("MQA twin (16 heads)", 16, 1, 22, 64, reps);
+        run_dram("MLA twin (16 heads)", 16, 0, 22, 288, reps);
+        return 0;
     }
     /* the ~1B twins of bench/scale.py at batch 1 (head_dim 64; MLA's latent 256 + RoPE key 32) */
     run_shape("MHA twin (1 head)", 1, 64, reps);

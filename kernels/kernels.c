@@ -231,6 +231,21 @@ static inline __attribute__((always_inline)) v16 block_load(const RowBlocks *r, 
     return row_load(base + (size_t)j * r->stride * dtype_size(dt), row_scales(r, b, j), col, n, dt, r->split);
 }
 
+/* out[j] = dot(q, row j as floats, width) * scale for rows j of block b, j0 <= j < m, one
+ * by one: a block's last rows short of 16. */
+static inline __attribute__((always_inline)) void dot_block_tail(float *out, const float *q, const RowBlocks *r, int b,
+                                                                 int j0, int m, int width, float scale, DType dt) {
+    const char *base = r->block[b];
+    for (int j = j0; j < m; j++) {
+        v16 acc = v16_zero();
+        for (int k = 0; k < width; k += 16) {
+            const int len = width - k < 16 ? width - k : 16;
+            acc = v16_fma(v16_load_f32(q + k, len), block_load(r, base, b, j, k, len, dt), acc);
+        }
+        out[j] = v16_reduce(acc) * scale;
+    }
+}
+
 /* out[j] = dot(q, row j as floats, width) * scale for the rows of block b, j < m: 16 rows at
  * a time reduced side by side, the rest one by one, as dot_rows does. */
 static inline __attribute__((always_inline)) void dot_block_rows(float *out, const float *q, const RowBlocks *r, int b,
@@ -248,14 +263,57 @@ static inline __attribute__((always_inline)) void dot_block_rows(float *out, con
         }
         v16_store(out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
     }
-    for (; j < m; j++) {
-        v16 acc = v16_zero();
-        for (int k = 0; k < width; k += 16) {
-            const int len = width - k < 16 ? width - k : 16;
-            acc = v16_fma(v16_load_f32(q + k, len), block_load(r, base, b, j, k, len, dt), acc);
+    dot_block_tail(out, q, r, b, j, m, width, scale, dt);
+}
+
+/* Columns a slab of dot_block_rows_shared widens at a time, and heads it carries at once: a
+ * slab holds a whole row of every shape short of DeepSeek-V2-Lite's latent, so only such
+ * rows spill a head's chains between slabs. */
+enum { WIDE_COLS = 320, WIDE_HEADS = 16 };
+
+/* dot_block_rows for the nh heads that read block b, each head's scores at out + h*ld_out:
+ * every 16 rows' columns are widened to floats once, a slab of WIDE_COLS at a time, 16 rows
+ * a 16-column slice side by side, and every head reads them from L1, where widening them
+ * anew for each head would bound the loop. A head's 16 chains wait in `spill` between
+ * slabs: the same chains in the same order, so the bits of dot_block_rows. */
+static inline __attribute__((always_inline)) void dot_block_rows_shared(float *out, size_t ld_out, const float *q,
+                                                                        size_t ld_q, int nh, const RowBlocks *r, int b,
+                                                                        int m, int width, float scale, DType dt) {
+    const char *base = r->block[b];
+    float wide[16 * WIDE_COLS] __attribute__((aligned(64))); /* (WIDE_COLS / 16 slices, 16 rows, 16) */
+    v16 spill[WIDE_HEADS][16];
+    int j = 0;
+    for (; j + 16 <= m; j += 16)
+        for (int h0 = 0; h0 < nh; h0 += WIDE_HEADS) {
+            const int hn = nh - h0 < WIDE_HEADS ? nh - h0 : WIDE_HEADS;
+            for (int c0 = 0; c0 < width; c0 += WIDE_COLS) {
+                const int cw = width - c0 < WIDE_COLS ? width - c0 : WIDE_COLS;
+                for (int k = 0; k < cw; k += 16)
+                    for (int i = 0; i < 16; i++)
+                        v16_store(wide + 16 * (k + i),
+                                  block_load(r, base, b, j + i, c0 + k, cw - k < 16 ? cw - k : 16, dt), 16);
+                for (int h = 0; h < hn; h++) {
+                    const float *qh = q + (size_t)(h0 + h) * ld_q + c0;
+                    v16 acc[16];
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++) acc[i] = c0 == 0 ? v16_zero() : spill[h][i];
+                    for (int k = 0; k < cw; k += 16) {
+                        const v16 qk = v16_load_f32(qh + k, cw - k < 16 ? cw - k : 16);
+#pragma GCC unroll 16
+                        for (int i = 0; i < 16; i++)
+                            acc[i] = v16_fma(qk, v16_load_f32(wide + 16 * (k + i), 16), acc[i]);
+                    }
+                    if (c0 + cw < width) {
+#pragma GCC unroll 16
+                        for (int i = 0; i < 16; i++) spill[h][i] = acc[i];
+                    } else {
+                        v16_store(out + (size_t)(h0 + h) * ld_out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
+                    }
+                }
+            }
         }
-        out[j] = v16_reduce(acc) * scale;
-    }
+    for (int h = 0; h < nh; h++)
+        dot_block_tail(out + (size_t)h * ld_out, q + (size_t)h * ld_q, r, b, j, m, width, scale, dt);
 }
 
 /* Requests block b's first m rows into the cache: a sequence's blocks lie anywhere in the
@@ -273,6 +331,28 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
+        if (dt != DTYPE_F32 && n_heads > 1) { /* the block widened once for every head */
+            float *o = out + j0;
+            switch (dt) {
+            case DTYPE_BF16:
+                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_BF16);
+                break;
+            case DTYPE_I8:
+                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I8);
+                break;
+            case DTYPE_F8:
+                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_F8);
+                break;
+            case DTYPE_I4:
+                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I4);
+                break;
+            case DTYPE_I2:
+                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I2);
+                break;
+            case DTYPE_F32: break;
+            }
+            continue;
+        }
         for (int h = 0; h < n_heads; h++) { /* every head reads the block while it is in L1 */
             float *o = out + (size_t)h * ld_out + j0;
             const float *qh = q + (size_t)h * ld_q;

@@ -612,36 +612,44 @@ static void test_row_quantize_fp8(void **state) {
 
 /* Rows stored as bf16, int8 or fp8 (two scale parts, meeting inside a 16-lane chunk) give the
  * scores and weighted sums of the floats they stand for, bit for bit, for one head and
- * for two and three reading them at once. */
+ * for several reading them at once: rows narrower than the score kernel's slab of 320
+ * columns and wider (340 = 320 + 20), and more heads than it carries at once (17). */
 static void test_typed_rows_equal_their_floats(void **state) {
-    enum { N = 37, W = 40, SPLIT = 24, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 3 };
-    float *x = random_floats(N * W, 71), *q = random_floats(HEADS * W, 72), *p = random_floats(HEADS * N, 73);
-    float floats[N * W], scales[N * 2];
-    int8_t i8[N * W];
-    bf16 h[N * W];
+    enum { N = 37, W_MAX = 340, SPLIT = 24, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, HEADS = 17 };
+    float *x = random_floats(N * W_MAX, 71), *q = random_floats(HEADS * W_MAX, 72), *p = random_floats(HEADS * N, 73);
+    float *floats = malloc(sizeof(float) * N * W_MAX), scales[N * 2];
+    int8_t *i8 = malloc(N * W_MAX);
+    bf16 *h = malloc(sizeof(bf16) * N * W_MAX);
     const DType types[] = {DTYPE_BF16, DTYPE_I8, DTYPE_F8};
-    for (size_t k = 0; k < 3; k++) {
-        const DType dt = types[k];
-        void *store = dtype_scaled(dt) ? (void *)i8 : (void *)h;
-        for (int j = 0; j < N; j++) {
-            row_quantize((char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, x + (size_t)j * W, W, SPLIT,
-                         dt);
-            row_dequantize(floats + (size_t)j * W, (char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, W,
-                           SPLIT, dt);
+    const int widths[] = {40, W_MAX}, heads[] = {1, 2, 3, HEADS};
+    for (size_t k = 0; k < 3; k++)
+        for (size_t w = 0; w < 2; w++) {
+            const DType dt = types[k];
+            const int W = widths[w];
+            void *store = dtype_scaled(dt) ? (void *)i8 : (void *)h;
+            for (int j = 0; j < N; j++) {
+                row_quantize((char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j, x + (size_t)j * W, W,
+                             SPLIT, dt);
+                row_dequantize(floats + (size_t)j * W, (char *)store + (size_t)j * W * dtype_size(dt), scales + 2 * j,
+                               W, SPLIT, dt);
+            }
+            const void *blocks[BLOCKS];
+            const float *block_scales[BLOCKS];
+            for (int b = 0; b < BLOCKS; b++) {
+                blocks[b] = (char *)store + (size_t)b * BLOCK * W * dtype_size(dt);
+                block_scales[b] = scales + (size_t)b * BLOCK * 2;
+            }
+            const RowBlocks rows = {blocks, block_scales, BLOCK, (size_t)W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT, 0, 0};
+            for (int n = 1; n <= N; n += 9)
+                for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++)
+                    check_heads_read_alike(rows, floats, W, n, W, heads[i], q, W, p, N, 0.7f);
         }
-        const void *blocks[BLOCKS];
-        const float *block_scales[BLOCKS];
-        for (int b = 0; b < BLOCKS; b++) {
-            blocks[b] = (char *)store + (size_t)b * BLOCK * W * dtype_size(dt);
-            block_scales[b] = scales + (size_t)b * BLOCK * 2;
-        }
-        const RowBlocks rows = {blocks, block_scales, BLOCK, W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT, 0, 0};
-        for (int n = 1; n <= N; n += 9)
-            for (int nh = 1; nh <= HEADS; nh++) check_heads_read_alike(rows, floats, W, n, W, nh, q, W, p, N, 0.7f);
-    }
     free(x);
     free(q);
     free(p);
+    free(floats);
+    free(i8);
+    free(h);
 }
 
 /* A packed group's scale and min of element (j, c), read by kernels.h's layout. */
