@@ -5,6 +5,7 @@
  * scheduling that shares the queries among the threads. */
 #include "attention.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -694,10 +695,11 @@ static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     const int H = p->L->cfg->n_heads, threads = p->wk->threads, T = t1 - t0;
     long chunks = 0, keys = 0;
     for (int t = t0; t < t1; t++) chunks += chunks_of(p, t), keys += keys_of(p, t);
-    int nh = heads_per_item(sharing, T, H, threads);
-    /* too few items for the threads, and chunks to share instead */
-    const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / nh) < 4L * threads;
-    if (split) nh = heads_per_item(sharing, chunks, H, threads);
+    /* too few items for the threads while each item takes every head that reads its rows, and
+     * chunks to share instead: splitting the chunks, rather than the heads, reads the rows once */
+    const int whole = heads_per_item(sharing, LONG_MAX / H, H, threads);
+    const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / whole) < 4L * threads;
+    const int nh = heads_per_item(sharing, split ? chunks : T, H, threads);
     const long n_items = (split ? chunks : T) * (H / nh);
     if (team_alone(p->wk)) order_items(p, p->a->items, t0, t1, nh, split);
     const int thread = p->wk->thread;
