@@ -316,6 +316,17 @@ static inline __attribute__((always_inline)) void dot_block_rows_shared(float *o
         dot_block_tail(out + (size_t)h * ld_out, q + (size_t)h * ld_q, r, b, j, m, width, scale, dt);
 }
 
+/* Block b's scores for n_heads heads, dt a constant: one head widens the rows in registers as
+ * it reads them; several share one widening. */
+static inline __attribute__((always_inline)) void dot_block_heads(float *out, size_t ld_out, const float *q,
+                                                                  size_t ld_q, int n_heads, const RowBlocks *r, int b,
+                                                                  int m, int width, float scale, DType dt) {
+    if (n_heads == 1)
+        dot_block_rows(out, q, r, b, m, width, scale, dt);
+    else
+        dot_block_rows_shared(out, ld_out, q, ld_q, n_heads, r, b, m, width, scale, dt);
+}
+
 /* Requests block b's first m rows into the cache: a sequence's blocks lie anywhere in the
  * pool, so the hardware prefetchers lose the stream at every block's start. */
 static inline void prefetch_block(const RowBlocks *r, int b, int m) {
@@ -331,39 +342,17 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
-        if (dt != DTYPE_F32 && n_heads > 1) { /* the block widened once for every head */
-            float *o = out + j0;
-            switch (dt) {
-            case DTYPE_BF16:
-                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_BF16);
-                break;
-            case DTYPE_I8:
-                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I8);
-                break;
-            case DTYPE_F8:
-                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_F8);
-                break;
-            case DTYPE_I4:
-                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I4);
-                break;
-            case DTYPE_I2:
-                dot_block_rows_shared(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I2);
-                break;
-            case DTYPE_F32: break;
-            }
-            continue;
-        }
-        for (int h = 0; h < n_heads; h++) { /* every head reads the block while it is in L1 */
-            float *o = out + (size_t)h * ld_out + j0;
-            const float *qh = q + (size_t)h * ld_q;
-            switch (dt) { /* fp32 rows take dot_rows' loops with constant widths */
-            case DTYPE_F32: dot_rows(o, qh, rows.block[b], rows.stride, m, width, scale); break;
-            case DTYPE_BF16: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_BF16); break;
-            case DTYPE_I8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I8); break;
-            case DTYPE_F8: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_F8); break;
-            case DTYPE_I4: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I4); break;
-            case DTYPE_I2: dot_block_rows(o, qh, &rows, b, m, width, scale, DTYPE_I2); break;
-            }
+        float *o = out + j0;
+        switch (dt) {
+        case DTYPE_F32: /* fp32 rows take dot_rows' loops with constant widths */
+            for (int h = 0; h < n_heads; h++)
+                dot_rows(o + (size_t)h * ld_out, q + (size_t)h * ld_q, rows.block[b], rows.stride, m, width, scale);
+            break;
+        case DTYPE_BF16: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_BF16); break;
+        case DTYPE_I8: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I8); break;
+        case DTYPE_F8: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_F8); break;
+        case DTYPE_I4: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I4); break;
+        case DTYPE_I2: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I2); break;
         }
     }
 }
