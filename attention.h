@@ -34,9 +34,9 @@ typedef struct {
 enum { ATTN_CHUNK_KEYS = 256 };
 
 /* The most heads one item of attention takes together (they read the same rows while
- * those are in L1); 16 already shares each row among 16 heads. It bounds the scores each
- * thread keeps. */
-enum { ATTN_MAX_HEADS_PER_ITEM = 16 };
+ * those are in L1, widened once for all of them): 32, so that the MQA and MLA heads of a
+ * shape with 32 query heads read each row once. It bounds the scores each thread keeps. */
+enum { ATTN_MAX_HEADS_PER_ITEM = 32 };
 
 /* The most tokens a pass may have for its chunks to be shared among the threads. */
 enum { ATTN_SPLIT_TOKENS = 64 };

@@ -282,10 +282,11 @@ static inline __attribute__((always_inline)) void dot_block_rows_shared(float *o
     const char *base = r->block[b];
     float wide[16 * WIDE_COLS] __attribute__((aligned(64))); /* (WIDE_COLS / 16 slices, 16 rows, 16) */
     v16 spill[WIDE_HEADS][16];
+    const int batch = width <= WIDE_COLS ? nh : WIDE_HEADS; /* one slab: no chains wait, so no bound */
     int j = 0;
     for (; j + 16 <= m; j += 16)
-        for (int h0 = 0; h0 < nh; h0 += WIDE_HEADS) {
-            const int hn = nh - h0 < WIDE_HEADS ? nh - h0 : WIDE_HEADS;
+        for (int h0 = 0; h0 < nh; h0 += batch) {
+            const int hn = nh - h0 < batch ? nh - h0 : batch;
             for (int c0 = 0; c0 < width; c0 += WIDE_COLS) {
                 const int cw = width - c0 < WIDE_COLS ? width - c0 : WIDE_COLS;
                 for (int k = 0; k < cw; k += 16)
