@@ -5,7 +5,6 @@
  * scheduling that shares the queries among the threads. */
 #include "attention.h"
 
-#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -591,12 +590,18 @@ static int order_items(const AttnPass *p, int *items, int t0, int t1, int heads_
     return n;
 }
 
-/* Heads an item takes: as many of the `sharing` heads that read the same rows as divide
- * them, up to ATTN_MAX_HEADS_PER_ITEM, halved while the pass has too few items (`units`
- * a head group) to share among the threads. */
-static int heads_per_item(int sharing, long units, int n_heads, int threads) {
+/* The most heads an item takes: as many of the `sharing` heads that read the same rows as
+ * divide them, up to ATTN_MAX_HEADS_PER_ITEM. */
+static int whole_group(int sharing) {
     int k = sharing < ATTN_MAX_HEADS_PER_ITEM ? sharing : ATTN_MAX_HEADS_PER_ITEM;
     while (sharing % k != 0) k--;
+    return k;
+}
+
+/* Heads an item takes: the whole group, halved while the pass has too few items (`units` a
+ * head group) to share among the threads. */
+static int heads_per_item(int sharing, long units, int n_heads, int threads) {
+    int k = whole_group(sharing);
     while (k % 2 == 0 && units * (n_heads / k) < 4L * threads) k /= 2;
     return k;
 }
@@ -697,8 +702,7 @@ static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     for (int t = t0; t < t1; t++) chunks += chunks_of(p, t), keys += keys_of(p, t);
     /* too few items for the threads while each item takes every head that reads its rows, and
      * chunks to share instead: splitting the chunks, rather than the heads, reads the rows once */
-    const int whole = heads_per_item(sharing, LONG_MAX / H, H, threads);
-    const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / whole) < 4L * threads;
+    const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / whole_group(sharing)) < 4L * threads;
     const int nh = heads_per_item(sharing, split ? chunks : T, H, threads);
     const long n_items = (split ? chunks : T) * (H / nh);
     if (team_alone(p->wk)) order_items(p, p->a->items, t0, t1, nh, split);

@@ -134,7 +134,7 @@ int main(int argc, char **argv) {
         } else if (strcmp(argv[i], "--dram") == 0) {
             dram = 1;
         } else {
-            fprintf(stderr, "usage: build/attention_bench [--reps R]\n");
+            fprintf(stderr, "usage: build/attention_bench [--reps R] [--dram]\n");
             return 2;
         }
     }
