@@ -325,8 +325,9 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
     const size_t whole_items = H * T, split_items = split_partials;
     a->max_items = (int)(whole_items > split_items ? whole_items : split_items);
     a->items = malloc(3 * (size_t)a->max_items * sizeof(int));
-    a->row_blocks = malloc(threads * (size_t)a->blocks_per_row * sizeof *a->row_blocks);
-    a->row_scales = malloc(threads * (size_t)a->blocks_per_row * sizeof *a->row_scales);
+    a->heads_an_item = (int)heads_an_item;
+    a->row_blocks = malloc(threads * (size_t)a->blocks_per_row * heads_an_item * sizeof *a->row_blocks);
+    a->row_scales = malloc(threads * (size_t)a->blocks_per_row * heads_an_item * sizeof *a->row_scales);
     a->open_rows = (size_t)KV_BLOCK_TOKENS * T; /* a sequence's tail adds at most 15 rows to its >= 1 tokens */
     a->open_at = malloc(2 * T * sizeof(int));
     a->open_end = a->open_at + T;
@@ -440,28 +441,41 @@ static int block_end(const TokenSlots *slots, int t0, int t1) {
     return end;
 }
 
-/* Token t's keys of chunk k in row `row` of the pass's layer, block by block, listed in
- * thread `thread`'s tables: from the cache's blocks (pool row `row`), or with a window from
- * the copy gathered at `gathered` (`stride` floats a row), as blocks of KV_BLOCK_TOKENS rows. */
-static RowBlocks item_rows(const AttnPass *p, int thread, int t, int k, int row, const float *gathered, size_t stride) {
+/* Token t's keys of chunk k in row groups row .. row+groups-1 of the pass's layer, block by
+ * block, listed in thread `thread`'s tables, a group's after the one before: from the cache's
+ * blocks, or with a window from the copies gathered at `gathered` (`stride` floats a row,
+ * group g's at gathered + g * group_stride), as blocks of KV_BLOCK_TOKENS rows. */
+static RowBlocks item_rows(const AttnPass *p, int thread, int t, int k, int row, int groups, const float *gathered,
+                           size_t stride, size_t group_stride) {
     const int first = k * ATTN_CHUNK_KEYS / KV_BLOCK_TOKENS, n = kv_blocks_for(chunk_keys(p, t, k));
-    const void **blocks = p->a->row_blocks + (size_t)thread * p->a->blocks_per_row;
+    const size_t table = (size_t)thread * p->a->blocks_per_row * p->a->heads_an_item;
+    const void **blocks = p->a->row_blocks + table;
     if (p->windowed) {
-        for (int b = 0; b < n; b++) blocks[b] = gathered + (size_t)(first + b) * KV_BLOCK_TOKENS * stride;
-        return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0, 0, 0};
+        for (int g = 0; g < groups; g++)
+            for (int b = 0; b < n; b++)
+                blocks[g * n + b] = gathered + g * group_stride + (size_t)(first + b) * KV_BLOCK_TOKENS * stride;
+        return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0, 0, 0, groups};
     }
     const KVCache *cache = p->slots->cache[t];
     const KVPool *pool = cache->pool;
-    const float **scales = p->a->row_scales + (size_t)thread * p->a->blocks_per_row;
+    const float **scales = p->a->row_scales + table;
     const int own = dtype_packed(pool->dtype) ? p->slots->pos[t] / KV_BLOCK_TOKENS : -1; /* read in fp32 */
-    for (int b = 0; b < n; b++) {
-        const KVRow row_start = kv_row(cache, p->L->index, row, (first + b) * KV_BLOCK_TOKENS);
-        blocks[b] = first + b == own ? open_row(p, row, t, own * KV_BLOCK_TOKENS) : row_start.data;
-        scales[b] = row_start.scales;
-    }
-    return (RowBlocks){blocks,      scales,         KV_BLOCK_TOKENS, (size_t)pool->row_width,
-                       pool->dtype, pool->n_scales, pool->split,     own >= 0 && kv_per_channel(pool, row),
-                       first + n - 1 == own};
+    for (int g = 0; g < groups; g++)
+        for (int b = 0; b < n; b++) {
+            const KVRow row_start = kv_row(cache, p->L->index, row + g, (first + b) * KV_BLOCK_TOKENS);
+            blocks[g * n + b] = first + b == own ? open_row(p, row + g, t, own * KV_BLOCK_TOKENS) : row_start.data;
+            scales[g * n + b] = row_start.scales;
+        }
+    return (RowBlocks){blocks,
+                       scales,
+                       KV_BLOCK_TOKENS,
+                       (size_t)pool->row_width,
+                       pool->dtype,
+                       pool->n_scales,
+                       pool->split,
+                       own >= 0 && kv_per_channel(pool, row),
+                       first + n - 1 == own,
+                       groups};
 }
 
 /* -- the arithmetic of one chunk of an item, token t's heads h0 .. h0+nh-1 over chunk k of
@@ -469,16 +483,20 @@ static RowBlocks item_rows(const AttnPass *p, int thread, int t, int k, int row,
  * scores_stride a head), then the mix of the probabilities softmax made of them into out
  * (head h at out + (h - h0) * out_width) -- */
 
-/* KV head row `row` (the keys of a KV head, or n_kv_heads rows on, its values). */
-static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int k, int row) {
-    return item_rows(p, thread, t, k, row, window_head(p, row), (size_t)p->L->cfg->head_dim);
+/* The rows of heads h0 .. h0+nh-1 from KV head row `row` on (the keys of a KV head, or
+ * n_kv_heads rows on, its values): one row group, or one a KV head when they span several. */
+static RowBlocks kv_head_rows(const AttnPass *p, int thread, int t, int k, int row, int nh) {
+    const Config *c = p->L->cfg;
+    const int groups = nh > kv_group_size(c) ? nh / kv_group_size(c) : 1;
+    return item_rows(p, thread, t, k, row, groups, window_head(p, row), (size_t)c->head_dim,
+                     (size_t)p->a->max_keys * c->head_dim);
 }
 
 static void kv_heads_scores(const AttnPass *p, int h0, int nh, int t, int k, int thread, float *att) {
     const Config *c = p->L->cfg;
     const int hd = c->head_dim;
     const float *q = p->a->q + ((size_t)t * c->n_heads + h0) * hd; /* (nh, hd), rotated */
-    dot_row_blocks(att, p->a->scores_stride, q, (size_t)hd, nh, kv_head_rows(p, thread, t, k, kv_head_of(c, h0)),
+    dot_row_blocks(att, p->a->scores_stride, q, (size_t)hd, nh, kv_head_rows(p, thread, t, k, kv_head_of(c, h0), nh),
                    chunk_keys(p, t, k), hd, p->scale);
 }
 
@@ -486,7 +504,8 @@ static void kv_heads_mix(const AttnPass *p, int h0, int nh, int t, int k, int th
     const Config *c = p->L->cfg;
     const int hd = c->head_dim;
     weighted_sum_row_blocks(out, (size_t)hd, att, p->a->scores_stride, nh,
-                            kv_head_rows(p, thread, t, k, c->n_kv_heads + kv_head_of(c, h0)), chunk_keys(p, t, k), hd);
+                            kv_head_rows(p, thread, t, k, c->n_kv_heads + kv_head_of(c, h0), nh), chunk_keys(p, t, k),
+                            hd);
 }
 
 /* The expanded form reads one sequence's latents, gathered into a->latents, and its keys
@@ -515,7 +534,7 @@ static void mla_expanded_mix(const AttnPass *p, int h0, int nh, int t, int k, co
  * and the weighted latents are taken out after every item (mla_expand_contexts), each as one
  * product per head over the pass's tokens, so an item reads only the latents. */
 static RowBlocks latent_rows(const AttnPass *p, int thread, int t, int k) {
-    return item_rows(p, thread, t, k, 0, p->a->latents, (size_t)(p->L->cfg->kv_latent + p->L->cfg->rope_dim));
+    return item_rows(p, thread, t, k, 0, 1, p->a->latents, (size_t)(p->L->cfg->kv_latent + p->L->cfg->rope_dim), 0);
 }
 
 static void mla_absorbed_scores(const AttnPass *p, int h0, int nh, int t, int k, int thread, float *att) {
@@ -591,17 +610,21 @@ static int order_items(const AttnPass *p, int *items, int t0, int t1, int heads_
 }
 
 /* The most heads an item takes: as many of the `sharing` heads that read the same rows as
- * divide them, up to ATTN_MAX_HEADS_PER_ITEM. */
-static int whole_group(int sharing) {
+ * divide them, up to ATTN_MAX_HEADS_PER_ITEM; with `adjacent`, whole groups of them side by
+ * side, as many as divide the n_heads (the pool keeps a block's KV heads together, so an
+ * item that reads several reads one run of memory a block). */
+static int most_heads(int sharing, int n_heads, int adjacent) {
     int k = sharing < ATTN_MAX_HEADS_PER_ITEM ? sharing : ATTN_MAX_HEADS_PER_ITEM;
     while (sharing % k != 0) k--;
+    if (adjacent && k == sharing)
+        while (2 * k <= ATTN_MAX_HEADS_PER_ITEM && n_heads % (2 * k) == 0) k *= 2;
     return k;
 }
 
-/* Heads an item takes: the whole group, halved while the pass has too few items (`units` a
- * head group) to share among the threads. */
-static int heads_per_item(int sharing, long units, int n_heads, int threads) {
-    int k = whole_group(sharing);
+/* Heads an item takes: the most, halved while the pass has too few items (`units` an item
+ * of the most heads) to share among the threads. */
+static int heads_per_item(int most, long units, int n_heads, int threads) {
+    int k = most;
     while (k % 2 == 0 && units * (n_heads / k) < 4L * threads) k /= 2;
     return k;
 }
@@ -699,11 +722,19 @@ static void merge_split_chunks(const AttnPass *p, int t0, int t1) {
 static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     const int H = p->L->cfg->n_heads, threads = p->wk->threads, T = t1 - t0;
     long chunks = 0, keys = 0;
-    for (int t = t0; t < t1; t++) chunks += chunks_of(p, t), keys += keys_of(p, t);
+    int sequences = 0;
+    for (int t = t0; t < t1; t++) {
+        chunks += chunks_of(p, t), keys += keys_of(p, t);
+        sequences += t == t0 || p->slots->cache[t] != p->slots->cache[t - 1];
+    }
+    /* a token a sequence: no other token of the pass reads its rows, so its item may take
+     * several KV heads' rows, which lie side by side; tokens of one sequence share each KV
+     * head's rows while they are in L1 */
+    const int most = most_heads(sharing, H, p->L->cfg->variant != VARIANT_MLA && sequences == T);
     /* too few items for the threads while each item takes every head that reads its rows, and
      * chunks to share instead: splitting the chunks, rather than the heads, reads the rows once */
-    const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / whole_group(sharing)) < 4L * threads;
-    const int nh = heads_per_item(sharing, split ? chunks : T, H, threads);
+    const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / most) < 4L * threads;
+    const int nh = heads_per_item(most, split ? chunks : T, H, threads);
     const long n_items = (split ? chunks : T) * (H / nh);
     if (team_alone(p->wk)) order_items(p, p->a->items, t0, t1, nh, split);
     const int thread = p->wk->thread;

@@ -120,9 +120,10 @@ typedef struct {
     float *chunk_out;         /* (threads, heads an item, partial_width) a chunk's weighted sum, before its merge */
     int partial_width;        /* the widest weighted sum a head makes: head_dim, or MLA's kv_latent */
     size_t scores_per_item;   /* min(n_heads, ATTN_MAX_HEADS_PER_ITEM) * scores_stride */
-    const void **row_blocks;  /* (threads, blocks_per_row) the blocks a chunk of a cache row spans */
-    const float **row_scales; /* (threads, blocks_per_row) their int8 scales */
+    const void **row_blocks;  /* (threads, heads_an_item, blocks_per_row) the blocks a chunk of an item's rows spans */
+    const float **row_scales; /* (threads, heads_an_item, blocks_per_row) their int8 scales */
     int blocks_per_row;
+    int heads_an_item; /* the most heads an item takes, and so the most row groups */
     int max_items;
     /* set by the caller, NULL when off: the pass's stage clock (--profile) and the
      * attention weights it records (--dump-attn) */

@@ -50,7 +50,7 @@ static void run_shape(const char *name, int nh, int width, int reps) {
     for (size_t i = 0; i < KEYS * (size_t)width; i++) rows[i] = (bf16)(0x3c00 + i % 512); /* small positive values */
     for (int i = 0; i < nh * width; i++) q[i] = 0.01f * (float)(i % 13);
     for (int b = 0; b < KEYS / BLOCK_ROWS; b++) blocks[b] = rows + (size_t)b * block_elems;
-    const RowBlocks rb = {blocks, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0};
+    const RowBlocks rb = {blocks, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, 1};
     for (int r = -100; r < reps; r++) {
         const double t0 = now_s();
         dot_row_blocks(att, KEYS, q, (size_t)width, nh, rb, KEYS, width, 0.125f);
@@ -75,45 +75,47 @@ static void run_shape(const char *name, int nh, int width, int reps) {
  * block holds 16 positions of every layer, each layer its KV heads' keys then values as
  * 2 KB runs), one layer's items over a pool of about 1 GB, then the next layer's, as a
  * decode step at a long context reads them. Prints the cache's read rate. */
-static void run_dram(const char *name, int nh, int kv_heads, int layers, int width, int reps) {
+static void run_dram(const char *name, int nh, int kv_heads, int groups, int layers, int width, int reps) {
     /* kv_heads 0: MLA's latent rows, read by the scores (width) and the weighted sum (width - 32) */
     const int rows_a_layer = kv_heads ? 2 * kv_heads : 1, value_width = kv_heads ? width : width - 32;
     const size_t run = (size_t)BLOCK_ROWS * width * sizeof(bf16), block = (size_t)layers * rows_a_layer * run;
     const int chunks = (int)((1u << 30) / (block * (KEYS / BLOCK_ROWS)));
     char *pool = alloc_huge((size_t)chunks * (KEYS / BLOCK_ROWS) * block);
-    float *q = aligned_alloc(64, (size_t)nh * width * sizeof(float));
-    float *att = aligned_alloc(64, (size_t)nh * KEYS * sizeof(float));
-    float *out = aligned_alloc(64, (size_t)nh * width * sizeof(float));
+    float *q = aligned_alloc(64, (size_t)groups * nh * width * sizeof(float));
+    float *att = aligned_alloc(64, (size_t)groups * nh * KEYS * sizeof(float));
+    float *out = aligned_alloc(64, (size_t)groups * nh * width * sizeof(float));
     if (!pool || !q || !att || !out) {
         fprintf(stderr, "attention_bench: out of memory\n");
         exit(1);
     }
     for (size_t i = 0; i < (size_t)chunks * (KEYS / BLOCK_ROWS) * block / 2; i++)
         ((bf16 *)pool)[i] = (bf16)(0x3c00 + i % 512);
-    for (int i = 0; i < nh * width; i++) q[i] = 0.01f * (float)(i % 13);
-    const void *keys[KEYS / BLOCK_ROWS], *values[KEYS / BLOCK_ROWS];
+    for (int i = 0; i < groups * nh * width; i++) q[i] = 0.01f * (float)(i % 13);
+    const void *keys[32 * KEYS / BLOCK_ROWS], *values[32 * KEYS / BLOCK_ROWS];
     double best = 1e30, t_scores = 0, t_mix = 0;
     for (int r = 0; r < reps; r++) {
         double ts = 0, tm = 0;
         const double t0 = now_s();
         for (int l = 0; l < layers; l++)
-            for (int g = 0; g < (kv_heads ? kv_heads : 1); g++)
+            for (int g0 = 0; g0 < (kv_heads ? kv_heads : 1); g0 += groups)
                 for (int c = 0; c < chunks; c++) {
-                    for (int b = 0; b < KEYS / BLOCK_ROWS; b++) {
-                        const char *base =
-                            pool + ((size_t)c * (KEYS / BLOCK_ROWS) + b) * block + (size_t)l * rows_a_layer * run;
-                        keys[b] = base + (size_t)g * run, values[b] = base + (size_t)(kv_heads + g) * run;
-                    }
-                    const RowBlocks kb = {keys, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0};
-                    const RowBlocks vb = {values, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0};
+                    for (int g = 0; g < groups; g++)
+                        for (int b = 0; b < KEYS / BLOCK_ROWS; b++) {
+                            const char *base =
+                                pool + ((size_t)c * (KEYS / BLOCK_ROWS) + b) * block + (size_t)l * rows_a_layer * run;
+                            keys[g * KEYS / BLOCK_ROWS + b] = base + (size_t)(g0 + g) * run;
+                            values[g * KEYS / BLOCK_ROWS + b] = base + (size_t)(kv_heads + g0 + g) * run;
+                        }
+                    const RowBlocks kb = {keys, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, groups};
+                    const RowBlocks vb = {values, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, groups};
                     const double a = now_s();
-                    dot_row_blocks(att, KEYS, q, (size_t)width, nh, kb, KEYS, width, 0.125f);
-                    for (int h = 0; h < nh; h++) {
+                    dot_row_blocks(att, KEYS, q, (size_t)width, groups * nh, kb, KEYS, width, 0.125f);
+                    for (int h = 0; h < groups * nh; h++) {
                         float m, s;
                         softmax_stats(att + (size_t)h * KEYS, KEYS, &m, &s);
                     }
                     const double b2 = now_s();
-                    weighted_sum_row_blocks(out, (size_t)width, att, KEYS, nh, vb, KEYS, value_width);
+                    weighted_sum_row_blocks(out, (size_t)width, att, KEYS, groups * nh, vb, KEYS, value_width);
                     ts += b2 - a, tm += now_s() - b2;
                 }
         const double t = now_s() - t0;
@@ -139,10 +141,12 @@ int main(int argc, char **argv) {
         }
     }
     if (dram) {
-        run_dram("MHA twin (1 head)", 1, 32, 22, 64, reps);
-        run_dram("GQA twin (group of 8)", 8, 4, 22, 64, reps);
-        run_dram("MQA twin (16 heads)", 16, 1, 22, 64, reps);
-        run_dram("MLA twin (16 heads)", 16, 0, 22, 288, reps);
+        run_dram("MHA twin (1 head)", 1, 32, 1, 22, 64, reps);
+        run_dram("MHA twin (32 KV heads)", 1, 32, 32, 22, 64, reps);
+        run_dram("GQA twin (group of 8)", 8, 4, 1, 22, 64, reps);
+        run_dram("GQA twin (4 groups)", 8, 4, 4, 22, 64, reps);
+        run_dram("MQA twin (16 heads)", 16, 1, 1, 22, 64, reps);
+        run_dram("MLA twin (16 heads)", 16, 0, 1, 22, 288, reps);
         return 0;
     }
     /* the ~1B twins of bench/scale.py at batch 1 (head_dim 64; MLA's latent 256 + RoPE key 32) */

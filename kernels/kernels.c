@@ -337,23 +337,43 @@ static inline void prefetch_block(const RowBlocks *r, int b, int m) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 3);
 }
 
+/* The blocks the n rows span, and the row groups side by side (RowBlocks). */
+static int blocks_of(const RowBlocks *r, int n) { return (n + r->block_rows - 1) / r->block_rows; }
+static int groups_of(const RowBlocks *r) { return r->groups; }
+
+/* Requests the run after group g's block b (at j0, m rows): the next group's in the same
+ * block, which the pool keeps next to it, or the first group's in the next block. */
+static inline void prefetch_next(const RowBlocks *r, int g, int b, int j0, int m, int n) {
+    const int nb = blocks_of(r, n);
+    if (g + 1 < groups_of(r))
+        prefetch_block(r, (g + 1) * nb + b, m);
+    else if (j0 + m < n)
+        prefetch_block(r, b + 1, n - j0 - m < r->block_rows ? n - j0 - m : r->block_rows);
+}
+
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
                     int width, float scale) {
+    const int groups = groups_of(&rows), gh = n_heads / groups, nb = blocks_of(&rows, n);
     for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
-        if (j0 + m < n) prefetch_block(&rows, b + 1, n - j0 - m < rows.block_rows ? n - j0 - m : rows.block_rows);
-        float *o = out + j0;
-        switch (dt) {
-        case DTYPE_F32: /* fp32 rows take dot_rows' loops with constant widths */
-            for (int h = 0; h < n_heads; h++)
-                dot_rows(o + (size_t)h * ld_out, q + (size_t)h * ld_q, rows.block[b], rows.stride, m, width, scale);
-            break;
-        case DTYPE_BF16: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_BF16); break;
-        case DTYPE_I8: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I8); break;
-        case DTYPE_F8: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_F8); break;
-        case DTYPE_I4: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I4); break;
-        case DTYPE_I2: dot_block_heads(o, ld_out, q, ld_q, n_heads, &rows, b, m, width, scale, DTYPE_I2); break;
+        for (int g = 0; g < groups; g++) {
+            const int at = g * nb + b; /* group g's block b in the tables */
+            prefetch_next(&rows, g, b, j0, m, n);
+            float *o = out + (size_t)g * gh * ld_out + j0;
+            const float *qg = q + (size_t)g * gh * ld_q;
+            switch (dt) {
+            case DTYPE_F32: /* fp32 rows take dot_rows' loops with constant widths */
+                for (int h = 0; h < gh; h++)
+                    dot_rows(o + (size_t)h * ld_out, qg + (size_t)h * ld_q, rows.block[at], rows.stride, m, width,
+                             scale);
+                break;
+            case DTYPE_BF16: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_BF16); break;
+            case DTYPE_I8: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I8); break;
+            case DTYPE_F8: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_F8); break;
+            case DTYPE_I4: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I4); break;
+            case DTYPE_I2: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I2); break;
+            }
         }
     }
 }
@@ -389,49 +409,79 @@ static inline __attribute__((always_inline)) void weighted_sum_block(v16 *even0,
     }
 }
 
-/* Heads h0 .. h0+nh-1 over columns [c, c + 32) (two slices, each with two chains): each
- * row's columns are loaded once for the nh heads (nh a constant, 1, 2 or 4). */
+/* Heads h0 .. h0+nh-1 over columns [c, c + 32) (two slices, each with two chains) of group
+ * g's blocks [b0, b1): each row's columns are loaded once for the nh heads (nh a constant,
+ * 1, 2 or 4). The chains start from zero at the first block, else from `carry`, and go back
+ * to it (head h's four at carry + 4h), or after the last block into out. */
 static inline __attribute__((always_inline)) void weighted_sum_pass(float *out, size_t ld_out, const float *p,
                                                                     size_t ld_p, const int nh, const RowBlocks *rows,
-                                                                    int n, int c, int width, DType dt, int prefetch) {
+                                                                    int g, int b0, int b1, int n, int c, int width,
+                                                                    DType dt, int prefetch, v16 *carry) {
     const int len0 = slice_len(width, c), len1 = slice_len(width, c + 16); /* len1 may be 0 */
+    const int nb = blocks_of(rows, n);
     v16 even0[4], odd0[4], even1[4], odd1[4];
-    for (int h = 0; h < nh; h++) even0[h] = odd0[h] = even1[h] = odd1[h] = v16_zero();
-    for (int j0 = 0, b = 0; j0 < n; j0 += rows->block_rows, b++) { /* blocks start at even j */
-        const int m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
-        if (prefetch && j0 + m < n)
-            prefetch_block(rows, b + 1, n - j0 - m < rows->block_rows ? n - j0 - m : rows->block_rows);
+    for (int h = 0; h < nh; h++) {
+        const v16 *from = carry + 4 * h;
+        const int fresh = b0 == 0;
+        even0[h] = fresh ? v16_zero() : from[0], odd0[h] = fresh ? v16_zero() : from[1];
+        even1[h] = fresh ? v16_zero() : from[2], odd1[h] = fresh ? v16_zero() : from[3];
+    }
+    for (int b = b0; b < b1; b++) { /* blocks start at even j */
+        const int j0 = b * rows->block_rows, m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
+        if (prefetch) prefetch_next(rows, g, b, j0, m, n);
         if (dt != DTYPE_F32 && rows->last_f32 && j0 + m == n)
-            weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, b, j0, m, c, len0, len1, DTYPE_F32);
+            weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, g * nb + b, j0, m, c, len0, len1,
+                               DTYPE_F32);
         else
-            weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, b, j0, m, c, len0, len1, dt);
+            weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, g * nb + b, j0, m, c, len0, len1, dt);
     }
     for (int h = 0; h < nh; h++) {
+        if (b1 < nb) {
+            v16 *to = carry + 4 * h;
+            to[0] = even0[h], to[1] = odd0[h], to[2] = even1[h], to[3] = odd1[h];
+            continue;
+        }
         float *o = out + (size_t)h * ld_out;
         v16_store(o + c, v16_add(even0[h], odd0[h]), len0);
         if (len1) v16_store(o + c + 16, v16_add(even1[h], odd1[h]), len1);
     }
 }
 
+/* Chains of the heads of several groups (4 a head and column pass) weighted_sum_typed keeps
+ * between blocks. */
+enum { CARRY_CHAINS = 512 };
+
 /* Heads four (then two) at a time where 32 registers hold their 16 chains and the rows' 4
  * vectors (AVX-512), so each row is loaded once for all of them; every head reads a column
- * pass's rows while they are in L1. */
+ * pass's rows while they are in L1. Several groups take each block in turn, their chains
+ * carried between blocks (the same chains, so the same bits), unless too many to carry:
+ * then each group takes all its blocks in turn. */
 static inline __attribute__((always_inline)) void weighted_sum_typed(float *out, size_t ld_out, const float *p,
                                                                      size_t ld_p, int n_heads, const RowBlocks *rows,
                                                                      int n, int width, DType dt) {
-    for (int c = 0; c < width; c += 32) {
-        int h = 0;
+    const int groups = groups_of(rows), gh = n_heads / groups, nb = blocks_of(rows, n), passes = (width + 31) / 32;
+    const int by_block = groups > 1 && n_heads * passes * 4 <= CARRY_CHAINS;
+    v16 carry[CARRY_CHAINS];
+    for (int b0 = 0; b0 < (by_block ? nb : 1); b0++) {
+        const int b1 = by_block ? b0 + 1 : nb;
+        for (int g = 0; g < groups; g++)
+            for (int c = 0; c < width; c += 32) {
+                float *o = out + (size_t)g * gh * ld_out;
+                const float *pg = p + (size_t)g * gh * ld_p;
+                v16 *cg = carry + (size_t)(g * passes + c / 32) * gh * 4;
+                int h = 0;
 #if ISA_AVX512
-        for (; h + 4 <= n_heads; h += 4)
-            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 4, rows, n, c, width, dt,
-                              c == 0 && h == 0);
-        for (; h + 2 <= n_heads; h += 2)
-            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 2, rows, n, c, width, dt,
-                              c == 0 && h == 0);
+                for (; h + 4 <= gh; h += 4)
+                    weighted_sum_pass(o + (size_t)h * ld_out, ld_out, pg + (size_t)h * ld_p, ld_p, 4, rows, g, b0, b1,
+                                      n, c, width, dt, c == 0 && h == 0, cg + 4 * h);
+                for (; h + 2 <= gh; h += 2)
+                    weighted_sum_pass(o + (size_t)h * ld_out, ld_out, pg + (size_t)h * ld_p, ld_p, 2, rows, g, b0, b1,
+                                      n, c, width, dt, c == 0 && h == 0, cg + 4 * h);
 #endif
-        for (; h < n_heads; h++)
-            weighted_sum_pass(out + (size_t)h * ld_out, ld_out, p + (size_t)h * ld_p, ld_p, 1, rows, n, c, width, dt,
-                              c == 0 && h == 0);
+                for (; h < gh; h++)
+                    weighted_sum_pass(o + (size_t)h * ld_out, ld_out, pg + (size_t)h * ld_p, ld_p, 1, rows, g, b0, b1,
+                                      n, c, width, dt, c == 0 && h == 0, cg + 4 * h);
+            }
     }
 }
 
@@ -602,7 +652,7 @@ void row_dequantize(float *dst, const void *row, const float *scales, int n, int
 
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
     const void *one[2] = {rows, NULL}; /* [1] is never read, but GCC cannot tell (prefetch_block) */
-    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0, 0, 0}; /* one block holding every row */
+    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0, 0, 0, 1}; /* one block holding every row */
     weighted_sum_typed(out, 0, p, 0, 1, &all, n, width, DTYPE_F32);
 }
 

@@ -163,12 +163,15 @@ typedef struct {
     int n_scales, split; /* DTYPE_I8 and DTYPE_F8 only */
     int per_channel;     /* DTYPE_I4 and DTYPE_I2: block[b] is a group (block_quantize), keys' or values' */
     int last_f32;        /* the last block (of the n rows) is fp32 rows, `stride` floats apart (KIVI's residual) */
+    int groups;          /* row groups read side by side, >= 1: group g's block b is block[g * nb + b],
+                          * nb the n rows' blocks; heads [g * n_heads / groups, ...) read group g */
 } RowBlocks;
 /* dot_rows and weighted_sum_rows over such rows for n_heads heads that read the same rows
- * (a GQA group, MQA's or MLA's heads): head h's query (or probabilities) at q + h*ld_q
- * (p + h*ld_p), its output at out + h*ld_out. Bit for bit what dot_rows and
- * weighted_sum_rows give each head on the same rows stored contiguously as the floats
- * they stand for; the heads take each part of the rows in turn while it is in L1. */
+ * (a GQA group, MQA's or MLA's heads), or each group of them its own rows: head h's query
+ * (or probabilities) at q + h*ld_q (p + h*ld_p), its output at out + h*ld_out. Bit for bit
+ * what dot_rows and weighted_sum_rows give each head on the same rows stored contiguously as
+ * the floats they stand for; the heads take each part of the rows in turn while it is in L1,
+ * and the groups take a block in turn, as the pool keeps a block's row groups together. */
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
                     int width, float scale);
 void weighted_sum_row_blocks(float *out, size_t ld_out, const float *p, size_t ld_p, int n_heads, RowBlocks rows, int n,

@@ -505,7 +505,7 @@ static void test_row_blocks_equal_contiguous_rows(void **state) {
             memcpy(dst + (size_t)r * STRIDE, rows + (size_t)(b * BLOCK + r) * STRIDE, STRIDE * sizeof(float));
         blocks[b] = dst;
     }
-    const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0, 0, 0};
+    const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0, 0, 0, 1};
     const int widths[] = {16, 32, 80, 144, 100}, counts[] = {1, 15, 16, 17, 32, 33, 70};
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
@@ -639,7 +639,8 @@ static void test_typed_rows_equal_their_floats(void **state) {
                 blocks[b] = (char *)store + (size_t)b * BLOCK * W * dtype_size(dt);
                 block_scales[b] = scales + (size_t)b * BLOCK * 2;
             }
-            const RowBlocks rows = {blocks, block_scales, BLOCK, (size_t)W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT, 0, 0};
+            const RowBlocks rows = {blocks, block_scales, BLOCK, (size_t)W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT, 0, 0,
+                                    1};
             for (int n = 1; n <= N; n += 9)
                 for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++)
                     check_heads_read_alike(rows, floats, W, n, W, heads[i], q, W, p, N, 0.7f);
@@ -744,7 +745,7 @@ static void test_packed_rows_equal_their_floats(void **state) {
             for (int n = 1; n <= N; n += 7)
                 for (int nh = 1; nh <= HEADS; nh++) {
                     for (int width = 16; width <= W; width += 64) { /* all columns, or the first (absorbed MLA's c) */
-                        const RowBlocks rows = {blocks, NULL, BLOCK, W, dt, 0, 0, per_channel, 0};
+                        const RowBlocks rows = {blocks, NULL, BLOCK, W, dt, 0, 0, per_channel, 0, 1};
                         check_heads_read_alike(rows, floats, W, n, width, nh, q, W, p, N, 0.7f);
                     }
                     /* the last block fp32 rows: the block a query's own position is in */
@@ -755,7 +756,7 @@ static void test_packed_rows_equal_their_floats(void **state) {
                     const int last = (n - 1) / BLOCK;
                     mixed[last] = x + (size_t)last * BLOCK * W;
                     memcpy(expect + (size_t)last * BLOCK * W, mixed[last], sizeof(float) * BLOCK * W);
-                    const RowBlocks rows = {mixed, NULL, BLOCK, W, dt, 0, 0, per_channel, 1};
+                    const RowBlocks rows = {mixed, NULL, BLOCK, W, dt, 0, 0, per_channel, 1, 1};
                     check_heads_read_alike(rows, expect, W, n, W, nh, q, W, p, N, 0.7f);
                 }
             free(store);
@@ -763,6 +764,82 @@ static void test_packed_rows_equal_their_floats(void **state) {
     free(x);
     free(q);
     free(p);
+}
+
+/* Row groups read side by side (several KV heads' rows in one item): each group's heads get,
+ * bit for bit, what they get reading their group alone, for every dtype (packed ones with
+ * the last block in fp32 too), any number of rows, groups of one head or several, and
+ * widths whose chains the weighted sum carries between blocks (64) or, too many to carry
+ * for 32 groups, takes group by group (144). */
+static void test_row_groups_read_alike(void **state) {
+    enum { N = 37, W_MAX = 144, BLOCK = 16, BLOCKS = (N + BLOCK - 1) / BLOCK, G_MAX = 32, GH_MAX = 3, SPLIT = 24 };
+    enum { H_MAX = G_MAX * GH_MAX, ROW_BYTES = W_MAX * 4, BLOCK_BYTES = BLOCK * ROW_BYTES };
+    float *x = random_floats(G_MAX * BLOCKS * BLOCK * W_MAX, 81), *q = random_floats(H_MAX * W_MAX, 82);
+    float *p = random_floats(H_MAX * N, 83), *fp32 = random_floats(G_MAX * BLOCKS * BLOCK * W_MAX, 84);
+    unsigned char *store = malloc((size_t)G_MAX * BLOCKS * BLOCK_BYTES);
+    float *scales = malloc(sizeof(float) * G_MAX * BLOCKS * BLOCK * 2);
+    const void *blocks[G_MAX * BLOCKS];
+    const float *block_scales[G_MAX * BLOCKS];
+    float *scores = malloc(sizeof(float) * H_MAX * N), *sums = malloc(sizeof(float) * H_MAX * W_MAX);
+    float alone[N > W_MAX ? N : W_MAX];
+    const DType types[] = {DTYPE_F32, DTYPE_BF16, DTYPE_I8, DTYPE_I4};
+    const int widths[] = {64, W_MAX}, group_counts[] = {2, 3, G_MAX}, group_heads[] = {1, GH_MAX},
+              counts[] = {1, 16, N};
+    for (size_t k = 0; k < 4; k++)
+        for (size_t w = 0; w < 2; w++)
+            for (int last_f32 = 0; last_f32 <= dtype_packed(types[k]); last_f32++) {
+                const DType dt = types[k];
+                const int W = widths[w];
+                for (int i = 0; i < G_MAX * BLOCKS; i++) { /* group g's block b at i = g * BLOCKS + b, scrambled */
+                    const int at = (i * 7 + 3) % (G_MAX * BLOCKS);
+                    unsigned char *dst = store + (size_t)at * BLOCK_BYTES;
+                    const float *src = x + (size_t)i * BLOCK * W;
+                    if (dt == DTYPE_I4) block_quantize(dst, src, (size_t)W, W, dt, 1);
+                    for (int j = 0; j < BLOCK && dt != DTYPE_I4; j++)
+                        row_quantize(dst + (size_t)j * W * dtype_size(dt), scales + ((size_t)at * BLOCK + j) * 2,
+                                     src + (size_t)j * W, W, SPLIT, dt);
+                    blocks[i] = dst, block_scales[i] = scales + (size_t)at * BLOCK * 2;
+                }
+                for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++)
+                    for (size_t gc = 0; gc < sizeof group_counts / sizeof group_counts[0]; gc++)
+                        for (size_t gh = 0; gh < sizeof group_heads / sizeof group_heads[0]; gh++) {
+                            const int n = counts[c], nb = (n + BLOCK - 1) / BLOCK, G = group_counts[gc];
+                            const int heads = group_heads[gh], H = G * heads;
+                            const void *table[G_MAX * BLOCKS];
+                            const float *table_scales[G_MAX * BLOCKS];
+                            for (int g = 0; g < G; g++)
+                                for (int b = 0; b < nb; b++) {
+                                    const int last = last_f32 && b == nb - 1;
+                                    table[g * nb + b] =
+                                        last ? (const void *)(fp32 + (size_t)(g * BLOCKS + b) * BLOCK * W)
+                                             : blocks[g * BLOCKS + b];
+                                    table_scales[g * nb + b] = block_scales[g * BLOCKS + b];
+                                }
+                            const RowBlocks rows = {
+                                table, table_scales, BLOCK, (size_t)W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT,
+                                1,     last_f32,     G};
+                            dot_row_blocks(scores, N, q, W, H, rows, n, W, 0.3f);
+                            weighted_sum_row_blocks(sums, W, p, N, H, rows, n, W);
+                            for (int g = 0; g < G; g++) {
+                                RowBlocks one = rows;
+                                one.block = table + g * nb, one.scales = table_scales + g * nb, one.groups = 1;
+                                for (int h = g * heads; h < (g + 1) * heads; h++) {
+                                    dot_row_blocks(alone, N, q + (size_t)h * W, W, 1, one, n, W, 0.3f);
+                                    assert_memory_equal(alone, scores + (size_t)h * N, (size_t)n * sizeof(float));
+                                    weighted_sum_row_blocks(alone, W, p + (size_t)h * N, N, 1, one, n, W);
+                                    assert_memory_equal(alone, sums + (size_t)h * W, (size_t)W * sizeof(float));
+                                }
+                            }
+                        }
+            }
+    free(x);
+    free(q);
+    free(p);
+    free(fp32);
+    free(store);
+    free(scales);
+    free(scores);
+    free(sums);
 }
 
 int main(int argc, char **argv) {
@@ -785,6 +862,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_typed_rows_equal_their_floats),
         cmocka_unit_test(test_block_quantize_packed),
         cmocka_unit_test(test_packed_rows_equal_their_floats),
+        cmocka_unit_test(test_row_groups_read_alike),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);
 }
