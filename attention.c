@@ -610,13 +610,13 @@ static int order_items(const AttnPass *p, int *items, int t0, int t1, int heads_
 }
 
 /* The most heads an item takes: as many of the `sharing` heads that read the same rows as
- * divide them, up to ATTN_MAX_HEADS_PER_ITEM; with `adjacent`, whole groups of them side by
- * side, as many as divide the n_heads (the pool keeps a block's KV heads together, so an
- * item that reads several reads one run of memory a block). */
-static int most_heads(int sharing, int n_heads, int adjacent) {
+ * divide them, up to ATTN_MAX_HEADS_PER_ITEM; with `side_by_side`, whole groups of them side
+ * by side, as many as divide n_heads (the pool keeps a block's KV heads together, so such an
+ * item reads one run of memory a block). */
+static int most_heads(int sharing, int n_heads, int side_by_side) {
     int k = sharing < ATTN_MAX_HEADS_PER_ITEM ? sharing : ATTN_MAX_HEADS_PER_ITEM;
     while (sharing % k != 0) k--;
-    if (adjacent && k == sharing)
+    if (side_by_side && k == sharing)
         while (2 * k <= ATTN_MAX_HEADS_PER_ITEM && n_heads % (2 * k) == 0) k *= 2;
     return k;
 }
@@ -727,10 +727,12 @@ static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
         chunks += chunks_of(p, t), keys += keys_of(p, t);
         sequences += t == t0 || p->slots->cache[t] != p->slots->cache[t - 1];
     }
-    /* a token a sequence: no other token of the pass reads its rows, so its item may take
-     * several KV heads' rows, which lie side by side; tokens of one sequence share each KV
-     * head's rows while they are in L1 */
-    const int most = most_heads(sharing, H, p->L->cfg->variant != VARIANT_MLA && sequences == T);
+    /* a KV head read by one query head (MHA) does too little work a row to hide the row's
+     * latency; in a decode pass (a token a sequence) no other token reads its rows, so an
+     * item takes several such KV heads, whose rows lie side by side (where KV heads serve
+     * several query heads, GQA's twin, that measured slower) */
+    const int side_by_side = sharing == 1 && p->L->cfg->variant != VARIANT_MLA && sequences == T;
+    const int most = most_heads(sharing, H, side_by_side);
     /* too few items for the threads while each item takes every head that reads its rows, and
      * chunks to share instead: splitting the chunks, rather than the heads, reads the rows once */
     const int split = chunks > T && T <= ATTN_SPLIT_TOKENS && (long)T * (H / most) < 4L * threads;
