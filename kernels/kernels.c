@@ -337,29 +337,29 @@ static inline void prefetch_block(const RowBlocks *r, int b, int m) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 3);
 }
 
-/* The blocks the n rows span, and the row groups side by side (RowBlocks). */
+/* The blocks the n rows span. */
 static int blocks_of(const RowBlocks *r, int n) { return (n + r->block_rows - 1) / r->block_rows; }
-static int groups_of(const RowBlocks *r) { return r->groups; }
 
-/* Requests the run after group g's block b (at j0, m rows): the next group's in the same
- * block, which the pool keeps next to it, or the first group's in the next block. */
-static inline void prefetch_next(const RowBlocks *r, int g, int b, int j0, int m, int n) {
+/* Requests the run read after group g's block b (at j0, m rows): taking a block's groups in
+ * turn, the next group's in the same block, which the pool keeps next to it, then the first
+ * group's in the next block; taking a group's blocks in turn, its next block. */
+static inline void prefetch_next(const RowBlocks *r, int g, int b, int j0, int m, int n, int block_major) {
     const int nb = blocks_of(r, n);
-    if (g + 1 < groups_of(r))
+    if (block_major && g + 1 < r->groups)
         prefetch_block(r, (g + 1) * nb + b, m);
     else if (j0 + m < n)
-        prefetch_block(r, b + 1, n - j0 - m < r->block_rows ? n - j0 - m : r->block_rows);
+        prefetch_block(r, (block_major ? 0 : g) * nb + b + 1, n - j0 - m < r->block_rows ? n - j0 - m : r->block_rows);
 }
 
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
                     int width, float scale) {
-    const int groups = groups_of(&rows), gh = n_heads / groups, nb = blocks_of(&rows, n);
+    const int groups = rows.groups, gh = n_heads / groups, nb = blocks_of(&rows, n);
     for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
         const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         for (int g = 0; g < groups; g++) {
             const int at = g * nb + b; /* group g's block b in the tables */
-            prefetch_next(&rows, g, b, j0, m, n);
+            prefetch_next(&rows, g, b, j0, m, n, 1);
             float *o = out + (size_t)g * gh * ld_out + j0;
             const float *qg = q + (size_t)g * gh * ld_q;
             switch (dt) {
@@ -428,7 +428,7 @@ static inline __attribute__((always_inline)) void weighted_sum_pass(float *out, 
     }
     for (int b = b0; b < b1; b++) { /* blocks start at even j */
         const int j0 = b * rows->block_rows, m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
-        if (prefetch) prefetch_next(rows, g, b, j0, m, n);
+        if (prefetch) prefetch_next(rows, g, b, j0, m, n, b1 - b0 == 1);
         if (dt != DTYPE_F32 && rows->last_f32 && j0 + m == n)
             weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, g * nb + b, j0, m, c, len0, len1,
                                DTYPE_F32);
@@ -459,7 +459,7 @@ enum { CARRY_CHAINS = 512 };
 static inline __attribute__((always_inline)) void weighted_sum_typed(float *out, size_t ld_out, const float *p,
                                                                      size_t ld_p, int n_heads, const RowBlocks *rows,
                                                                      int n, int width, DType dt) {
-    const int groups = groups_of(rows), gh = n_heads / groups, nb = blocks_of(rows, n), passes = (width + 31) / 32;
+    const int groups = rows->groups, gh = n_heads / groups, nb = blocks_of(rows, n), passes = (width + 31) / 32;
     const int by_block = groups > 1 && n_heads * passes * 4 <= CARRY_CHAINS;
     v16 carry[CARRY_CHAINS];
     for (int b0 = 0; b0 < (by_block ? nb : 1); b0++) {
