@@ -5,7 +5,9 @@ Two drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft DRAF
 GQA of dim 256 with the targets' tokenizer). For each trained target: decode tokens/s of
 plain `--kv` decoding and of each drafter at each K (batch 1), their ratio (the speedup),
 the acceptance rate, the tokens a verifying pass keeps and the drafting cost (ms per
-generated token, and its share of the steps' time); at batch 16 and 64 the same at one K; sampled (top-k 40, temperature 1) at batch 1;
+generated token, and its share of the steps' time); the acceptance over held-out openings
+(the first words of --openings validation stories, greedy, untimed), as the one prompt of the
+timed rows opens most training stories; at batch 16 and 64 the same at one K; sampled (top-k 40, temperature 1) at batch 1;
 the cost of a pass over K+1 positions against one cached step (a prefill of K+1 tokens over
 the median step); and that ratio for a generated ~1B shape (--shape tinyllama-1.1b), whose
 step reads its weights from DRAM, with the speedup the measured acceptance rates would give
@@ -14,6 +16,7 @@ there: a projection from measurements, not a run.
     /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,3,4,5,6,7,8] [--ngram-ks 1,2,4,8]
                                    [--shape-ks 1,2,4,8] [--n 96] [--batches 16,64] [--sampled-ks 1,2,4] [--targets mha,gqa,...]
                                    [--draft weights/draft/gqa-2x256.bin] [--threads N] [--out DIR]
+                                   [--valid ../shared/tinystories/valid.txt] [--openings 40] [--opening-ks 1,2,4]
 
 Medians of --reps timed runs after one untimed warm-up run a cell. `make bench-spec` runs it.
 Writes DIR/<machine>-spec.md. Greedy tokens are checked equal to plain decoding in every run."""
@@ -21,6 +24,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 
 if __package__ in (None, ""):
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +55,34 @@ def cell(base, extra, reps, what):
         raise BenchError(f"{what}: greedy tokens differ between runs")
     med = {k: statistics.median(s[k] for _, s in runs) for k in FIELDS}
     return tokens, med
+
+
+def openings(path, n):
+    """The first 3 to 8 words (by turns) of the first n stories of a TinyStoriesV2-layout file:
+    prompts of held-out text, where the bench's one prompt opens most training stories."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            stories = [s.split() for s in f.read().split("<|endoftext|>") if s.split()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"--valid {path}: {getattr(e, 'strerror', None) or e}")
+    if len(stories) < n:
+        raise BenchError(f"--valid {path}: {len(stories)} stories, fewer than {n}")
+    return [" ".join(words[:3 + i % 6]) for i, words in enumerate(stories[:n])]
+
+
+def held_out_acceptance(targets, drafters, ks, prompts_file, n, threads):
+    """Rows of the acceptance over the openings: one engine run a (target, drafter, K) serving
+    every opening through one slot; greedy, so the counts are exact and no run is timed."""
+    rows = []
+    for t in targets:
+        for name, drafter, _ in drafters:
+            for k in ks:
+                s = engine_json([os.path.join(ROOT, "weights", f"{t}.bin"), "--prompts", prompts_file, "--batch", 1,
+                                 "-k", 1, "-n", n, "--kv", "--ignore-eos", "-q", "--threads", threads, "--draft",
+                                 drafter, "--draft-k", k], f"{t} {name} K={k} held out", "summary")[-1]
+                rows.append([t, name, k, s["sequences"], f"{100 * s['acceptance_rate']:.1f}%",
+                             f"{s['tokens_per_verify_pass']:.2f}"])
+    return rows
 
 
 def verify_ratio(model_args, ks, reps, threads, what, with_step=False):
@@ -97,6 +129,10 @@ def main():
     ap.add_argument("--shape", default=SHAPE, help="'' leaves the ~1B verify cost and projection out")
     ap.add_argument("--shape-ks", default="1,2,4,8", help="K of the ~1B verify cost and projection")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--valid", default=os.path.join(ROOT, "..", "shared", "tinystories", "valid.txt"),
+                    help="held-out stories whose openings the acceptance section drafts from")
+    ap.add_argument("--openings", type=int, default=40, help="held-out openings (0 leaves the section out)")
+    ap.add_argument("--opening-ks", default="1,2,4", help="K of the held-out acceptance")
     a = ap.parse_args()
     ks = [int(x) for x in a.ks.split(",") if x]
     ngram_ks = [int(x) for x in a.ngram_ks.split(",") if x]
@@ -133,6 +169,18 @@ def main():
                 _, s = cell(bb, ["--draft", drafter, "--draft-k", a.batch_k], a.reps, f"{t} {name} batch {b}")
                 rows.append(spec_row(t, name, b, a.batch_k, p, s, a.n * b))
     lines += [md_table(SPEC_COLUMNS, rows), ""]
+    if a.openings:
+        opening_ks = [int(x) for x in a.opening_ks.split(",") if x]
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+            f.write("\n".join(openings(a.valid, a.openings)) + "\n")
+            f.flush()
+            orows = held_out_acceptance(targets, drafters, opening_ks, f.name, a.n, a.threads)
+        lines += [f"## Acceptance over {a.openings} held-out openings", "",
+                  f"The speedups above draft from one prompt, \"{PROMPT}\", which opens most training stories. "
+                  f"Here the first 3 to 8 words of the first {a.openings} stories of `{os.path.basename(a.valid)}` "
+                  f"(`--valid`: text no model trained on) are served one at a time (`--prompts FILE --batch 1`), {a.n} greedy tokens each; "
+                  "acceptance and tokens a verifying pass over all of them.", "",
+                  md_table(["target", "drafter", "K", "openings", "accepted", "tokens a verifying pass"], orows), ""]
     lines += ["## Sampled: top-k 40, temperature 1, batch 1", "",
               "Rejection sampling keeps the target's distribution, not its tokens: a sampled speculative "
               "run's text differs from the plain run's of the same seed, so the two runs generate different "
