@@ -74,7 +74,9 @@ static void run_shape(const char *name, int nh, int width, int reps) {
 /* The same kernels on rows that come from DRAM: the pool's layout for the twins' shapes (a
  * block holds 16 positions of every layer, each layer its KV heads' keys then values as
  * 2 KB runs), one layer's items over a pool of about 1 GB, then the next layer's, as a
- * decode step at a long context reads them. Prints the cache's read rate. */
+ * decode step at a long context reads them, `groups` KV heads an item side by side (as a
+ * decode step's MHA items take them). Prints the cache's read rate. */
+enum { MAX_GROUPS = 32 };
 static void run_dram(const char *name, int nh, int kv_heads, int groups, int layers, int width, int reps) {
     /* kv_heads 0: MLA's latent rows, read by the scores (width) and the weighted sum (width - 32) */
     const int rows_a_layer = kv_heads ? 2 * kv_heads : 1, value_width = kv_heads ? width : width - 32;
@@ -91,7 +93,7 @@ static void run_dram(const char *name, int nh, int kv_heads, int groups, int lay
     for (size_t i = 0; i < (size_t)chunks * (KEYS / BLOCK_ROWS) * block / 2; i++)
         ((bf16 *)pool)[i] = (bf16)(0x3c00 + i % 512);
     for (int i = 0; i < groups * nh * width; i++) q[i] = 0.01f * (float)(i % 13);
-    const void *keys[32 * KEYS / BLOCK_ROWS], *values[32 * KEYS / BLOCK_ROWS];
+    const void *keys[MAX_GROUPS * KEYS / BLOCK_ROWS], *values[MAX_GROUPS * KEYS / BLOCK_ROWS];
     double best = 1e30, t_scores = 0, t_mix = 0;
     for (int r = 0; r < reps; r++) {
         double ts = 0, tm = 0;
