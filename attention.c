@@ -722,11 +722,9 @@ static void merge_split_chunks(const AttnPass *p, int t0, int t1) {
 static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     const int H = p->L->cfg->n_heads, threads = p->wk->threads, T = t1 - t0;
     long chunks = 0, keys = 0;
+    for (int t = t0; t < t1; t++) chunks += chunks_of(p, t), keys += keys_of(p, t);
     int sequences = 0;
-    for (int t = t0; t < t1; t++) {
-        chunks += chunks_of(p, t), keys += keys_of(p, t);
-        sequences += t == t0 || p->slots->cache[t] != p->slots->cache[t - 1];
-    }
+    for (int r = t0; r < t1; r = sequence_end(p->slots, r, t1)) sequences++;
     /* a KV head read by one query head (MHA) does too little work a row to hide the row's
      * latency; in a decode pass (a token a sequence) no other token reads its rows, so an
      * item takes several such KV heads, whose rows lie side by side (where KV heads serve

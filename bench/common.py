@@ -76,6 +76,13 @@ def rel(path):
     return path if r.startswith("..") else r
 
 
+def read_stories(path):
+    """The stories of a TinyStoriesV2-layout file (separated by <|endoftext|> lines), stripped,
+    empty ones dropped."""
+    with open(path, encoding="utf-8") as f:
+        return [s.strip() for s in f.read().split("<|endoftext|>") if s.strip()]
+
+
 def log(msg):
     print(msg, flush=True)
 

@@ -26,7 +26,7 @@ import tempfile
 if __package__ in (None, ""):
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from bench.common import ROOT, BenchError
+from bench.common import ROOT, BenchError, read_stories
 from bench.engine import engine_json, run_engine
 
 DTYPES = ["fp32", "bf16", "int8", "fp8", "int4", "int2"]
@@ -98,8 +98,7 @@ def key_statistics(ckpt, text, n_stories=8):
     import sentencepiece as spm
     m = export.load_engine_checkpoint(ckpt)
     sp = spm.SentencePieceProcessor(model_file=os.path.join(ROOT, "tokenizer", "tokenizer.model"))
-    with open(text, encoding="utf-8") as f:
-        stories = [s.strip() for s in f.read().split("<|endoftext|>") if s.strip()][:n_stories]
+    stories = read_stories(text)[:n_stories]
     cfg = m.cfg
     sums = [[0.0] * 4 for _ in range(cfg.n_layers)]
     counts = [0] * cfg.n_layers
@@ -140,8 +139,7 @@ def bytes_per_token(ckpt, dtype):
 
 def long_texts(valid, n_texts, per_text):
     """Texts of per_text consecutive validation stories each, in the --ppl layout."""
-    with open(valid, encoding="utf-8") as f:
-        stories = [s.strip() for s in f.read().split("<|endoftext|>") if s.strip()]
+    stories = read_stories(valid)
     texts = ["\n".join(stories[i * per_text:(i + 1) * per_text]) for i in range(n_texts)]
     if len(texts[-1]) == 0:
         raise BenchError(f"{valid} has fewer than {n_texts * per_text} stories")

@@ -29,7 +29,7 @@ import tempfile
 if __package__ in (None, ""):
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from bench.common import BenchError, ORDER, PROMPT, ROOT, log, md_table, rel
+from bench.common import BenchError, ORDER, PROMPT, ROOT, log, md_table, read_stories, rel
 from bench.engine import engine_json
 from bench.machine import write_machine_report
 
@@ -61,8 +61,7 @@ def openings(path, n):
     """The first 3 to 8 words (by turns) of the first n stories of a TinyStoriesV2-layout file:
     prompts of held-out text, where the bench's one prompt opens most training stories."""
     try:
-        with open(path, encoding="utf-8") as f:
-            stories = [s.split() for s in f.read().split("<|endoftext|>") if s.split()]
+        stories = [s.split() for s in read_stories(path)]
     except (OSError, UnicodeDecodeError) as e:
         raise BenchError(f"--valid {path}: {getattr(e, 'strerror', None) or e}")
     if len(stories) < n:
