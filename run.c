@@ -159,7 +159,8 @@ static void check_memory(const Config *c, const Options *o, int blocks) {
 
 /* --draft CKPT: the draft model, cut to the target's context, and a pool of its caches with
  * as many blocks as the target's (the same positions for the run's sequences). A draft
- * that cannot be read, or of another vocabulary or tokenizer, is a bad --draft: exit 2. */
+ * that cannot be read, or of another vocabulary or tokenizer, is a bad --draft: exit 2.
+ * (A file that begins as a corpus table is read as one: ngram_table_load.) */
 static void load_draft(Model *dm, KVPool *dpool, const Model *m, const Options *o, int blocks) {
     Checkpoint ck = {.fd = -1};
     char err[512];
@@ -251,10 +252,15 @@ int main(int argc, char **argv) {
 
     Model draft_model;
     KVPool draft_pool;
-    DraftModel draft = {NULL, NULL};
-    if (o.draft_path) {
+    NgramTable table;
+    Drafter draft = {NULL, NULL, NULL};
+    const int by_table = o.draft_path && ngram_table_file(o.draft_path);
+    if (by_table) {
+        if (ngram_table_load(&table, o.draft_path, &m, err, sizeof err) != 0) die(EXIT_USAGE, "%s", err);
+        draft.table = &table;
+    } else if (o.draft_path) {
         load_draft(&draft_model, &draft_pool, &m, &o, blocks);
-        draft = (DraftModel){&draft_model, &draft_pool};
+        draft = (Drafter){&draft_model, &draft_pool, NULL};
     }
     int status;
     if (o.check_spec)
@@ -268,7 +274,10 @@ int main(int argc, char **argv) {
     else
         status = mode_generate(&m, &pool, &draft, &o);
 
-    if (o.draft_path) kv_pool_free(&draft_pool), model_free(&draft_model);
+    if (by_table)
+        ngram_table_free(&table);
+    else if (o.draft_path)
+        kv_pool_free(&draft_pool), model_free(&draft_model);
     kv_pool_free(&pool);
     kv_stream_close(&stream);
     kv_tier_close(&tier);

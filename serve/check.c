@@ -36,8 +36,8 @@ BatchVerdict compare_hashed_runs(const HashedRun *a, const HashedRun *b) {
 /* Runs the requests through max_batch slots to their ends; the hash of the logits that
  * sample a request's generated token s goes to hashes[index * stride + s] (a step of
  * speculation samples several). */
-static void run_hashed(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o, Request *requests,
-                       int n, int max_batch, uint64_t *hashes, int stride) {
+static void run_hashed(const Model *m, KVPool *pool, const Drafter *draft, const Options *o, Request *requests, int n,
+                       int max_batch, uint64_t *hashes, int stride) {
     Scheduler sch;
     scheduler_open(&sch, m, pool, draft, o, max_batch);
     for (int i = 0; i < n; i++) scheduler_add(&sch, &requests[i]);
@@ -251,7 +251,7 @@ int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
  * sequence's tokens and the hashes of the logits of every emitted position compared. One
  * line for people, then one key=value line a sequence (or one JSON object). Returns 1 when
  * a sequence differs. */
-int mode_check_spec(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o) {
+int mode_check_spec(const Model *m, KVPool *pool, const Drafter *draft, const Options *o) {
     Options spec = *o, plain = *o;
     spec.top_k = plain.top_k = 1;
     plain.draft = 0;

@@ -69,8 +69,9 @@ void cli_usage(FILE *f) {
           "                        logits? Exit 1 when not\n"
           "      --check-batch     with --batch: is every sequence bitwise what it is when run alone?\n"
           "      --check-spec      with --draft: greedy with and without speculation, bitwise the same?\n"
-          "      --draft ngram|CKPT  with --kv: speculative decoding, drafts by prompt lookup or by a\n"
-          "                        small model of the same tokenizer (a checkpoint)\n"
+          "      --draft ngram|CKPT|TABLE  with --kv: speculative decoding, drafts by prompt lookup,\n"
+          "                        by a small model of the same tokenizer (a checkpoint) or by a\n"
+          "                        corpus n-gram table (train/ngram.py)\n"
           "      --draft-k K       draft tokens verified a pass, 1..16 (default 4)\n"
           "      --ppl FILE        mean NLL (nats/token) and perplexity of a text file (stories separated\n"
           "                        by <|endoftext|> lines), each story scored in windows of the context\n"
@@ -439,8 +440,9 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     o->prompt_given = prompt_flags != 0;
     if (o->quiet && o->verbose) return errmsg(err, errlen, 2, "-q and -v cannot be combined");
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
-    if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram|CKPT");
-    if (o->check_spec && !o->draft) return errmsg(err, errlen, 2, "--check-spec needs --draft ngram|CKPT and --kv");
+    if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram|CKPT|TABLE");
+    if (o->check_spec && !o->draft)
+        return errmsg(err, errlen, 2, "--check-spec needs --draft ngram|CKPT|TABLE and --kv");
     if (o->draft && !o->draft_k) o->draft_k = 4;
     if (o->draft && (!o->kv || o->window || o->ppl_path || o->info || o->check_kv || o->check_batch))
         return errmsg(err, errlen, 2, "--draft speculates on the cache: it needs --kv and takes no %s",

@@ -47,8 +47,8 @@ typedef struct {
     int json;        /* one JSON object per line and sequence on stdout */
     int check_batch;
     int check_spec; /* --check-spec: greedy with and without speculation, compared */
-    int draft;   /* --draft ngram|CKPT: speculative decoding */
-    const char *draft_path; /* --draft CKPT: the draft model's checkpoint; NULL: prompt lookup */
+    int draft;      /* --draft ngram|CKPT|TABLE: speculative decoding */
+    const char *draft_path; /* --draft CKPT|TABLE: the draft checkpoint or the corpus table; NULL: ngram */
     int draft_k; /* --draft-k: draft tokens a pass, 1..16 */
     const char *prompts_path; /* --prompts: one prompt a line, served through `batch` slots */
     DType kv_dtype;           /* of the cached elements: fp32, bf16, int8 or fp8 (e4m3) */

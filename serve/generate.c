@@ -493,7 +493,7 @@ static void check_step(const Scheduler *sch, int rc) {
  * cold (its weights come from DRAM); that is a cost of loading, so the timed prefill runs
  * warm, like every decode step. The arithmetic is batch-invariant, so the prefill's
  * logits are the same bits either way. */
-static void warm_up(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o, const Request *first,
+static void warm_up(const Model *m, KVPool *pool, const Drafter *draft, const Options *o, const Request *first,
                     Generation *g) {
     const double t0 = now_ms();
     Scheduler sch;
@@ -558,7 +558,7 @@ static void print_settings(const Model *m, const Options *o, int n_requests, int
     fputc('\n', stderr);
 }
 
-int mode_generate(const Model *m, KVPool *pool, const DraftModel *draft, const Options *o) {
+int mode_generate(const Model *m, KVPool *pool, const Drafter *draft, const Options *o) {
     RequestList list = requests_of(m, o);
     Scheduler sch = {0};
     Generation g = {.o = o,

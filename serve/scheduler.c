@@ -301,9 +301,10 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         int *draft = run->drafts + (size_t)i * sch->draft_k, d = 0;
         if (sch->draft_k && count == 1 && r->generated > 0 && !r->score) {
             const double t0 = now_ms();
-            d = sch->draft_model ? run->n_drafts[i]
-                                 : draft_ngram(r->tokens, r->n_tokens,
-                                               min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens), draft);
+            const int room = min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens);
+            d = sch->draft_model   ? run->n_drafts[i]
+                : sch->draft_table ? draft_table(sch->draft_table, r->tokens, r->n_tokens, room, draft)
+                                   : draft_ngram(r->tokens, r->n_tokens, room, draft);
             if (!sch->draft_model) run->draft_ms += now_ms() - t0;
             if (d > 0 && kv_reserve(&r->live->cache, r->n_tokens + d) != 0) d = 0;
         }

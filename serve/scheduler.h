@@ -55,6 +55,7 @@
 #include "kvcache.h"
 #include "kvtier.h"
 #include "model.h"
+#include "serve/draft.h"
 #include "serve/sampler.h"
 
 typedef enum { STOP_NONE, STOP_EOS, STOP_STEPS, STOP_CONTEXT } StopReason;
@@ -133,11 +134,13 @@ typedef struct {
 
 typedef struct SchedulerRun SchedulerRun;
 
-/* --draft CKPT: the draft model and the pool of its caches (model NULL: none). */
+/* --draft: the draft model and the pool of its caches (CKPT), or a corpus table (TABLE);
+ * all NULL: prompt lookup (ngram). */
 typedef struct {
     const Model *model;
     KVPool *pool;
-} DraftModel;
+    const NgramTable *table;
+} Drafter;
 
 typedef struct {
     const Model *model;
@@ -158,8 +161,10 @@ typedef struct {
                   * distribution), the rest of the cache rolled back (kv_truncate).
                   * 0 = off; needs kv, no window. */
     const Model *draft_model; /* drafts by this model (draft_k passes of it a step, every
-                               * drafting sequence in each), or NULL: prompt lookup (draft.h) */
+                               * drafting sequence in each), or NULL: draft_table's or prompt
+                               * lookup's drafts (draft.h) */
     KVPool *draft_pool;       /* the draft model's caches */
+    const NgramTable *draft_table; /* drafts by this corpus table, or NULL */
     int preempt_rule; /* with a tier, swap a preempted sequence only when the measured rule says
                        * it is faster than its recompute (--preempt's default; scheduler.c's
                        * swap_pays); 0: always swap */

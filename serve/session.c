@@ -136,7 +136,7 @@ void requests_free(RequestList *l) {
     memset(l, 0, sizeof *l);
 }
 
-void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const DraftModel *draft, const Options *o,
+void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Drafter *draft, const Options *o,
                     int max_batch) {
     *sch = (Scheduler){.model = m,
                        .pool = pool,
@@ -151,6 +151,7 @@ void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const DraftMod
                        .draft_k = o->draft ? o->draft_k : 0,
                        .draft_model = o->draft && draft ? draft->model : NULL,
                        .draft_pool = o->draft && draft ? draft->pool : NULL,
+                       .draft_table = o->draft && draft ? draft->table : NULL,
                        .fill = o->fill,
                        .preempt_rule = o->kv_offload && o->preempt_swap < 0};
     if (scheduler_init(sch) != 0) die(1, "out of memory (or no thread could be started) for %d slots", max_batch);

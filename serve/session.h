@@ -43,7 +43,7 @@ void requests_free(RequestList *l);
 
 /* A scheduler for the options' cache, form, sampling, -n and speculation (draft: the
  * model of --draft CKPT, or NULL), with max_batch slots, initialized (dies when it cannot be). */
-void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const DraftModel *draft, const Options *o,
+void scheduler_open(Scheduler *sch, const Model *m, KVPool *pool, const Drafter *draft, const Options *o,
                     int max_batch);
 
 /* Opens a --json object with what every one carries: what it is, the program's version

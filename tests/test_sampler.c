@@ -7,6 +7,7 @@
 #include <cmocka.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "serve/draft.h"
 #include "serve/sampler.h"
@@ -297,6 +298,107 @@ static void test_draft_ngram(void **state) {
     assert_int_equal(draft_ngram(d, 1, 4, out), 0);
 }
 
+/* A corpus table file (docs/FORMAT.md, "N-gram table") of orders 1 to 3 for tok: entries
+ * given as {order, ids..., next}; the pieces' hash computed here, apart from draft.c's. */
+static const char *write_table(const char *name, const SpmTokenizer *tok, const int (*entries)[5], int n,
+                               uint32_t version, int break_hash) {
+    unsigned char buf[4096];
+    size_t at = 0;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int id = 0; id < spm_vocab_size(tok); id++) {
+        const unsigned char *p = (const unsigned char *)spm_piece(tok, id);
+        do h = (h ^ *p) * 0x100000001b3ull;
+        while (*p++);
+    }
+    if (break_hash) h ^= 1;
+    const uint32_t head[4] = {version, (uint32_t)spm_vocab_size(tok), 3, 0};
+    memcpy(buf, "RUNNGRAM", 8), at = 8;
+    memcpy(buf + at, head, sizeof head), at += sizeof head; /* little-endian host, as the checkpoints */
+    memcpy(buf + at, &h, 8), at += 8;
+    for (int order = 1; order <= 3; order++) {
+        uint32_t count = 0;
+        for (int e = 0; e < n; e++) count += entries[e][0] == order;
+        memcpy(buf + at, &count, 4), at += 4;
+    }
+    for (int order = 1; order <= 3; order++)
+        for (int e = 0; e < n; e++)
+            for (int i = 1; entries[e][0] == order && i <= order + 1; i++) {
+                const uint16_t id = (uint16_t)entries[e][i];
+                memcpy(buf + at, &id, 2), at += 2;
+            }
+    const char *path = temp_path(name);
+    assert_int_equal(write_whole_file(path, buf, at), 0);
+    return path;
+}
+
+static const int TABLE[][5] = {
+    {1, 10, 11},        {1, 11, 12},    {1, 12, 13}, {1, 13, 10}, {1, 20, 21}, /* order 1 */
+    {2, 10, 11, 30},    {2, 5, 12, 40},                                        /* order 2 */
+    {3, 9, 10, 11, 50},                                                        /* order 3 */
+};
+
+static int drafts(const NgramTable *t, const int *tokens, int n, int k, int *out) {
+    for (int i = 0; i < 8; i++) out[i] = -1;
+    return draft_table(t, tokens, n, k, out);
+}
+
+/* The corpus table drafts the next token of the longest context it holds that ends the
+ * sequence, the drafts so far included, until it holds none or k are drafted. */
+static void test_draft_table(void **state) {
+    (void)state;
+    char err[256];
+    SpmTokenizer *tok = spm_load_file(g_tokenizer_path, err, sizeof err);
+    assert_non_null(tok);
+    Model target;
+    memset(&target, 0, sizeof target);
+    target.cfg.vocab_size = spm_vocab_size(tok);
+    target.tokenizer = tok;
+    NgramTable t;
+    const int n = (int)(sizeof TABLE / sizeof TABLE[0]);
+    assert_int_equal(ngram_table_load(&t, write_table("table", tok, TABLE, n, 1, 0), &target, err, sizeof err), 0);
+    int out[8];
+    /* "1 10": no (1 10), so (10) -> 11; then (10 11) -> 30 beats (11) -> 12; then nothing */
+    assert_int_equal(drafts(&t, (const int[]){1, 10}, 2, 4, out), 2);
+    assert_int_equal(out[0], 11), assert_int_equal(out[1], 30);
+    /* "9 10": 11, then the 3-token context (9 10 11) -> 50 */
+    assert_int_equal(drafts(&t, (const int[]){9, 10}, 2, 4, out), 2);
+    assert_int_equal(out[0], 11), assert_int_equal(out[1], 50);
+    /* (5 12) -> 40 beats (12) -> 13 */
+    assert_int_equal(drafts(&t, (const int[]){3, 5, 12}, 3, 4, out), 1);
+    assert_int_equal(out[0], 40);
+    /* a chain through the last 3 tokens only: 12 -> 13 -> 10 -> 11, then (10 11) -> 30 */
+    assert_int_equal(drafts(&t, (const int[]){12}, 1, 6, out), 4);
+    assert_int_equal(out[0], 13), assert_int_equal(out[1], 10), assert_int_equal(out[2], 11);
+    assert_int_equal(out[3], 30);
+    /* k ends it */
+    assert_int_equal(drafts(&t, (const int[]){12}, 1, 2, out), 2);
+    assert_int_equal(out[2], -1);
+    /* no context of the last token: an empty draft */
+    assert_int_equal(drafts(&t, (const int[]){10, 7}, 2, 4, out), 0);
+    ngram_table_free(&t);
+
+    /* bad tables: refused with one sentence, nothing kept */
+    assert_int_equal(ngram_table_load(&t, write_table("hash", tok, TABLE, n, 1, 1), &target, err, sizeof err), -1);
+    assert_non_null(strstr(err, "tokenizer"));
+    assert_int_equal(ngram_table_load(&t, write_table("version", tok, TABLE, n, 2, 0), &target, err, sizeof err), -1);
+    assert_non_null(strstr(err, "version 2"));
+    const int twice[][5] = {{1, 10, 11}, {2, 10, 11, 30}, {2, 10, 11, 31}};
+    assert_int_equal(ngram_table_load(&t, write_table("twice", tok, twice, 3, 1, 0), &target, err, sizeof err), -1);
+    assert_non_null(strstr(err, "twice"));
+    const int past[][5] = {{1, 10, 11}, {2, 10, 4096, 30}};
+    assert_int_equal(ngram_table_load(&t, write_table("past", tok, past, 2, 1, 0), &target, err, sizeof err), -1);
+    assert_non_null(strstr(err, "past the vocabulary"));
+    size_t size;
+    unsigned char *whole = read_whole_file(write_table("cut", tok, TABLE, n, 1, 0), &size);
+    const char *cut = temp_path("cut");
+    assert_int_equal(write_whole_file(cut, whole, size - 2), 0);
+    free(whole);
+    assert_int_equal(ngram_table_load(&t, cut, &target, err, sizeof err), -1);
+    assert_non_null(strstr(err, "its header gives"));
+    assert_int_equal(t.orders, 0);
+    spm_free(tok);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     (void)argv;
@@ -312,6 +414,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_speculative_sampling_follows_the_target),
         cmocka_unit_test(test_speculative_greedy),
         cmocka_unit_test(test_draft_ngram),
+        cmocka_unit_test(test_draft_table),
     };
     return cmocka_run_group_tests_name("sampler", tests, NULL, NULL);
 }

@@ -1,4 +1,4 @@
-"""Speculative decoding (--draft ngram and --draft CKPT): greedy output, tokens and the
+"""Speculative decoding (--draft ngram, --draft CKPT and --draft TABLE): greedy output, tokens and the
 logits of every emitted position, bit for bit what plain cached decoding gives, on every
 trained target, alone and in a batch of prompts where each sequence accepts its own count,
 with a pool tight enough to preempt; --check-spec says so; sampled speculation follows the
@@ -18,6 +18,7 @@ REPEATING = "The cat sat on the mat. The dog sat on the log. The cat sat on the 
 
 
 DRAFT = os.path.join(ROOT, "weights", "draft", "gqa-2x256.bin")
+TABLE = os.path.join(ROOT, "weights", "draft", "tinystories-6gram.ngram")
 
 
 def weights(variant):
@@ -129,7 +130,7 @@ def test_draft_model_with_a_tight_pool_preempts_and_matches(tmp_path):
     assert rc == 0 and check["identical"] is True
 
 
-@pytest.mark.parametrize("drafter", ["ngram", DRAFT])
+@pytest.mark.parametrize("drafter", ["ngram", DRAFT, TABLE])
 def test_check_spec_on_every_target(drafter):
     for variant in VARIANTS:
         p = run([weights(variant), "-p", REPEATING, "-n", 40, "--kv", "--batch", 2, "--draft", drafter,
@@ -157,7 +158,7 @@ def chi_square_p(observed, expected):
 SAMPLED = "Lily saw a big red ball and Tom saw a big red ball and Lily saw a big"
 
 
-@pytest.mark.parametrize("drafter", ["ngram", DRAFT])
+@pytest.mark.parametrize("drafter", ["ngram", DRAFT, TABLE])
 def test_sampled_speculation_follows_the_target(tmp_path, drafter):
     """The second token of 1024 seeds (-k 8 -t 1.5), the first one verified against a draft,
     among the seeds whose first token is the most common of those the prompt holds (so that

@@ -508,6 +508,13 @@ int spm_vocab_size(const SpmTokenizer *t) { return t ? t->vocab : 0; }
 int spm_bos_id(const SpmTokenizer *t) { return t ? t->bos : -1; }
 int spm_eos_id(const SpmTokenizer *t) { return t ? t->eos : -1; }
 
+const char *spm_piece(const SpmTokenizer *t, int id) {
+    try {
+        if (!t || id < 0 || id >= t->vocab) return nullptr;
+        return t->sp.IdToPiece(id).c_str();
+    } catch (...) { return nullptr; }
+}
+
 int spm_encode(const SpmTokenizer *t, const char *text, size_t len, int add_bos, int *ids, int max_ids) {
     try {
         if (!t || (!text && len > 0) || max_ids < 0 || (!ids && max_ids > 0)) return SPM_ERR_OTHER;

@@ -31,6 +31,9 @@ int spm_vocab_size(const SpmTokenizer *t);
 /* BOS / EOS ids, or -1 when the model has none (or t is NULL). */
 int spm_bos_id(const SpmTokenizer *t);
 int spm_eos_id(const SpmTokenizer *t);
+/* Piece id as the model stores it ("\xe2\x96\x81the", "<0x0A>"), valid while t lives; NULL for an
+ * id out of range (or t NULL). */
+const char *spm_piece(const SpmTokenizer *t, int id);
 
 /* spm_encode's errors: distinct negative values, so that callers can say what went wrong. */
 enum {
