@@ -7,7 +7,7 @@
 #   make quality                                 every weights/*.bin: NLL and greedy agreement by --kv-dtype and --window
 #   make bench-offload                           the KV tier: swap against recompute, streaming (bench/offload.py)
 #   make bench-scale                             a 1.1B shape's MHA/GQA/MQA/MLA twins, contexts 512 to 32k (bench/scale.py)
-#   make bench-spec                              speculative decoding (prompt lookup, draft model) against plain cached decoding (bench/spec.py)
+#   make bench-spec                              speculative decoding (prompt lookup, draft model, corpus table) against plain decoding (bench/spec.py)
 #   make bench-kivi                              the cache dtypes: bytes, full contexts in 64 MiB, tokens/s at B=1 and 64 (bench/kivi.py)
 #
 # BENCH_CHECKPOINTS  checkpoints to measure (default: empty = every weights/*.bin)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """bench/spec.py: speculative decoding (issue 43) against plain cached decoding, greedy and sampled.
 
-Two drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft DRAFT`, a 2-layer
-GQA of dim 256 with the targets' tokenizer). For each trained target: decode tokens/s of
+Three drafters: prompt lookup (`--draft ngram`), the draft model (`--draft DRAFT`, a 2-layer
+GQA of dim 256 with the targets' tokenizer) and the corpus table (`--draft TABLE`, the
+training stories' 1- to 6-token contexts and the token that most often followed each). For each trained target: decode tokens/s of
 plain `--kv` decoding and of each drafter at each K (batch 1), their ratio (the speedup),
 the acceptance rate, the tokens a verifying pass keeps and the drafting cost (ms per
 generated token, and its share of the steps' time); the acceptance over held-out openings
@@ -13,9 +14,10 @@ the median step); and that ratio for a generated ~1B shape (--shape tinyllama-1.
 step reads its weights from DRAM, with the speedup the measured acceptance rates would give
 there: a projection from measurements, not a run.
 
-    /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,3,4,5,6,7,8] [--ngram-ks 1,2,4,8]
+    /usr/bin/python3 bench/spec.py [--reps 3] [--ks 1,2,3,4,5,6,7,8] [--ngram-ks 1,2,4,8] [--table-ks 1,2,3,4,6]
                                    [--shape-ks 1,2,4,8] [--n 96] [--batches 16,64] [--sampled-ks 1,2,4] [--targets mha,gqa,...]
-                                   [--draft weights/draft/gqa-2x256.bin] [--threads N] [--out DIR]
+                                   [--draft weights/draft/gqa-2x256.bin] [--table weights/draft/tinystories-6gram.ngram]
+                                   [--threads N] [--out DIR]
                                    [--valid ../shared/tinystories/valid.txt] [--openings 40] [--opening-ks 1,2,4]
 
 Medians of --reps timed runs after one untimed warm-up run a cell. `make bench-spec` runs it.
@@ -35,6 +37,7 @@ from bench.machine import write_machine_report
 
 SHAPE = "tinyllama-1.1b"
 DRAFT = os.path.join(ROOT, "weights", "draft", "gqa-2x256.bin")
+TABLE = os.path.join(ROOT, "weights", "draft", "tinystories-6gram.ngram")
 SPEC_COLUMNS = ["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
                 "tokens a verifying pass", "drafting ms/token", "drafting share"]  # spec_row's
 FIELDS = ("tokens_per_s_mean", "step_ms_median", "prefill_ms", "prefill_tokens", "acceptance_rate",
@@ -118,12 +121,14 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="K of the draft model at batch 1")
     ap.add_argument("--ngram-ks", default="1,2,4,8", help="K of prompt lookup at batch 1")
+    ap.add_argument("--table-ks", default="1,2,3,4,6", help="K of the corpus table at batch 1")
     ap.add_argument("--n", type=int, default=96, help="tokens generated a run")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--batch-k", type=int, default=4, help="K of the batched runs")
     ap.add_argument("--sampled-ks", default="1,2,4", help="K of the sampled runs (batch 1)")
     ap.add_argument("--targets", default=",".join(ORDER))
     ap.add_argument("--draft", default=DRAFT, help="the draft model's checkpoint")
+    ap.add_argument("--table", default=TABLE, help="the corpus n-gram table (train/ngram.py)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--shape", default=SHAPE, help="'' leaves the ~1B verify cost and projection out")
     ap.add_argument("--shape-ks", default="1,2,4,8", help="K of the ~1B verify cost and projection")
@@ -135,17 +140,20 @@ def main():
     a = ap.parse_args()
     ks = [int(x) for x in a.ks.split(",") if x]
     ngram_ks = [int(x) for x in a.ngram_ks.split(",") if x]
+    table_ks = [int(x) for x in a.table_ks.split(",") if x]
     batches = [int(x) for x in a.batches.split(",") if x]
     sampled_ks = [int(x) for x in a.sampled_ks.split(",") if x]
     targets = [t for t in a.targets.split(",") if t]
-    drafters = [("ngram", "ngram", ngram_ks), ("model", a.draft, ks)]
+    drafters = [("ngram", "ngram", ngram_ks), ("model", a.draft, ks), ("table", a.table, table_ks)]
     lines = ["# Speculative decoding (bench/spec.py)", "",
-             f"Drafters: prompt lookup (`--draft ngram`) and the draft model (`--draft {rel(a.draft)}`). "
+             f"Drafters: prompt lookup (`--draft ngram`), the draft model (`--draft {rel(a.draft)}`) and the "
+             f"corpus table (`--draft {rel(a.table)}`). "
              f"{a.n} tokens a sequence from \"{PROMPT}\", --threads {a.threads}, medians of {a.reps} runs after "
              f"a warm-up; greedy unless said. Speedup: decode tokens/s over plain `--kv` decoding's at the same batch. Drafting: "
              f"ms a generated token, and its share of the steps' time. Every run's tokens equal plain "
              f"decoding's (greedy).", ""]
     accept = {}  # (drafter, K): [(tokens a verifying pass, drafting ms a verifying pass)] over the targets
+    in_runs = {}  # (target, K): the table runs' median pass over plain decoding's median step
     rows = []
     for t in targets:
         ck = os.path.join(ROOT, "weights", f"{t}.bin")
@@ -161,6 +169,8 @@ def main():
                 accept.setdefault((name, k), []).append(
                     (med["tokens_per_verify_pass"], med["draft_ms_total"] / passes if passes else 0.0))
                 rows.append(spec_row(t, name, 1, k, plain, med, a.n))
+                if name == "table":
+                    in_runs[(t, k)] = med["step_ms_median"] / plain["step_ms_median"]
         for b in batches:
             bb = base + ["--batch", b]
             _, p = cell(bb, [], a.reps, f"{t} batch {b} plain")
@@ -196,12 +206,19 @@ def main():
                 srows.append(spec_row(t, name, 1, k, plain, med, a.n))
     lines += [md_table(SPEC_COLUMNS, srows), ""]
     lines += ["## The cost of verifying K+1 positions against one cached step", "",
-              "A prefill of K+1 positions (BOS and K tokens) over the median cached step of the same run.", ""]
+              "A prefill of K+1 positions (BOS and K tokens) over the median cached step of the same run: the "
+              "first pass of a run, its weights not yet in the caches. \"inside table runs\": the median pass "
+              "of the corpus table's runs above (its drafting costs microseconds, and it drafts K tokens at "
+              "nearly every pass) over plain decoding's median step, so a pass over K+1 positions among "
+              "passes alike, as speculation runs them.", ""]
     vrows = []
-    vks = sorted(set(ks) | set(ngram_ks))
+    vks = sorted(set(ks) | set(ngram_ks) | set(table_ks))
     for t in targets:
         r = verify_ratio([os.path.join(ROOT, "weights", f"{t}.bin")], vks, a.reps, a.threads, t)
         vrows.append([t] + [f"{r[k]:.2f}" for k in vks])
+        if any((t, k) in in_runs for k in vks):
+            vrows.append([f"{t}, inside table runs"] + [f"{in_runs[(t, k)]:.2f}" if (t, k) in in_runs else ""
+                                                        for k in vks])
     if a.shape:
         shape_ks = [int(x) for x in a.shape_ks.split(",") if x]
         shape_r, shape_step = verify_ratio(["--shape", a.shape], shape_ks, max(1, a.reps // 2), a.threads, a.shape,
