@@ -5,8 +5,9 @@
  * For each shape (rows x cols of a bf16 weight, packed as the loader packs it) and token
  * count T: best and median of R timed calls (default 30) after one untimed call, with the
  * weights and activations already in cache, as they are inside a no-KV step. T = 1 is a
- * cached decode step's product; T = 3 one token block; 64 to 256 the products of a step
- * without the cache. 2 * rows * cols * T FLOPs per call. Compare with roofline's
+ * cached decode step's product; T = 3 one token block; 4 and 6 two (a verifying pass of
+ * speculative decoding, a small batch); 64 to 256 the products of a step without the
+ * cache. 2 * rows * cols * T FLOPs per call. Compare with roofline's
  * peak_best_GFLOPs (`build/roofline`): the kernel's share of the peak, without attention,
  * norms or thread waits. --threads 1 gives one core's figure. */
 #include <stdio.h>
@@ -78,7 +79,7 @@ int main(int argc, char **argv) {
         {"w2 512x1344", 512, 1344},
         {"head 4096x512", 4096, 512},
     };
-    static const int token_counts[] = {1, 3, 64, 128, 256};
+    static const int token_counts[] = {1, 3, 4, 6, 64, 128, 256};
     double *times = malloc((size_t)reps * sizeof *times);
     const int threads = threads_count();
     Team *team = threads > 1 ? team_open(threads, member, NULL) : NULL;
