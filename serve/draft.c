@@ -190,9 +190,13 @@ int ngram_table_load(NgramTable *t, const char *path, const Model *target, char 
         goto out;
     }
     const uint32_t version = le32(head + 8), vocab = le32(head + 12), orders = le32(head + 16);
-    if (version != TABLE_VERSION || le32(head + 20) != 0) {
+    if (version != TABLE_VERSION) {
         errmsg(err, errlen, -1, "--draft %s: an n-gram table of version %u, where this program reads version %d",
                msg_path(path).s, version, TABLE_VERSION);
+        goto out;
+    }
+    if (le32(head + 20) != 0) {
+        errmsg(err, errlen, -1, "--draft %s: the n-gram table's reserved field is not 0", msg_path(path).s);
         goto out;
     }
     if (orders < 1 || orders > NGRAM_TABLE_MAX_ORDERS) {

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import PROMPT, ROOT, TOKENIZER, generate_json, run
+from conftest import PROMPT, ROOT, TOKENIZER, generate_json
+from test_spec import refused
 
 import ngram  # train/ngram.py
 
@@ -118,15 +119,6 @@ def test_drafts_are_the_tables(variant, k):
     assert want[1] > 10  # the stories' phrases: a real share of the drafts is kept
 
 
-def refused(args, *words):
-    p = run(args, check=False)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.decode().strip().splitlines()
-    assert len(lines) == 1 and "--draft" in lines[0], lines
-    for w in words:
-        assert w in lines[0], lines
-
-
 def test_a_bad_table_is_refused(tmp_path):
     mqa = [os.path.join(ROOT, "weights", "mqa.bin"), "-p", PROMPT, "-n", 4, "--kv"]
     data = open(TABLE, "rb").read()
@@ -136,6 +128,9 @@ def test_a_bad_table_is_refused(tmp_path):
     fewer = tmp_path / "fewer.ngram"
     fewer.write_bytes(data[:12] + struct.pack("<I", 300) + data[16:])
     refused(mqa + ["--draft", fewer], "vocabulary size")
+    reserved = tmp_path / "reserved.ngram"
+    reserved.write_bytes(data[:20] + struct.pack("<I", 1) + data[24:])
+    refused(mqa + ["--draft", reserved], "reserved")
     cut = tmp_path / "cut.ngram"
     cut.write_bytes(data[:-3])
     refused(mqa + ["--draft", cut], "its header gives")
