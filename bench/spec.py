@@ -221,7 +221,8 @@ def main():
                                                         for k in vks])
     if a.shape:
         shape_ks = [int(x) for x in a.shape_ks.split(",") if x]
-        shape_r, shape_step = verify_ratio(["--shape", a.shape], shape_ks, max(1, a.reps // 2), a.threads, a.shape,
+        # one seed: generated weights follow it, and the runs of a cell must be one model
+        shape_r, shape_step = verify_ratio(["--shape", a.shape, "-s", 7], shape_ks, a.reps, a.threads, a.shape,
                                            with_step=True)
         vrows.append([f"{a.shape} (generated)"] + [f"{shape_r[k]:.2f}" if k in shape_r else "" for k in vks])
     lines += [md_table(["model"] + [f"K={k}" for k in vks], vrows), ""]
