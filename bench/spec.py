@@ -6,9 +6,9 @@ GQA of dim 256 with the targets' tokenizer) and the corpus table (`--draft TABLE
 training stories' 1- to 6-token contexts and the token that most often followed each). For each trained target: decode tokens/s of
 plain `--kv` decoding and of each drafter at each K (batch 1), their ratio (the speedup),
 the acceptance rate, the tokens a verifying pass keeps and the drafting cost (ms per
-generated token, and its share of the steps' time); the acceptance over held-out openings
-(the first words of --openings validation stories, greedy, untimed), as the one prompt of the
-timed rows opens most training stories; at batch 16 and 64 the same at one K; sampled (top-k 40, temperature 1) at batch 1;
+generated token, and its share of the steps' time); the acceptance and speedup over held-out
+openings (the first words of --openings validation stories, greedy), as the one prompt of the
+bench prompt opens most training stories; at batch 16 and 64 the same at one K; sampled (top-k 40, temperature 1) at batch 1;
 the cost of a pass over K+1 positions against one cached step (a prefill of K+1 tokens over
 the median step); and that ratio for a generated ~1B shape (--shape tinyllama-1.1b), whose
 step reads its weights from DRAM, with the speedup the measured acceptance rates would give
@@ -40,7 +40,7 @@ DRAFT = os.path.join(ROOT, "weights", "draft", "gqa-2x256.bin")
 TABLE = os.path.join(ROOT, "weights", "draft", "tinystories-6gram.ngram")
 SPEC_COLUMNS = ["target", "drafter", "batch", "K", "plain tok/s", "spec tok/s", "speedup", "accepted",
                 "tokens a verifying pass", "drafting ms/token", "drafting share"]  # spec_row's
-FIELDS = ("tokens_per_s_mean", "step_ms_median", "prefill_ms", "prefill_tokens", "acceptance_rate",
+FIELDS = ("tokens_per_s_mean", "step_ms_median", "prefill_ms", "prefill_tokens", "acceptance_rate", "sequences",
           "tokens_per_verify_pass", "draft_tokens", "draft_ms_total", "draft_time_share")
 
 
@@ -72,18 +72,23 @@ def openings(path, n):
     return [" ".join(words[:3 + i % 6]) for i, words in enumerate(stories[:n])]
 
 
-def held_out_acceptance(targets, drafters, ks, prompts_file, n, threads):
-    """Rows of the acceptance over the openings: one engine run a (target, drafter, K) serving
-    every opening through one slot; greedy, so the counts are exact and no run is timed."""
+def held_out_acceptance(targets, drafters, ks, prompts_file, n, threads, reps=1):
+    """Rows of the acceptance and speed over the openings: engine runs serving every opening
+    through one slot, plain and a (target, drafter, K); greedy, so the counts are exact, and
+    decode tokens/s the median of reps runs after a warm-up, as cell() times."""
     rows = []
     for t in targets:
+        base = [os.path.join(ROOT, "weights", f"{t}.bin"), "--prompts", prompts_file, "--batch", 1, "-k", 1, "-n", n,
+                "--kv", "--ignore-eos", "-q", "--threads", threads]
+        plain_tokens, plain = cell(base, [], reps, f"{t} held out plain")
         for name, drafter, _ in drafters:
             for k in ks:
-                s = engine_json([os.path.join(ROOT, "weights", f"{t}.bin"), "--prompts", prompts_file, "--batch", 1,
-                                 "-k", 1, "-n", n, "--kv", "--ignore-eos", "-q", "--threads", threads, "--draft",
-                                 drafter, "--draft-k", k], f"{t} {name} K={k} held out", "summary")[-1]
+                tokens, s = cell(base, ["--draft", drafter, "--draft-k", k], reps, f"{t} {name} K={k} held out")
+                if tokens != plain_tokens:
+                    raise BenchError(f"{t} {name} K={k} held out: speculative tokens differ from plain decoding")
                 rows.append([t, name, k, s["sequences"], f"{100 * s['acceptance_rate']:.1f}%",
-                             f"{s['tokens_per_verify_pass']:.2f}"])
+                             f"{s['tokens_per_verify_pass']:.2f}", f"{plain['tokens_per_s_mean']:.1f}",
+                             f"{s['tokens_per_s_mean']:.1f}", f"{s['tokens_per_s_mean'] / plain['tokens_per_s_mean']:.2f}x"])
     return rows
 
 
@@ -183,13 +188,15 @@ def main():
         with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
             f.write("\n".join(openings(a.valid, a.openings)) + "\n")
             f.flush()
-            orows = held_out_acceptance(targets, drafters, opening_ks, f.name, a.n, a.threads)
-        lines += [f"## Acceptance over {a.openings} held-out openings", "",
+            orows = held_out_acceptance(targets, drafters, opening_ks, f.name, a.n, a.threads, a.reps)
+        lines += [f"## Acceptance and speed over {a.openings} held-out openings", "",
                   f"The speedups above draft from one prompt, \"{PROMPT}\", which opens most training stories. "
                   f"Here the first 3 to 8 words of the first {a.openings} stories of `{os.path.basename(a.valid)}` "
                   f"(`--valid`: text no model trained on) are served one at a time (`--prompts FILE --batch 1`), {a.n} greedy tokens each; "
-                  "acceptance and tokens a verifying pass over all of them.", "",
-                  md_table(["target", "drafter", "K", "openings", "accepted", "tokens a verifying pass"], orows), ""]
+                  "acceptance and tokens a verifying pass over all of them, and decode tokens/s of the whole run "
+                  f"against plain decoding's (medians of {a.reps} runs after a warm-up).", "",
+                  md_table(["target", "drafter", "K", "openings", "accepted", "tokens a verifying pass", "plain tok/s",
+                            "spec tok/s", "speedup"], orows), ""]
     lines += ["## Sampled: top-k 40, temperature 1, batch 1", "",
               "Rejection sampling keeps the target's distribution, not its tokens: a sampled speculative "
               "run's text differs from the plain run's of the same seed, so the two runs generate different "

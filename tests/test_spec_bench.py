@@ -44,3 +44,4 @@ def test_held_out_acceptance_is_every_opening_s(tmp_path):
     assert row[:4] == ["mha", "model", 2, 3]
     assert row[4] == f"{100 * accepted / drafted:.1f}%"
     assert row[5] == f"{tokens / passes:.2f}"
+    assert len(row) == 9 and abs(float(row[8][:-1]) - float(row[7]) / float(row[6])) < 0.006  # the rates' ratio
