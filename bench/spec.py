@@ -7,8 +7,8 @@ training stories' 1- to 6-token contexts and the token that most often followed 
 plain `--kv` decoding and of each drafter at each K (batch 1), their ratio (the speedup),
 the acceptance rate, the tokens a verifying pass keeps and the drafting cost (ms per
 generated token, and its share of the steps' time); the acceptance and speedup over held-out
-openings (the first words of --openings validation stories, greedy), as the one prompt of the
-bench prompt opens most training stories; at batch 16 and 64 the same at one K; sampled (top-k 40, temperature 1) at batch 1;
+openings (the first words of --openings validation stories, greedy), as the bench prompt
+opens most training stories; at batch 16 and 64 the same at one K; sampled (top-k 40, temperature 1) at batch 1;
 the cost of a pass over K+1 positions against one cached step (a prefill of K+1 tokens over
 the median step); and that ratio for a generated ~1B shape (--shape tinyllama-1.1b), whose
 step reads its weights from DRAM, with the speedup the measured acceptance rates would give
