@@ -70,7 +70,8 @@ static uint64_t le64(const unsigned char *b) { return (uint64_t)le32(b) | (uint6
 static uint64_t pieces_hash(const SpmTokenizer *tok) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (int id = 0; id < spm_vocab_size(tok); id++) {
-        const unsigned char *p = (const unsigned char *)spm_piece(tok, id);
+        const char *piece = spm_piece(tok, id);
+        const unsigned char *p = (const unsigned char *)(piece ? piece : "");
         do h = (h ^ *p) * 0x100000001b3ull;
         while (*p++);
     }
