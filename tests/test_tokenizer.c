@@ -93,6 +93,13 @@ static void test_vocab_and_special_ids(void **state) {
     int unk = 0;
     assert_int_equal(spm_decode(s_tok, &unk, 1, buf, sizeof buf), 5);
     assert_string_equal(buf, " \xE2\x81\x87 ");
+    /* pieces as the model stores them: the specials, a byte piece, nothing out of range */
+    assert_string_equal(spm_piece(s_tok, 0), "<unk>");
+    assert_string_equal(spm_piece(s_tok, 1), "<s>");
+    assert_string_equal(spm_piece(s_tok, BYTE_ID('A')), "<0x41>");
+    assert_null(spm_piece(s_tok, -1));
+    assert_null(spm_piece(s_tok, 320));
+    assert_null(spm_piece(NULL, 0));
     /* NULL is handled everywhere */
     assert_int_equal(spm_vocab_size(NULL), 0);
     assert_int_equal(spm_bos_id(NULL), -1);
