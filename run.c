@@ -254,9 +254,9 @@ int main(int argc, char **argv) {
     KVPool draft_pool;
     NgramTable table;
     Drafter draft = {NULL, NULL, NULL};
-    const int by_table = o.draft_path && ngram_table_file(o.draft_path);
-    if (by_table) {
-        if (ngram_table_load(&table, o.draft_path, &m, err, sizeof err) != 0) die(EXIT_USAGE, "%s", err);
+    const int table_rc = o.draft_path ? ngram_table_load(&table, o.draft_path, &m, err, sizeof err) : 1;
+    if (table_rc < 0) die(EXIT_USAGE, "%s", err);
+    if (table_rc == 0) {
         draft.table = &table;
     } else if (o.draft_path) {
         load_draft(&draft_model, &draft_pool, &m, &o, blocks);
@@ -274,7 +274,7 @@ int main(int argc, char **argv) {
     else
         status = mode_generate(&m, &pool, &draft, &o);
 
-    if (by_table)
+    if (draft.table)
         ngram_table_free(&table);
     else if (o.draft_path)
         kv_pool_free(&draft_pool), model_free(&draft_model);

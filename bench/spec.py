@@ -49,13 +49,16 @@ def generate(args, what):
     return [o["tokens"] for o in objs if o.get("type") == "sequence"], objs[-1]
 
 
-def cell(base, extra, reps, what):
-    """(tokens, median summary fields) over reps timed runs after a warm-up."""
+def cell(base, extra, reps, what, same_as=None):
+    """(tokens, median summary fields) over reps timed runs after a warm-up; the tokens checked
+    equal to same_as (plain decoding's), when given."""
     generate(base + extra, what)
     runs = [generate(base + extra, what) for _ in range(reps)]
     tokens = runs[0][0]
     if any(t != tokens for t, _ in runs):
         raise BenchError(f"{what}: greedy tokens differ between runs")
+    if same_as is not None and tokens != same_as:
+        raise BenchError(f"{what}: speculative tokens differ from plain decoding")
     med = {k: statistics.median(s[k] for _, s in runs) for k in FIELDS}
     return tokens, med
 
@@ -83,9 +86,8 @@ def held_out_acceptance(targets, drafters, ks, prompts_file, n, threads, reps=1)
         plain_tokens, plain = cell(base, [], reps, f"{t} held out plain")
         for name, drafter, _ in drafters:
             for k in ks:
-                tokens, s = cell(base, ["--draft", drafter, "--draft-k", k], reps, f"{t} {name} K={k} held out")
-                if tokens != plain_tokens:
-                    raise BenchError(f"{t} {name} K={k} held out: speculative tokens differ from plain decoding")
+                _, s = cell(base, ["--draft", drafter, "--draft-k", k], reps, f"{t} {name} K={k} held out",
+                            plain_tokens)
                 rows.append([t, name, k, s["sequences"], f"{100 * s['acceptance_rate']:.1f}%",
                              f"{s['tokens_per_verify_pass']:.2f}", f"{plain['tokens_per_s_mean']:.1f}",
                              f"{s['tokens_per_s_mean']:.1f}", f"{s['tokens_per_s_mean'] / plain['tokens_per_s_mean']:.2f}x"])
@@ -111,6 +113,11 @@ def verify_ratio(model_args, ks, reps, threads, what, with_step=False):
         out[k] = med["prefill_ms"] / med["step_ms_median"]
         steps.append(med["step_ms_median"])
     return (out, statistics.median(steps)) if with_step else out
+
+
+def ints(text):
+    """The integers of a comma-separated option ("" gives none)."""
+    return [int(x) for x in text.split(",") if x]
 
 
 def spec_row(t, drafter, b, k, plain, med, generated):
@@ -143,11 +150,11 @@ def main():
     ap.add_argument("--openings", type=int, default=40, help="held-out openings (0 leaves the section out)")
     ap.add_argument("--opening-ks", default="1,2,4", help="K of the held-out acceptance")
     a = ap.parse_args()
-    ks = [int(x) for x in a.ks.split(",") if x]
-    ngram_ks = [int(x) for x in a.ngram_ks.split(",") if x]
-    table_ks = [int(x) for x in a.table_ks.split(",") if x]
-    batches = [int(x) for x in a.batches.split(",") if x]
-    sampled_ks = [int(x) for x in a.sampled_ks.split(",") if x]
+    ks = ints(a.ks)
+    ngram_ks = ints(a.ngram_ks)
+    table_ks = ints(a.table_ks)
+    batches = ints(a.batches)
+    sampled_ks = ints(a.sampled_ks)
     targets = [t for t in a.targets.split(",") if t]
     drafters = [("ngram", "ngram", ngram_ks), ("model", a.draft, ks), ("table", a.table, table_ks)]
     lines = ["# Speculative decoding (bench/spec.py)", "",
@@ -167,9 +174,7 @@ def main():
         log(f"{t}: plain {plain['tokens_per_s_mean']:.1f} tokens/s")
         for name, drafter, dks in drafters:
             for k in dks:
-                tokens, med = cell(base, ["--draft", drafter, "--draft-k", k], a.reps, f"{t} {name} K={k}")
-                if tokens != plain_tokens:
-                    raise BenchError(f"{t} {name} K={k}: speculative tokens differ from plain decoding")
+                _, med = cell(base, ["--draft", drafter, "--draft-k", k], a.reps, f"{t} {name} K={k}", plain_tokens)
                 passes = med["draft_tokens"] / k if med["draft_tokens"] else 0  # about K drafts a verifying pass
                 accept.setdefault((name, k), []).append(
                     (med["tokens_per_verify_pass"], med["draft_ms_total"] / passes if passes else 0.0))
@@ -184,7 +189,7 @@ def main():
                 rows.append(spec_row(t, name, b, a.batch_k, p, s, a.n * b))
     lines += [md_table(SPEC_COLUMNS, rows), ""]
     if a.openings:
-        opening_ks = [int(x) for x in a.opening_ks.split(",") if x]
+        opening_ks = ints(a.opening_ks)
         with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
             f.write("\n".join(openings(a.valid, a.openings)) + "\n")
             f.flush()
@@ -227,7 +232,7 @@ def main():
             vrows.append([f"{t}, inside table runs"] + [f"{in_runs[(t, k)]:.2f}" if (t, k) in in_runs else ""
                                                         for k in vks])
     if a.shape:
-        shape_ks = [int(x) for x in a.shape_ks.split(",") if x]
+        shape_ks = ints(a.shape_ks)
         # one seed: generated weights follow it, and the runs of a cell must be one model
         shape_r, shape_step = verify_ratio(["--shape", a.shape, "-s", 7], shape_ks, a.reps, a.threads, a.shape,
                                            with_step=True)

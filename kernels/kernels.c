@@ -853,23 +853,18 @@ static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w,
     tile(out, ldo, x, ldx, w, r0, t0, nr, nt); /* the last, shorter group of a matrix */
 }
 
-/* Tiles [tile_lo, tile_hi) of RB rows. For more than one token block (a no-KV step, a
- * verifying pass, a small batch): tiles outside, so a tile's RB weight rows stay in L1
- * while every token passes, and w is read from memory once. For one block (decode, a
- * short prompt), w is read as one unbroken stream. */
+/* Tiles [tile_lo, tile_hi) of RB rows, tiles outside: a tile's RB weight rows stay in L1
+ * while every token block passes, so w is read from memory once (for one block, decode or
+ * a short prompt, as one unbroken stream). */
 static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat *w, int T, int tile_lo, int tile_hi) {
-    if (T > TB) {
-        for (int tl = tile_lo; tl < tile_hi; tl++) {
-            int t0 = 0;
+    for (int tl = tile_lo; tl < tile_hi; tl++) {
+        int t0 = 0;
 #if ISA_AVX512
-            if (T > 2 * TB && wide_tiles(w, tl)) /* from two blocks' worth on, they pay */
-                for (int nt; (nt = T - t0 < TW ? T - t0 : TW) > TB; t0 += nt)
-                    tile_wide_any(out, ldo, x, ldx, w, tl * RB, t0, nt);
+        if (T > 2 * TB && wide_tiles(w, tl)) /* from two blocks' worth on, they pay */
+            for (int nt; (nt = T - t0 < TW ? T - t0 : TW) > TB; t0 += nt)
+                tile_wide_any(out, ldo, x, ldx, w, tl * RB, t0, nt);
 #endif
-            for (; t0 < T; t0 += TB) tile_any(out, ldo, x, ldx, w, tl, t0, T);
-        }
-    } else {
-        for (int tl = tile_lo; tl < tile_hi; tl++) tile_any(out, ldo, x, ldx, w, tl, 0, T);
+        for (; t0 < T; t0 += TB) tile_any(out, ldo, x, ldx, w, tl, t0, T);
     }
 }
 

@@ -116,18 +116,6 @@ int draft_table(const NgramTable *t, const int *tokens, int n, int k, int *out) 
     return count;
 }
 
-int ngram_table_file(const char *path) {
-    char err[8];
-    size_t size;
-    const int fd = open_regular(path, "", &size, err, sizeof err);
-    if (fd < 0) return 0;
-    char magic[sizeof TABLE_MAGIC];
-    const int is = size >= sizeof magic && read_at(fd, magic, sizeof magic, 0) == 0 &&
-                   memcmp(magic, TABLE_MAGIC, sizeof magic) == 0;
-    close(fd);
-    return is;
-}
-
 void ngram_table_free(NgramTable *t) {
     for (int n = 0; n <= NGRAM_TABLE_MAX_ORDERS; n++) free(t->entries[n]), free(t->slots[n]);
     memset(t, 0, sizeof *t);
@@ -177,15 +165,22 @@ static int load_order(NgramTable *t, int fd, size_t *off, int n, const char *pat
 
 int ngram_table_load(NgramTable *t, const char *path, const Model *target, char *err, size_t errlen) {
     memset(t, 0, sizeof *t);
-    if (!target->tokenizer)
-        return errmsg(err, errlen, -1,
-                      "--draft %s: a table drafts for a model with a tokenizer (a checkpoint, not --shape)",
-                      msg_path(path).s);
+    char open_err[8];
     size_t size;
-    const int fd = open_regular(path, "", &size, err, errlen);
-    if (fd < 0) return -1;
+    const int fd = open_regular(path, "", &size, open_err, sizeof open_err);
+    if (fd < 0) return 1;
     unsigned char head[TABLE_HEADER_BYTES + 4 * NGRAM_TABLE_MAX_ORDERS];
+    if (size < sizeof TABLE_MAGIC || read_at(fd, head, sizeof TABLE_MAGIC, 0) != 0 ||
+        memcmp(head, TABLE_MAGIC, sizeof TABLE_MAGIC) != 0) {
+        close(fd);
+        return 1;
+    }
     int rc = -1;
+    if (!target->tokenizer) {
+        errmsg(err, errlen, -1, "--draft %s: a table drafts for a model with a tokenizer (a checkpoint, not --shape)",
+               msg_path(path).s);
+        goto out;
+    }
     if (size < TABLE_HEADER_BYTES || read_at(fd, head, TABLE_HEADER_BYTES, 0) != 0) {
         errmsg(err, errlen, -1, "--draft %s: too short for an n-gram table's header", msg_path(path).s);
         goto out;

@@ -31,12 +31,10 @@ typedef struct {
     uint32_t mask[NGRAM_TABLE_MAX_ORDERS + 1];
 } NgramTable;
 
-/* Whether the file at path begins as a table does (a read error: 0, and the checkpoint
- * loader reports it). */
-int ngram_table_file(const char *path);
-
 /* Reads and checks the table at path for target: its vocabulary and tokenizer pieces must
- * be the target's. Returns 0, or -1 with one sentence in err (t then holds nothing). */
+ * be the target's. Returns 0; 1 when the file does not begin as a table does (or cannot be
+ * read: the checkpoint loader then says why), t holding nothing and err untouched; or -1
+ * with one sentence in err (t holding nothing). */
 int ngram_table_load(NgramTable *t, const char *path, const Model *target, char *err, size_t errlen);
 void ngram_table_free(NgramTable *t);
 

@@ -396,6 +396,11 @@ static void test_draft_table(void **state) {
     assert_int_equal(ngram_table_load(&t, cut, &target, err, sizeof err), -1);
     assert_non_null(strstr(err, "its header gives"));
     assert_int_equal(t.orders, 0);
+    /* not a table (a checkpoint, a missing file): 1, for the checkpoint loader to read */
+    const char *other = temp_path("other");
+    assert_int_equal(write_whole_file(other, "RUNNGRAX and more", 17), 0);
+    assert_int_equal(ngram_table_load(&t, other, &target, err, sizeof err), 1);
+    assert_int_equal(ngram_table_load(&t, temp_path("missing"), &target, err, sizeof err), 1);
     spm_free(tok);
 }
 
