@@ -441,6 +441,13 @@ static int block_end(const TokenSlots *slots, int t0, int t1) {
     return end;
 }
 
+/* Whether token t is the only one of its sequence in the pass (a decode step): then no
+ * other query reads its rows. */
+static int alone_in_sequence(const TokenSlots *slots, int t) {
+    return (t == 0 || slots->cache[t - 1] != slots->cache[t]) &&
+           (t + 1 == slots->T || slots->cache[t + 1] != slots->cache[t]);
+}
+
 /* Token t's keys of chunk k in row groups row .. row+groups-1 of the pass's layer, block by
  * block, listed in thread `thread`'s tables, a group's after the one before: from the cache's
  * blocks, or with a window from the copies gathered at `gathered` (`stride` floats a row,
@@ -454,7 +461,7 @@ static RowBlocks item_rows(const AttnPass *p, int thread, int t, int k, int row,
         for (int g = 0; g < groups; g++)
             for (int b = 0; b < n; b++)
                 blocks[g * n + b] = gathered + g * group_stride + (size_t)(first + b) * KV_BLOCK_TOKENS * stride;
-        return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0, 0, 0, groups};
+        return (RowBlocks){blocks, NULL, KV_BLOCK_TOKENS, stride, DTYPE_F32, 0, 0, 0, 0, groups, 0};
     }
     const KVCache *cache = p->slots->cache[t];
     const KVPool *pool = cache->pool;
@@ -475,7 +482,8 @@ static RowBlocks item_rows(const AttnPass *p, int thread, int t, int k, int row,
                        pool->split,
                        own >= 0 && kv_per_channel(pool, row),
                        first + n - 1 == own,
-                       groups};
+                       groups,
+                       alone_in_sequence(p->slots, t)};
 }
 
 /* -- the arithmetic of one chunk of an item, token t's heads h0 .. h0+nh-1 over chunk k of

@@ -10,8 +10,8 @@
  * the kernels' arithmetic rate; compare with roofline's peak_best_GFLOPs / threads. Best
  * and median of R timed calls (default 2000) after 100 untimed. --dram: the items of a
  * whole layer over about 1 GB of rows laid out as the pool lays them out, so they come
- * from DRAM; the read rate, best of R sweeps; compare with roofline's bandwidth at one
- * thread. */
+ * from DRAM (streamed, as a decode step's); the read rate, best of R sweeps; compare with
+ * roofline's bandwidth at one thread. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,7 +50,7 @@ static void run_shape(const char *name, int nh, int width, int reps) {
     for (size_t i = 0; i < KEYS * (size_t)width; i++) rows[i] = (bf16)(0x3c00 + i % 512); /* small positive values */
     for (int i = 0; i < nh * width; i++) q[i] = 0.01f * (float)(i % 13);
     for (int b = 0; b < KEYS / BLOCK_ROWS; b++) blocks[b] = rows + (size_t)b * block_elems;
-    const RowBlocks rb = {blocks, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, 1};
+    const RowBlocks rb = {blocks, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, 1, 0};
     for (int r = -100; r < reps; r++) {
         const double t0 = now_s();
         dot_row_blocks(att, KEYS, q, (size_t)width, nh, rb, KEYS, width, 0.125f);
@@ -108,8 +108,8 @@ static void run_dram(const char *name, int nh, int kv_heads, int groups, int lay
                             keys[g * KEYS / BLOCK_ROWS + b] = base + (size_t)(g0 + g) * run;
                             values[g * KEYS / BLOCK_ROWS + b] = base + (size_t)(kv_heads + g0 + g) * run;
                         }
-                    const RowBlocks kb = {keys, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, groups};
-                    const RowBlocks vb = {values, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, groups};
+                    const RowBlocks kb = {keys, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, groups, 1};
+                    const RowBlocks vb = {values, NULL, BLOCK_ROWS, (size_t)width, DTYPE_BF16, 0, 0, 0, 0, groups, 1};
                     const double a = now_s();
                     dot_row_blocks(att, KEYS, q, (size_t)width, groups * nh, kb, KEYS, width, 0.125f);
                     for (int h = 0; h < groups * nh; h++) {

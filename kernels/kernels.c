@@ -328,17 +328,57 @@ static inline __attribute__((always_inline)) void dot_block_heads(float *out, si
         dot_block_rows_shared(out, ld_out, q, ld_q, n_heads, r, b, m, width, scale, dt);
 }
 
-/* Requests block b's first m rows into the cache: a sequence's blocks lie anywhere in the
- * pool, so the hardware prefetchers lose the stream at every block's start. */
-static inline void prefetch_block(const RowBlocks *r, int b, int m) {
-    const char *base = r->block[b];
-    const size_t bytes = dtype_packed(r->dtype) ? packed_group_bytes((int)r->stride, r->dtype, r->per_channel)
-                                                : (size_t)m * r->stride * dtype_size(r->dtype);
-    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 3);
-}
-
 /* The blocks the n rows span. */
 static int blocks_of(const RowBlocks *r, int n) { return (n + r->block_rows - 1) / r->block_rows; }
+
+/* Bytes of a run of m rows (a packed group whole). */
+static inline size_t run_bytes(const RowBlocks *r, int m) {
+    return dtype_packed(r->dtype) ? packed_group_bytes((int)r->stride, r->dtype, r->per_channel)
+                                  : (size_t)m * r->stride * dtype_size(r->dtype);
+}
+
+/* The rows of block b of the n. */
+static inline int rows_in_block(const RowBlocks *r, int b, int n) {
+    const int j0 = b * r->block_rows;
+    return n - j0 < r->block_rows ? n - j0 : r->block_rows;
+}
+
+/* Requests the run at table index `at`, of m rows, into L1, or with `far` into L2: a
+ * sequence's blocks lie anywhere in the pool, so the hardware prefetchers lose the stream
+ * at every run's start. */
+static inline __attribute__((always_inline)) void prefetch_run(const RowBlocks *r, int at, int m, int far) {
+    const char *base = r->block[at];
+    const size_t bytes = run_bytes(r, m);
+    for (size_t i = 0; i < bytes; i += 64) {
+        if (far)
+            __builtin_prefetch(base + i, 0, 2);
+        else
+            __builtin_prefetch(base + i, 0, 3);
+    }
+}
+
+/* Streamed runs of up to a page are read too fast for a request one run ahead to arrive in
+ * time: such a run is also requested PREFETCH_FAR runs ahead, into L2, and the page of the
+ * one after that is touched. Its page is one the TLB has not seen (a block holds a
+ * sequence's rows of every layer, so a row group's next run is a block's size away), and a
+ * prefetch that misses the TLB is lost: the load starts the page walk in time for it. Rows
+ * other queries read are in cache, where these requests only cost time. */
+enum { PREFETCH_FAR = 3, PREFETCH_FAR_BYTES = 4096 };
+
+/* While group g's block b is read, in the order prefetch_next describes: the run
+ * PREFETCH_FAR on into L2, and the page of the one after it touched. */
+static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *r, int g, int b, int n,
+                                                               int block_major) {
+    const int nb = blocks_of(r, n), across = block_major ? r->groups : 1; /* runs read a block */
+    for (int ahead = PREFETCH_FAR; ahead <= PREFETCH_FAR + 1; ahead++) {
+        const int k = (block_major ? g : 0) + ahead, to_group = block_major ? k % across : g, to_block = b + k / across;
+        if (to_block >= nb) return;
+        if (ahead == PREFETCH_FAR)
+            prefetch_run(r, to_group * nb + to_block, rows_in_block(r, to_block, n), 1);
+        else
+            (void)*(const volatile char *)r->block[to_group * nb + to_block];
+    }
+}
 
 /* Requests the run read after group g's block b (at j0, m rows): taking a block's groups in
  * turn, the next group's in the same block, which the pool keeps next to it, then the first
@@ -346,9 +386,10 @@ static int blocks_of(const RowBlocks *r, int n) { return (n + r->block_rows - 1)
 static inline void prefetch_next(const RowBlocks *r, int g, int b, int j0, int m, int n, int block_major) {
     const int nb = blocks_of(r, n);
     if (block_major && g + 1 < r->groups)
-        prefetch_block(r, (g + 1) * nb + b, m);
+        prefetch_run(r, (g + 1) * nb + b, m, 0);
     else if (j0 + m < n)
-        prefetch_block(r, (block_major ? 0 : g) * nb + b + 1, n - j0 - m < r->block_rows ? n - j0 - m : r->block_rows);
+        prefetch_run(r, (block_major ? 0 : g) * nb + b + 1, rows_in_block(r, b + 1, n), 0);
+    if (r->streamed && run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, n, block_major);
 }
 
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
@@ -651,8 +692,8 @@ void row_dequantize(float *dst, const void *row, const float *scales, int n, int
 }
 
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
-    const void *one[2] = {rows, NULL}; /* [1] is never read, but GCC cannot tell (prefetch_block) */
-    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0, 0, 0, 1}; /* one block holding every row */
+    const void *one[2] = {rows, NULL}; /* [1] is never read, but GCC cannot tell (prefetch_run) */
+    const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0, 0, 0, 1, 0}; /* one block holding every row */
     weighted_sum_typed(out, 0, p, 0, 1, &all, n, width, DTYPE_F32);
 }
 

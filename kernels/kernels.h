@@ -165,6 +165,7 @@ typedef struct {
     int last_f32;        /* the last block (of the n rows) is fp32 rows, `stride` floats apart (KIVI's residual) */
     int groups;          /* row groups read side by side, >= 1: group g's block b is block[g * nb + b],
                           * nb the n rows' blocks; heads [g * n_heads / groups, ...) read group g */
+    int streamed;        /* no other query of the pass reads these rows: they come from memory */
 } RowBlocks;
 /* dot_rows and weighted_sum_rows over such rows for n_heads heads that read the same rows
  * (a GQA group, MQA's or MLA's heads), or each group of them its own rows: head h's query

@@ -505,7 +505,7 @@ static void test_row_blocks_equal_contiguous_rows(void **state) {
             memcpy(dst + (size_t)r * STRIDE, rows + (size_t)(b * BLOCK + r) * STRIDE, STRIDE * sizeof(float));
         blocks[b] = dst;
     }
-    const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0, 0, 0, 1};
+    const RowBlocks paged = {blocks, NULL, BLOCK, STRIDE, DTYPE_F32, 0, 0, 0, 0, 1, 1};
     const int widths[] = {16, 32, 80, 144, 100}, counts[] = {1, 15, 16, 17, 32, 33, 70};
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
@@ -639,8 +639,8 @@ static void test_typed_rows_equal_their_floats(void **state) {
                 blocks[b] = (char *)store + (size_t)b * BLOCK * W * dtype_size(dt);
                 block_scales[b] = scales + (size_t)b * BLOCK * 2;
             }
-            const RowBlocks rows = {blocks, block_scales, BLOCK, (size_t)W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT, 0, 0,
-                                    1};
+            const RowBlocks rows = {
+                blocks, block_scales, BLOCK, (size_t)W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT, 0, 0, 1, 1};
             for (int n = 1; n <= N; n += 9)
                 for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++)
                     check_heads_read_alike(rows, floats, W, n, W, heads[i], q, W, p, N, 0.7f);
@@ -745,7 +745,7 @@ static void test_packed_rows_equal_their_floats(void **state) {
             for (int n = 1; n <= N; n += 7)
                 for (int nh = 1; nh <= HEADS; nh++) {
                     for (int width = 16; width <= W; width += 64) { /* all columns, or the first (absorbed MLA's c) */
-                        const RowBlocks rows = {blocks, NULL, BLOCK, W, dt, 0, 0, per_channel, 0, 1};
+                        const RowBlocks rows = {blocks, NULL, BLOCK, W, dt, 0, 0, per_channel, 0, 1, 1};
                         check_heads_read_alike(rows, floats, W, n, width, nh, q, W, p, N, 0.7f);
                     }
                     /* the last block fp32 rows: the block a query's own position is in */
@@ -756,7 +756,7 @@ static void test_packed_rows_equal_their_floats(void **state) {
                     const int last = (n - 1) / BLOCK;
                     mixed[last] = x + (size_t)last * BLOCK * W;
                     memcpy(expect + (size_t)last * BLOCK * W, mixed[last], sizeof(float) * BLOCK * W);
-                    const RowBlocks rows = {mixed, NULL, BLOCK, W, dt, 0, 0, per_channel, 1, 1};
+                    const RowBlocks rows = {mixed, NULL, BLOCK, W, dt, 0, 0, per_channel, 1, 1, 1};
                     check_heads_read_alike(rows, expect, W, n, W, nh, q, W, p, N, 0.7f);
                 }
             free(store);
@@ -817,7 +817,7 @@ static void test_row_groups_read_alike(void **state) {
                                 }
                             const RowBlocks rows = {
                                 table, table_scales, BLOCK, (size_t)W, dt, dtype_scaled(dt) ? 2 : 0, SPLIT,
-                                1,     last_f32,     G};
+                                1,     last_f32,     G,     1};
                             dot_row_blocks(scores, N, q, W, H, rows, n, W, 0.3f);
                             weighted_sum_row_blocks(sums, W, p, N, H, rows, n, W);
                             for (int g = 0; g < G; g++) {
