@@ -367,9 +367,9 @@ enum { PREFETCH_FAR = 3, PREFETCH_FAR_BYTES = 4096 };
 
 /* While group g's block b is read, in the order prefetch_next describes: the run
  * PREFETCH_FAR on into L2, and the page of the one after it touched. */
-static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *r, int g, int b, int n,
+static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *r, int g, int b, int nb, int n,
                                                                int block_major) {
-    const int nb = blocks_of(r, n), across = block_major ? r->groups : 1; /* runs read a block */
+    const int across = block_major ? r->groups : 1; /* runs read a block */
     for (int ahead = PREFETCH_FAR; ahead <= PREFETCH_FAR + 1; ahead++) {
         const int k = (block_major ? g : 0) + ahead, to_group = block_major ? k % across : g, to_block = b + k / across;
         if (to_block >= nb) return;
@@ -380,27 +380,27 @@ static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *
     }
 }
 
-/* Requests the run read after group g's block b (at j0, m rows): taking a block's groups in
- * turn, the next group's in the same block, which the pool keeps next to it, then the first
- * group's in the next block; taking a group's blocks in turn, its next block. */
-static inline void prefetch_next(const RowBlocks *r, int g, int b, int j0, int m, int n, int block_major) {
-    const int nb = blocks_of(r, n);
+/* Requests the run read after group g's block b (of the nb blocks of the n rows): taking a
+ * block's groups in turn, the next group's in the same block, which the pool keeps next to
+ * it, then the first group's in the next block; taking a group's blocks in turn, its next
+ * block. */
+static inline void prefetch_next(const RowBlocks *r, int g, int b, int nb, int n, int block_major) {
     if (block_major && g + 1 < r->groups)
-        prefetch_run(r, (g + 1) * nb + b, m, 0);
-    else if (j0 + m < n)
+        prefetch_run(r, (g + 1) * nb + b, rows_in_block(r, b, n), 0);
+    else if (b + 1 < nb)
         prefetch_run(r, (block_major ? 0 : g) * nb + b + 1, rows_in_block(r, b + 1, n), 0);
-    if (r->streamed && run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, n, block_major);
+    if (r->streamed && run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, nb, n, block_major);
 }
 
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
                     int width, float scale) {
     const int groups = rows.groups, gh = n_heads / groups, nb = blocks_of(&rows, n);
     for (int j0 = 0, b = 0; j0 < n; j0 += rows.block_rows, b++) {
-        const int m = n - j0 < rows.block_rows ? n - j0 : rows.block_rows;
+        const int m = rows_in_block(&rows, b, n);
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         for (int g = 0; g < groups; g++) {
             const int at = g * nb + b; /* group g's block b in the tables */
-            prefetch_next(&rows, g, b, j0, m, n, 1);
+            prefetch_next(&rows, g, b, nb, n, 1);
             float *o = out + (size_t)g * gh * ld_out + j0;
             const float *qg = q + (size_t)g * gh * ld_q;
             switch (dt) {
@@ -468,8 +468,8 @@ static inline __attribute__((always_inline)) void weighted_sum_pass(float *out, 
         even1[h] = fresh ? v16_zero() : from[2], odd1[h] = fresh ? v16_zero() : from[3];
     }
     for (int b = b0; b < b1; b++) { /* blocks start at even j */
-        const int j0 = b * rows->block_rows, m = n - j0 < rows->block_rows ? n - j0 : rows->block_rows;
-        if (prefetch) prefetch_next(rows, g, b, j0, m, n, b1 - b0 == 1);
+        const int j0 = b * rows->block_rows, m = rows_in_block(rows, b, n);
+        if (prefetch) prefetch_next(rows, g, b, nb, n, b1 - b0 == 1);
         if (dt != DTYPE_F32 && rows->last_f32 && j0 + m == n)
             weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, g * nb + b, j0, m, c, len0, len1,
                                DTYPE_F32);
