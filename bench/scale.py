@@ -4,7 +4,8 @@ GQA, MQA and MLA twins, generated weights (--shape), bf16 cache; the cached deco
 contexts 512 to 32k reached through --fill (no prefill), at batch 1 and at a larger batch where
 the cache fits in memory. For each cell: the median step over the timed runs, the bytes it reads
 (the weights once, every sequence's cache once), its FLOPs, the floor (bytes / the probe's
-bandwidth, FLOPs / its peak), the share of the floor reached; and for each variant the context
+bandwidth, FLOPs / its peak), the share of the floor reached, and the same for the floor of
+the matmuls and attention in turn; and for each variant the context
 where the cache's bytes pass the weights' (by the formula, and measured: the intercept over the
 slope of the step time against the context).
 
@@ -108,12 +109,18 @@ def measure(args, bandwidth, peak_flops):
                 positions = [ctx + args.steps // 2] * batch
                 cache_bytes = i["kv_bytes_per_token"] * sum(p + 1 for p in positions)
                 nbytes = i["weight_bytes"] + cache_bytes
-                flops = 2 * i["parameters"] * batch + attention_flops(i, positions)
+                matmul_flops, attn_flops = 2 * i["parameters"] * batch, attention_flops(i, positions)
+                flops = matmul_flops + attn_flops
                 ms = statistics.median(got)
                 floor_ms = max(nbytes / bandwidth, flops / peak_flops) * 1e3
+                # a layer's attention waits for its projections and the FFN for its attention, so
+                # without overlap the matmuls' floor and attention's add up
+                phases_ms = (max(i["weight_bytes"] / bandwidth, matmul_flops / peak_flops) +
+                             max(cache_bytes / bandwidth, attn_flops / peak_flops)) * 1e3
                 cells.append(dict(variant=name, batch=batch, context=ctx, step_ms=ms, spread=max(got) - min(got),
                                   weight_bytes=i["weight_bytes"], cache_bytes=cache_bytes, flops=flops,
-                                  floor_ms=floor_ms, share=floor_ms / ms))
+                                  floor_ms=floor_ms, share=floor_ms / ms, phases_ms=phases_ms,
+                                  phases_share=phases_ms / ms))
     return infos, cells, disturbed
 
 
@@ -149,12 +156,15 @@ def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
         f, m = cross[name]
         lines.append(f"| {name} | {infos[name]['kv_bytes_per_token']:,} | {infos[name]['weight_bytes']:,} | "
                      f"{f:,.0f} | {'-' if m is None else f'{m:,.0f}'} |")
-    lines += ["", "| variant | batch | context | step, ms | spread | weights, MB | cache, MB | floor, ms | "
-              "share of floor |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "The floor is the larger of the step's bytes over the bandwidth and its FLOPs over the peak. "
+              "Phases in turn: the matmuls' floor (weights, or their FLOPs) plus attention's (cache, or its FLOPs), "
+              "as a step without overlap between them can reach at best.", "",
+              "| variant | batch | context | step, ms | spread | weights, MB | cache, MB | floor, ms | "
+              "share of floor | phases in turn, ms | share |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         lines.append(f"| {c['variant']} | {c['batch']} | {c['context']:,} | {c['step_ms']:.2f} | {c['spread']:.2f} | "
                      f"{c['weight_bytes'] / 1e6:,.0f} | {c['cache_bytes'] / 1e6:,.0f} | {c['floor_ms']:.2f} | "
-                     f"{c['share'] * 100:.0f}% |")
+                     f"{c['share'] * 100:.0f}% | {c['phases_ms']:.2f} | {c['phases_share'] * 100:.0f}% |")
     ratio = {}
     for ctx in args.contexts:
         by = {c["variant"]: c["step_ms"] for c in cells if c["batch"] == 1 and c["context"] == ctx}
@@ -168,10 +178,12 @@ def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
         f.write("\n".join(lines) + "\n")
     os.replace(base + ".md.tmp", base + ".md")
     with open(base + ".csv.tmp", "w") as f:
-        f.write("variant,batch,context,step_ms,spread_ms,weight_bytes,cache_bytes,flops,floor_ms,share\n")
+        f.write("variant,batch,context,step_ms,spread_ms,weight_bytes,cache_bytes,flops,floor_ms,share,"
+                "phases_floor_ms,phases_share\n")
         for c in cells:
             f.write(f"{c['variant']},{c['batch']},{c['context']},{c['step_ms']:.4f},{c['spread']:.4f},"
-                    f"{c['weight_bytes']},{c['cache_bytes']},{c['flops']},{c['floor_ms']:.4f},{c['share']:.4f}\n")
+                    f"{c['weight_bytes']},{c['cache_bytes']},{c['flops']},{c['floor_ms']:.4f},{c['share']:.4f},"
+                    f"{c['phases_ms']:.4f},{c['phases_share']:.4f}\n")
     os.replace(base + ".csv.tmp", base + ".csv")
     try:
         import matplotlib

@@ -3,6 +3,7 @@ writes is there, the bytes and crossovers follow from ./run --info's figures, an
 is right. No timing is checked."""
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -55,3 +56,27 @@ def test_bytes_and_crossovers_follow_from_info(report):
             assert int(r["weight_bytes"]) == weights
             assert int(r["cache_bytes"]) == per_token * batch * (ctx + 1 + 1)   # positions ctx + steps/2
         assert f"| {name} | {per_token:,} | {weights:,} | {weights / per_token:,.0f} |" in text
+
+
+def test_phases_floor_adds_the_matmuls_and_attention(report):
+    """The floor of the phases in turn is the matmuls' (weights or their FLOPs) plus attention's
+    (cache or its FLOPs), at the probe's figures the report names: never below the step's floor
+    (the larger of all bytes and all FLOPs), never above twice it."""
+    text, rows = report
+    m = re.search(r"bandwidth ([0-9.]+) GB/s and peak ([0-9]+) GFLOP/s", text)
+    bandwidth, peak = float(m.group(1)) * 1e9, float(m.group(2)) * 1e9
+    for name, spec in TWINS.items():
+        _, info = json_one(["--shape", spec, "-c", 303, "--info", "--kv", "--kv-dtype", "bf16"])
+        for r in rows:
+            if r["variant"] != name:
+                continue
+            floor, phases = float(r["floor_ms"]), float(r["phases_floor_ms"])
+            assert floor * (1 - 1e-4) <= phases <= 2 * floor * (1 + 1e-4)
+            matmul_flops = 2 * info["parameters"] * int(r["batch"])
+            attn_flops = int(r["flops"]) - matmul_flops
+            assert attn_flops > 0
+            expect = (max(int(r["weight_bytes"]) / bandwidth, matmul_flops / peak) +
+                      max(int(r["cache_bytes"]) / bandwidth, attn_flops / peak)) * 1e3
+            # the report rounds the probe's figures (0.1 GB/s, 1 GFLOP/s)
+            assert phases == pytest.approx(expect, rel=0.01)
+            assert float(r["phases_share"]) == pytest.approx(phases / float(r["step_ms"]), rel=1e-3)
