@@ -345,7 +345,8 @@ static inline int rows_in_block(const RowBlocks *r, int b, int n) {
 
 /* Requests the run at table index `at`, of m rows, into L1, or with `far` into L2: a
  * sequence's blocks lie anywhere in the pool, so the hardware prefetchers lose the stream
- * at every run's start. */
+ * at every run's start. These helpers are always inlined: GCC takes a call that only
+ * prefetches for one without effect, and drops it. */
 static inline __attribute__((always_inline)) void prefetch_run(const RowBlocks *r, int at, int m, int far) {
     const char *base = r->block[at];
     const size_t bytes = run_bytes(r, m);
@@ -361,8 +362,7 @@ static inline __attribute__((always_inline)) void prefetch_run(const RowBlocks *
  * time: such a run is also requested PREFETCH_FAR runs ahead, into L2, and the page of the
  * one after that is touched. Its page is one the TLB has not seen (a block holds a
  * sequence's rows of every layer, so a row group's next run is a block's size away), and a
- * prefetch that misses the TLB is lost: the load starts the page walk in time for it. Rows
- * other queries read are in cache, where these requests only cost time. */
+ * prefetch that misses the TLB is lost: the load starts the page walk in time for it. */
 enum { PREFETCH_FAR = 3, PREFETCH_FAR_BYTES = 4096 };
 
 /* While group g's block b is read, in the order prefetch_next describes: the run
@@ -383,13 +383,16 @@ static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *
 /* Requests the run read after group g's block b (of the nb blocks of the n rows): taking a
  * block's groups in turn, the next group's in the same block, which the pool keeps next to
  * it, then the first group's in the next block; taking a group's blocks in turn, its next
- * block. */
-static inline void prefetch_next(const RowBlocks *r, int g, int b, int nb, int n, int block_major) {
+ * block. Streamed rows only: rows other queries read are in cache, where requests only
+ * cost time. */
+static inline __attribute__((always_inline)) void prefetch_next(const RowBlocks *r, int g, int b, int nb, int n,
+                                                                int block_major) {
+    if (!r->streamed) return;
     if (block_major && g + 1 < r->groups)
         prefetch_run(r, (g + 1) * nb + b, rows_in_block(r, b, n), 0);
     else if (b + 1 < nb)
         prefetch_run(r, (block_major ? 0 : g) * nb + b + 1, rows_in_block(r, b + 1, n), 0);
-    if (r->streamed && run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, nb, n, block_major);
+    if (run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, nb, n, block_major);
 }
 
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
