@@ -4,10 +4,10 @@ GQA, MQA and MLA twins, generated weights (--shape), bf16 cache; the cached deco
 contexts 512 to 32k reached through --fill (no prefill), at batch 1 and at a larger batch where
 the cache fits in memory. For each cell: the median step over the timed runs, the bytes it reads
 (the weights once, every sequence's cache once), its FLOPs, the floor (bytes / the probe's
-bandwidth, FLOPs / its peak), the share of the floor reached, and the same for the floor of
-the matmuls and attention in turn; and for each variant the context
-where the cache's bytes pass the weights' (by the formula, and measured: the intercept over the
-slope of the step time against the context).
+bandwidth, FLOPs / its peak) and the share of it reached, the same for the floor of the matmuls
+and attention in turn; and for each variant the context where the cache's bytes pass the
+weights' (by the formula, and measured: the intercept over the slope of the step time against
+the context).
 
     /usr/bin/python3 bench/scale.py [--threads N] [--reps R] [--contexts 512,2048,8192,32768]
                                     [--batch 4] [--steps 8] [--out DIR]
