@@ -695,7 +695,7 @@ void row_dequantize(float *dst, const void *row, const float *scales, int n, int
 }
 
 void weighted_sum_rows(float *out, const float *p, const float *rows, size_t stride, int n, int width) {
-    const void *one[2] = {rows, NULL}; /* [1] is never read, but GCC cannot tell (prefetch_run) */
+    const void *one[1] = {rows};
     const RowBlocks all = {one, NULL, n + n % 2, stride, DTYPE_F32, 0, 0, 0, 0, 1, 0}; /* one block holding every row */
     weighted_sum_typed(out, 0, p, 0, 1, &all, n, width, DTYPE_F32);
 }
