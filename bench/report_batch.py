@@ -29,7 +29,8 @@ def batch_table(b, cks, add):
                 if roof:
                     row += [f"{f['bw'] / 1e9:.1f} ({f['bw_source']})" if f.get("bw") else "—",
                             f"{f['batch'] / f['bound']:,.0f}" if "bound" in f else "—",
-                            f"{f['share'] * 100:.0f}%" if "share" in f else "—", f.get("bound_by", "—")]
+                            f"{f['share'] * 100:.0f}%" if "share" in f else "—", f.get("bound_by", "—"),
+                            f"{f['phases_share'] * 100:.0f}%" if "phases_share" in f else "—"]
                 rows.append(row)
                 mode = cell_mode(kind, f["batch"])
                 add("batch", v, mode, "runs", f["step"]["n"], "")
@@ -52,11 +53,14 @@ def batch_table(b, cks, add):
                     add("batch", v, mode, "roofline_tokens_per_s", f"{f['batch'] / f['bound']:.6g}", "tokens/s")
                     add("batch", v, mode, "roofline_share", f"{f['share']:.6g}", "")
                     add("batch", v, mode, "bound_by", f["bound_by"], "")
+                    add("batch", v, mode, "phases_bound_ms", f"{f['phases_bound'] * 1e3:.6g}", "ms")
+                    add("batch", v, mode, "phases_share", f"{f['phases_share']:.6g}", "")
     header = ["Attention Mechanism", "B", "timed runs", "step, ms", "tokens/s", "/ B=1", "pos", "KV read, MB",
               "bytes read, MB", "MFLOP", "FLOP/byte", "post's Θ(AI)"]
     if roof:
-        header += ["bandwidth, GB/s", "roofline bound, tokens/s", "share of bound", "bound by"]
-    align = ["---"] + ["---:"] * (len(header) - 1 - roof) + ["---"] * roof   # "bound by" is a word
+        header += ["bandwidth, GB/s", "roofline bound, tokens/s", "share of bound", "bound by",
+                   "share of phases' bound"]
+    align = ["---"] + ["---:"] * (len(header) - 1 - 2 * roof) + ["---", "---:"] * roof   # "bound by" is a word
     return md_table(header, rows, align), figs
 
 
@@ -148,7 +152,11 @@ def throughput_section(b, cks, add, pngs):
                f"({float(b.roof['bandwidth_best_GBps']):.1f} GB/s); otherwise the same streaming read is "
                "probed over that many MiB (the column names the size), since a set that fits may be served from "
                "the cache. A VM's CPUID may describe the host's cache: a probe over a size that does not really "
-               f"fit measures DRAM's bandwidth anyway. Machine balance {bal:.1f} FLOP/byte.", ""]
+               "fit measures DRAM's bandwidth anyway. **Share of phases' bound**: the matmuls' bound (the "
+               "weights' bytes or their FLOPs, the larger) plus attention's (the cache rows' bytes or its FLOPs), "
+               "over the median step; a layer's attention waits for its projections and the FFN for its "
+               "attention, so a step that does not overlap them can reach this sum at most. "
+               f"Machine balance {bal:.1f} FLOP/byte.", ""]
     md += [table, ""] + image(pngs, "throughput", "aggregate decode throughput against the batch size")
     lines = crossover_lines(b, cks, figs)
     if lines:

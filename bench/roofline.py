@@ -94,6 +94,11 @@ def attn_widths(c, absorbed):
     return c["head_dim"] + c["rope_dim"], c["head_dim"]
 
 
+def token_flops(c):
+    """FLOPs of one token through every weight matrix, the tied head included (MLA absorbed)."""
+    return c["layers"] * 2 * layer_macs_per_token(c, True) + 2 * c["vocab"] * c["dim"]
+
+
 def decode_cost_kv(c, positions, kv_bytes_per_token=None):
     """FLOPs and bytes of one cached decode step in which each sequence decodes one token at its
     position (pos+1 keys each): a batch shares one read of the weights, and each sequence reads
@@ -101,8 +106,7 @@ def decode_cost_kv(c, positions, kv_bytes_per_token=None):
     read (default: --info's bytes per token)."""
     keys = sum(p + 1 for p in positions)
     kw, vw = attn_widths(c, absorbed=True)
-    per_token = c["layers"] * 2 * layer_macs_per_token(c, True) + 2 * c["vocab"] * c["dim"]   # with the tied head
-    flops = len(positions) * per_token + c["layers"] * c["heads"] * 2 * (kw + vw) * keys
+    flops = len(positions) * token_flops(c) + c["layers"] * c["heads"] * 2 * (kw + vw) * keys
     nbytes = c["weight_bytes"] + keys * (kv_bytes_per_token or c["kv_bytes_per_token"])
     return flops, nbytes
 
@@ -154,6 +158,11 @@ def batch_figures(b, ck, kind, batch):
         f.update(bw=bw, bw_source=where)
         if bw:
             mem, cpu = nbytes / bw, flops / peak
-            f.update(bound=max(mem, cpu), share=max(mem, cpu) / t,
+            # a layer's attention waits for its projections and the FFN for its attention, so
+            # without overlap the matmuls' floor and attention's add up
+            matmul_flops = batch * token_flops(ck.info)
+            phases = (max(ck.info["weight_bytes"] / bw, matmul_flops / peak) +
+                      max(kv / bw, (flops - matmul_flops) / peak))
+            f.update(bound=max(mem, cpu), share=max(mem, cpu) / t, phases_bound=phases, phases_share=phases / t,
                      bound_by="compute" if cpu > mem else "cache" if kv > ck.info["weight_bytes"] else "weights")
     return f

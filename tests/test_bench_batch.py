@@ -62,8 +62,9 @@ def step_cost(s, B, pos):
         kw = vw = hd
     macs += H * hd * D + 3 * D * F
     keys = B * (pos + 1) + (B > 1)
-    flops = B * (s["L"] * 2 * macs + 2 * s["V"] * D) + s["L"] * H * 2 * (kw + vw) * keys
-    return flops, s["W"] + keys * s["per_token"], keys * s["per_token"]
+    matmul_flops = B * (s["L"] * 2 * macs + 2 * s["V"] * D)
+    flops = matmul_flops + s["L"] * H * 2 * (kw + vw) * keys
+    return flops, s["W"] + keys * s["per_token"], keys * s["per_token"], matmul_flops
 
 
 def full_steps(rows, B):
@@ -128,7 +129,7 @@ def test_bytes_flops_and_intensity_from_the_shape(batch_report):
             mid = full_steps(rows, B)[(STEPS - (B > 1) - 1) // 2]   # the full step in the middle
             pos = int(mid["pos"]) if B == 1 else n_prompt + int(mid["step"]) - 2
             assert int(val(vals, "batch", v, mode, "step_pos")) == pos
-            flops, nbytes, kv = step_cost(s, B, pos)
+            flops, nbytes, kv, _ = step_cost(s, B, pos)
             assert close(val(vals, "batch", v, mode, "step_flops"), flops), (v, B)
             assert close(val(vals, "batch", v, mode, "step_bytes"), nbytes), (v, B)
             assert close(val(vals, "batch", v, mode, "kv_bytes"), kv), (v, B)
@@ -142,7 +143,8 @@ def test_bytes_flops_and_intensity_from_the_shape(batch_report):
 
 def test_roofline_bound_and_bandwidth_choice(batch_report):
     """bound = max(FLOPs / peak, bytes / bandwidth), the bandwidth DRAM's when the step's working
-    set exceeds the last-level cache, else the probe over its size; share = bound / step."""
+    set exceeds the last-level cache, else the probe over its size; share = bound / step. The
+    phases' bound adds the matmuls' (weights, their FLOPs) and attention's (cache, its FLOPs)."""
     vals = batch_report["vals"]
     peak = float(val(vals, "machine", "", "", "peak_GFLOPs")) * 1e9
     dram = float(val(vals, "machine", "", "", "bandwidth_GBps"))
@@ -164,6 +166,12 @@ def test_roofline_bound_and_bandwidth_choice(batch_report):
             assert close(val(vals, "batch", v, mode, "roofline_share"), bound / step, 1e-4)
             assert val(vals, "batch", v, mode, "bound_by") == ("compute" if flops / peak > nbytes / (bw * 1e9)
                                                                  else "weights")
+            s = shape(batch_report["names"][v])
+            _, _, kv, matmul = step_cost(s, B, int(val(vals, "batch", v, mode, "step_pos")))
+            phases = (max(s["W"] / (bw * 1e9), matmul / peak) +
+                      max(kv / (bw * 1e9), (flops - matmul) / peak))
+            assert close(val(vals, "batch", v, mode, "phases_bound_ms"), phases * 1e3, 1e-4)
+            assert close(val(vals, "batch", v, mode, "phases_share"), phases / step, 1e-4)
 
 
 def test_dtype_table(batch_report):
