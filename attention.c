@@ -824,7 +824,7 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
         {a->v, Hkv * hd, xb, c->dim, w->wv, T}, /* v: (T, Hkv*hd) */
     };
     matmul_jobs(p->wk, qkv, 3);
-    stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
+    stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
     if (packed(p)) open_layout(p);
     Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * (Hkv + H) * hd, T));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
@@ -846,7 +846,7 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
             t1 = sequence_end(p->slots, t0, T);
             kv_heads_window_sequence(p, t0, t1);
         }
-    stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_ATTENTION));
+    stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_ATTENTION));
 }
 
 /* Token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R rotated
@@ -879,7 +879,7 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
         {a->k_rope, rd, xb, c->dim, w->wkr, T},  /* k_R: (T, rd) */
     };
     matmul_jobs(p->wk, projections, 3);
-    stage_end(a->clock, p->wk->thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
+    stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
     if (packed(p)) open_layout(p);
     Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd), T));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
@@ -955,7 +955,7 @@ static void mla_expand_contexts(const AttnPass *p) {
 
 /* MLA: heads (T, H*hd) from xb (T, dim), in the form asked for. */
 static void attention_mla(const AttnPass *p, const float *xb) {
-    const int T = p->slots->T, H = p->L->cfg->n_heads, thread = p->wk->thread;
+    const int T = p->slots->T, H = p->L->cfg->n_heads;
     StageClock *clock = p->a->clock;
     mla_project_and_store(p, xb);
     if (p->form == MLA_EXPANDED) {
@@ -964,12 +964,12 @@ static void attention_mla(const AttnPass *p, const float *xb) {
             if (packed(p)) t1 = block_end(p->slots, t0, t1); /* tokens of another block read this one packed */
             mla_expanded_sequence(p, t0, t1);
         }
-        stage_end(clock, thread, stage_slot(p->L->index, STAGE_ATTENTION));
+        stage_end(clock, p->wk, stage_slot(p->L->index, STAGE_ATTENTION));
         return;
     }
-    stage_end(clock, thread, stage_slot(p->L->index, STAGE_ATTENTION)); /* the cache's writes */
+    stage_end(clock, p->wk, stage_slot(p->L->index, STAGE_ATTENTION)); /* the cache's writes */
     mla_absorb_queries(p);
-    stage_end(clock, thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
+    stage_end(clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
     if (!p->windowed)
         run_queries(p, 0, T, H);
     else
@@ -978,9 +978,9 @@ static void attention_mla(const AttnPass *p, const float *xb) {
             mla_gather(p, t1 - 1);
             run_queries(p, t0, t1, H);
         }
-    stage_end(clock, thread, stage_slot(p->L->index, STAGE_ATTENTION));
+    stage_end(clock, p->wk, stage_slot(p->L->index, STAGE_ATTENTION));
     mla_expand_contexts(p);
-    stage_end(clock, thread, stage_slot(p->L->index, STAGE_PROJECTIONS));
+    stage_end(clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
 }
 
 void attention(const Layer *L, AttnScratch *a, const TokenSlots *slots, const float *xb, float *heads, MlaForm form,

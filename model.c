@@ -63,11 +63,11 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
     const TokenSlots slots = {T, b->cache, s->pos};
     StageClock *clock = s->attn.clock;
 
-    stage_begin(clock, wk->thread);
+    stage_begin(clock, wk);
     if (team_alone(wk))
         for (int t = 0; t < T; t++) mat_row_f32(s->x + (size_t)t * D, m->w.tok_embeddings, b->ids[t]); /* x: (T, D) */
     residual_rmsnorm(wk, s->x, NULL, s->xb, m->w.layers[0].attn_norm, T, c); /* xb = RMSNorm(x): (T, D) */
-    stage_end(clock, wk->thread, pass_stage_slot(c, PASS_STAGE_EMBEDDING));
+    stage_end(clock, wk, pass_stage_slot(c, PASS_STAGE_EMBEDDING));
 
     int streamed = 0; /* a cache whose oldest blocks are on the tier (kvtier.h) */
     for (int t = 0; t < T; t++) streamed |= b->cache[t]->n_disk > 0;
@@ -81,7 +81,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
         /* x += W_O Attn(xb), then xb = RMSNorm(x) */
         attention(&layer, &s->attn, &slots, s->xb, s->heads, form, wk); /* heads: (T, HD) */
         matmul(wk, s->xb, D, s->heads, HD, w->wo, T);                   /* (T, D) */
-        stage_end(clock, wk->thread, stage_slot(l, STAGE_PROJECTIONS));
+        stage_end(clock, wk, stage_slot(l, STAGE_PROJECTIONS));
         residual_rmsnorm(wk, s->x, s->xb, s->xb, w->ffn_norm, T, c);
 
         /* x += W2 (silu(W1 xb) * W3 xb), then xb = RMSNorm(x), with the next layer's norm
@@ -90,7 +90,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
         matmul(wk, s->xb, D, s->hb, F, w->w2, T);                    /* (T, D) */
         Mat next_norm = l + 1 < c->n_layers ? m->w.layers[l + 1].attn_norm : m->w.final_norm;
         residual_rmsnorm(wk, s->x, s->xb, s->xb, next_norm, T, c);
-        stage_end(clock, wk->thread, stage_slot(l, STAGE_FFN));
+        stage_end(clock, wk, stage_slot(l, STAGE_FFN));
     }
 
     /* the head (tied or untied), for the tokens asked for: their rows gathered into x, which is free now */
@@ -102,7 +102,7 @@ void model_forward_pass(const Model *m, RunState *s, const Batch *b, MlaForm for
         rows = s->x;
     }
     matmul(wk, logits, c->vocab_size, rows, D, weights_head(c, &m->w), b->n_logits); /* (n_logits, vocab) */
-    stage_end(clock, wk->thread, pass_stage_slot(c, PASS_STAGE_HEAD));
+    stage_end(clock, wk, pass_stage_slot(c, PASS_STAGE_HEAD));
 }
 
 int model_prepare(const Model *m, RunState *s, const Batch *b) {

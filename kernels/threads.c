@@ -49,6 +49,11 @@ struct Team {
     _Alignas(64) atomic_uint posted;  /* steps posted so far */
     _Alignas(64) atomic_uint arrived; /* threads at the barrier now */
     _Alignas(64) atomic_uint passed;  /* barriers passed so far */
+    /* team_time_barriers: each thread's arrival at the barrier (its own slot, read by the
+     * last to arrive), and the sum of the barriers' first-to-last spreads (ns) */
+    int timed;
+    _Alignas(64) atomic_long waited_ns;
+    long arrival_ns[TEAM_MAX_THREADS];
     Claim claims[TEAM_MAX_THREADS];   /* one per part (share_next) */
     pthread_t ids[TEAM_MAX_THREADS];
     Worker workers[TEAM_MAX_THREADS];
@@ -59,6 +64,12 @@ struct Team {
 /* A spin longer than a step's waits on an idle machine; none when the team has more threads
  * than the machine has CPUs for it, where the thread waited for may not be running at all. */
 enum { SPIN_NS = 1000000 };
+
+static long clock_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
 
 static long elapsed_ns(const struct timespec *t0) {
     struct timespec t;
@@ -328,13 +339,28 @@ void team_barrier(Worker *w) {
     w->pending = 0;
     if (!t || w->threads == 1) return;
     w->barriers++;
+    if (t->timed) t->arrival_ns[w->thread] = clock_ns();
     const unsigned passed = atomic_load_explicit(&t->passed, memory_order_acquire);
     if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)w->threads) {
+        if (t->timed) { /* the others' arrivals came before their increments of `arrived` */
+            long first = t->arrival_ns[0], last = first;
+            for (int i = 1; i < w->threads; i++) {
+                first = t->arrival_ns[i] < first ? t->arrival_ns[i] : first;
+                last = t->arrival_ns[i] > last ? t->arrival_ns[i] : last;
+            }
+            atomic_fetch_add_explicit(&t->waited_ns, last - first, memory_order_relaxed);
+        }
         atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
         atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
         return;
     }
     if (wait_for_change(t, &t->passed, passed)) atomic_store_explicit(&t->late_step, 1, memory_order_relaxed);
+}
+
+void team_time_barriers(Team *t) { t->timed = 1; }
+
+double team_waited_ms(const Worker *w) {
+    return w->team ? (double)atomic_load_explicit(&w->team->waited_ns, memory_order_relaxed) / 1e6 : 0.0;
 }
 
 /* ---- sharing an operation's items ---- */

@@ -77,6 +77,14 @@ void team_close(Team *t);
 /* Thread 0's worker. */
 Worker *team_leader(Team *t);
 
+/* --profile: from now on each barrier of the team adds the time from its first thread's
+ * arrival to its last's to a sum, what the team's threads waited for one another there
+ * (the slowest thread's lead, or a thread another process held off its core). It costs a
+ * clock read per thread and barrier. */
+void team_time_barriers(Team *t);
+/* That sum so far, in ms: 0 alone or untimed. Thread 0 reads it between barriers. */
+double team_waited_ms(const Worker *w);
+
 /* Thread 0: starts a step on the threads the step runs with (each returns from team_wait
  * with 1); the team's size for the step is then team_leader(t)->threads. */
 void team_post(Team *t);

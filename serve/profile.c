@@ -69,7 +69,10 @@ void profile_open(Profile *p, const Model *m, const KVPool *pool, const Options 
     const Config *c = &m->cfg;
     memset(p, 0, sizeof *p);
     p->model = m, p->pool = pool, p->form = o->mla_form, p->per_layer = o->profile == 2;
-    if (!(p->clock.ms = calloc((size_t)stage_slots(c), sizeof *p->clock.ms))) die(1, "out of memory");
+    p->team = threads_count() > 1;
+    if (!(p->clock.ms = calloc((size_t)stage_slots(c), sizeof *p->clock.ms)) ||
+        !(p->clock.wait_ms = calloc((size_t)stage_slots(c), sizeof *p->clock.wait_ms)))
+        die(1, "out of memory");
     p->step.layer_ms = layer_slots(c);
     for (int i = 0; i < 2; i++) p->phases[i].layer_ms = layer_slots(c);
     for (int l = 0; l < c->n_layers; l++) layer_costs(p, &m->w.layers[l]);
@@ -81,23 +84,31 @@ void profile_open(Profile *p, const Model *m, const KVPool *pool, const Options 
     if (o->profile_peaks) read_peaks(p, o->profile_peaks);
 }
 
+/* The parts of a step from the clock's slots: each layer's stages summed, then the pass's. */
+static void parts_of(const Config *c, const double *slots, double part[PARTS]) {
+    memset(part, 0, PARTS * sizeof *part);
+    for (int l = 0; l < c->n_layers; l++) {
+        part[PART_PROJECTIONS] += slots[stage_slot(l, STAGE_PROJECTIONS)];
+        part[PART_ATTENTION] += slots[stage_slot(l, STAGE_ATTENTION)];
+        part[PART_FFN] += slots[stage_slot(l, STAGE_FFN)];
+    }
+    part[PART_HEAD] = slots[pass_stage_slot(c, PASS_STAGE_HEAD)];
+    part[PART_SAMPLING] = slots[pass_stage_slot(c, PASS_STAGE_SAMPLING)];
+    part[PART_EMBEDDING] = slots[pass_stage_slot(c, PASS_STAGE_EMBEDDING)];
+}
+
 void profile_step(Profile *p, const StepResult *st) {
     const Config *c = &p->model->cfg;
     const double *ms = p->clock.ms;
     ProfileFigures *s = &p->step;
-    memset(s->part_ms, 0, sizeof s->part_ms);
     s->steps = 1;
     s->step_ms = st->ms;
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < c->n_layers; l++)
         for (int k = 0; k < STAGES_PER_LAYER; k++) s->layer_ms[l * STAGES_PER_LAYER + k] = ms[stage_slot(l, k)];
-        s->part_ms[PART_PROJECTIONS] += ms[stage_slot(l, STAGE_PROJECTIONS)];
-        s->part_ms[PART_ATTENTION] += ms[stage_slot(l, STAGE_ATTENTION)];
-        s->part_ms[PART_FFN] += ms[stage_slot(l, STAGE_FFN)];
-    }
-    s->part_ms[PART_HEAD] = ms[pass_stage_slot(c, PASS_STAGE_HEAD)];
-    s->part_ms[PART_SAMPLING] = ms[pass_stage_slot(c, PASS_STAGE_SAMPLING)];
-    s->part_ms[PART_EMBEDDING] = ms[pass_stage_slot(c, PASS_STAGE_EMBEDDING)];
+    parts_of(c, ms, s->part_ms);
+    parts_of(c, p->clock.wait_ms, s->part_wait_ms);
     memset(p->clock.ms, 0, (size_t)stage_slots(c) * sizeof *p->clock.ms);
+    memset(p->clock.wait_ms, 0, (size_t)stage_slots(c) * sizeof *p->clock.wait_ms);
 
     const int expanded = c->variant == VARIANT_MLA && p->form == MLA_EXPANDED;
     const double token_row_bytes = (double)c->dim * (double)dtype_size(p->model->w.tok_embeddings.dtype);
@@ -110,14 +121,14 @@ void profile_step(Profile *p, const StepResult *st) {
     ProfileFigures *sum = &p->phases[st->step == 0 ? 0 : 1];
     sum->steps++;
     sum->step_ms += s->step_ms;
-    for (int k = 0; k < PARTS; k++) sum->part_ms[k] += s->part_ms[k];
+    for (int k = 0; k < PARTS; k++) sum->part_ms[k] += s->part_ms[k], sum->part_wait_ms[k] += s->part_wait_ms[k];
     for (int i = 0; i < c->n_layers * STAGES_PER_LAYER; i++) sum->layer_ms[i] += s->layer_ms[i];
     sum->weight_bytes += s->weight_bytes, sum->kv_bytes += s->kv_bytes, sum->flops += s->flops;
 }
 
 /* A phase's figures, means per step. */
 typedef struct {
-    double step_ms, part_ms[PARTS], parts_ms, other_ms;
+    double step_ms, part_ms[PARTS], part_wait_ms[PARTS], parts_ms, other_ms;
     double weight_bytes, kv_bytes, flops, GBps, GFLOPs;
 } Means;
 
@@ -125,7 +136,8 @@ static Means means_of(const ProfileFigures *f) {
     Means m = {0};
     if (!f->steps) return m;
     m.step_ms = f->step_ms / f->steps;
-    for (int k = 0; k < PARTS; k++) m.parts_ms += m.part_ms[k] = f->part_ms[k] / f->steps;
+    for (int k = 0; k < PARTS; k++)
+        m.parts_ms += m.part_ms[k] = f->part_ms[k] / f->steps, m.part_wait_ms[k] = f->part_wait_ms[k] / f->steps;
     m.other_ms = m.step_ms - m.parts_ms;
     m.weight_bytes = f->weight_bytes / f->steps, m.kv_bytes = f->kv_bytes / f->steps, m.flops = f->flops / f->steps;
     m.GBps = f->step_ms > 0 ? (f->weight_bytes + f->kv_bytes) / (f->step_ms * 1e6) : 0.0;
@@ -152,6 +164,12 @@ void profile_print(FILE *out, const Profile *p) {
             fprintf(out, "%s %s %.3f (%.0f%%)", k ? " +" : "", PART_NAMES[k], m.part_ms[k],
                     m.step_ms > 0 ? 100.0 * m.part_ms[k] / m.step_ms : 0.0);
         fprintf(out, " + other %.3f\n", m.other_ms);
+        if (p->team) {
+            fprintf(out, "  %s: of which the threads waited for one another (each barrier, first arrival to last):",
+                    PHASE_NAMES[ph]);
+            for (int k = 0; k < PARTS; k++) fprintf(out, "%s %s %.3f", k ? "," : "", PART_NAMES[k], m.part_wait_ms[k]);
+            fputc('\n', out);
+        }
         fprintf(out, "  %s: read %.2f MB of weights and %.2f MB of KV cache, %.2f MFLOP: %.1f GB/s, %.1f GFLOP/s",
                 PHASE_NAMES[ph], m.weight_bytes / 1e6, m.kv_bytes / 1e6, m.flops / 1e6, m.GBps, m.GFLOPs);
         if (p->peaks_path)
@@ -204,6 +222,10 @@ void profile_json(const Profile *p) {
             snprintf(key, sizeof key, "%s_ms_mean", PART_NAMES[k]);
             json_key_number(key, m.part_ms[k], 0);
         }
+        for (int k = 0; k < PARTS; k++) {
+            snprintf(key, sizeof key, "%s_wait_ms_mean", PART_NAMES[k]);
+            json_key_number(key, m.part_wait_ms[k], 0);
+        }
         json_key_number("parts_ms_mean", m.parts_ms, 0);
         json_key_number("other_ms_mean", m.other_ms, 0);
         json_key_number("weight_bytes_mean", m.weight_bytes, 0);
@@ -240,6 +262,7 @@ void profile_csv_row(FILE *csv, const Profile *p) {
 
 void profile_close(Profile *p) {
     free(p->clock.ms);
+    free(p->clock.wait_ms);
     free(p->step.layer_ms);
     for (int i = 0; i < 2; i++) free(p->phases[i].layer_ms);
     memset(p, 0, sizeof *p);

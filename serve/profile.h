@@ -22,6 +22,7 @@ typedef struct {
     int steps;
     double step_ms;
     double part_ms[PARTS];
+    double part_wait_ms[PARTS]; /* of each part, the team's waits at its barriers (team_waited_ms) */
     double *layer_ms; /* (n_layers, STAGES_PER_LAYER) */
     double weight_bytes, kv_bytes, flops;
 } ProfileFigures;
@@ -31,6 +32,7 @@ typedef struct {
     const KVPool *pool;
     MlaForm form;
     int per_layer;
+    int team;         /* the run has a team of threads (threads_count() > 1) */
     StageClock clock; /* the scheduler's: stage_slots(cfg) slots */
     /* what one pass reads of the weights, and the multiply-adds a token and a key cost */
     double pass_weight_bytes, token_macs, key_macs, sequence_key_macs;

@@ -517,12 +517,12 @@ static void step_share(SchedulerRun *run, Worker *wk) {
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
     }
     const int S = run->n_sample;
-    stage_begin(sch->clock, wk->thread);
+    stage_begin(sch->clock, wk);
     Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4, S));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long k = lo; k < hi && run->rc == 0; k++) sample_chain(run, k, wk->thread);
     share_end(&sh);
-    stage_end(sch->clock, wk->thread, pass_stage_slot(&sch->model->cfg, PASS_STAGE_SAMPLING));
+    stage_end(sch->clock, wk, pass_stage_slot(&sch->model->cfg, PASS_STAGE_SAMPLING));
 }
 
 /* The team's threads 1..: a step each time thread 0 posts one. */
@@ -640,6 +640,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     plan_passes(run);
     run->rc = 0;
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
+    if (run->team && sch->clock) team_time_barriers(run->team);
     if (run->team) team_post(run->team);
     /* thread 0's share; once it returns the members are done with the step too: they do
      * nothing alone, and every shared operation ended in a barrier thread 0 passed */

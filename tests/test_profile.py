@@ -20,6 +20,12 @@ def check_parts(profile, whole):
     for phase in ("prefill", "decode"):
         d = profile[phase]
         parts = sum(d[f"{p}_ms_mean"] for p in PARTS)
+        # the team's waits at a part's barriers are inside the part; alone there are none
+        for p in PARTS:
+            wait = d[f"{p}_wait_ms_mean"]
+            assert 0 <= wait <= d[f"{p}_ms_mean"] * (1 + 1e-9) + 1e-6, (phase, p, d)
+            if whole:
+                assert wait == 0, (phase, p, d)
         assert parts == pytest.approx(d["parts_ms_mean"], rel=1e-6, abs=1e-6)
         # the parts are stages inside the step, each ended at a barrier: never more than it
         assert parts <= d["step_ms_mean"] * (1 + 1e-9) + 1e-6, (phase, d)

@@ -225,6 +225,67 @@ static void test_late_member_shrinks_the_team(void **state) {
     free(l);
 }
 
+/* ---- the barriers' waits (--profile) ---- */
+
+enum { WAIT_SLEEP_MS = 20 };
+
+typedef struct {
+    atomic_int leader_there; /* thread 0 is about to enter the barrier */
+    int sleep;               /* thread 1 sleeps WAIT_SLEEP_MS after that, then enters it */
+} Waits;
+
+static void waits_step(Waits *x, Worker *w) {
+    if (w->thread == 0) {
+        atomic_store(&x->leader_there, 1);
+    } else if (x->sleep) {
+        while (!atomic_load(&x->leader_there)) {}
+        sleep_ms(WAIT_SLEEP_MS);
+    }
+    team_barrier(w);
+}
+
+static void waits_member(void *arg, Worker *w) {
+    while (team_wait(w)) waits_step(arg, w);
+}
+
+static double clock_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+/* Posts one step of the waits test; its wall time on thread 0. */
+static double waits_post(Team *t, Waits *x, int sleep) {
+    x->sleep = sleep;
+    atomic_store(&x->leader_there, 0);
+    const double t0 = clock_ms();
+    team_post(t);
+    waits_step(x, team_leader(t));
+    return clock_ms() - t0;
+}
+
+static void test_barrier_waits_when_timed(void **state) {
+    (void)state;
+    Worker alone = worker_alone();
+    assert_true(team_waited_ms(&alone) == 0.0);
+    Waits x = {0};
+    Team *t = team_open(2, waits_member, &x);
+    assert_non_null(t);
+    Worker *lead = team_leader(t);
+    waits_post(t, &x, 1); /* untimed: nothing is summed */
+    assert_true(team_waited_ms(lead) == 0.0);
+    team_time_barriers(t);
+    /* thread 1 enters the barrier WAIT_SLEEP_MS after thread 0: that is the spread, within
+     * the step's wall time */
+    const double wall = waits_post(t, &x, 1), waited = team_waited_ms(lead);
+    if (!(waited >= 0.75 * WAIT_SLEEP_MS && waited <= wall))
+        fail_msg("waited %.3f ms at a barrier thread 1 entered %d ms late, in a step of %.3f ms", waited, WAIT_SLEEP_MS,
+                 wall);
+    waits_post(t, &x, 0); /* the sum goes on */
+    assert_true(team_waited_ms(lead) >= waited);
+    team_close(t);
+}
+
 /* The policy alone, on a clock the test sets. */
 static void test_team_size_policy(void **state) {
     (void)state;
@@ -362,6 +423,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_mode_policy),
         cmocka_unit_test(test_late_member_shrinks_the_team),
         cmocka_unit_test(test_fixed_team_keeps_its_size),
+        cmocka_unit_test(test_barrier_waits_when_timed),
         cmocka_unit_test(test_team_size_policy),
         cmocka_unit_test(test_thread_count_from_the_environment),
         cmocka_unit_test(test_proc_bind_pins_thread_i_to_cpu_i),
