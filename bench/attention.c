@@ -147,15 +147,16 @@ int main(int argc, char **argv) {
         run_dram("MHA twin (32 KV heads)", 1, 32, 32, 22, 64, reps);
         run_dram("GQA twin (group of 8)", 8, 4, 1, 22, 64, reps);
         run_dram("GQA twin (4 groups)", 8, 4, 4, 22, 64, reps);
-        run_dram("MQA twin (16 heads)", 16, 1, 1, 22, 64, reps);
-        run_dram("MLA twin (16 heads)", 16, 0, 1, 22, 288, reps);
+        run_dram("MQA twin (32 heads)", 32, 1, 1, 22, 64, reps);
+        run_dram("MLA twin (32 heads)", 32, 0, 1, 22, 288, reps);
         return 0;
     }
-    /* the ~1B twins of bench/scale.py at batch 1 (head_dim 64; MLA's latent 256 + RoPE key 32) */
+    /* the ~1B twins of bench/scale.py at batch 1 (head_dim 64; MLA's latent 256 + RoPE key 32),
+     * each item as a decode step takes it: a GQA group, or MQA's and MLA's 32 heads */
     run_shape("MHA twin (1 head)", 1, 64, reps);
     run_shape("GQA twin (group of 8)", 8, 64, reps);
-    run_shape("MQA twin (16 heads)", 16, 64, reps);
-    run_shape("MLA twin, scores", 16, 288, reps);
-    run_shape("MLA twin, latent", 16, 256, reps);
+    run_shape("MQA twin (32 heads)", 32, 64, reps);
+    run_shape("MLA twin, scores", 32, 288, reps);
+    run_shape("MLA twin, latent", 32, 256, reps);
     return 0;
 }
