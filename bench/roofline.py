@@ -99,6 +99,14 @@ def token_flops(c):
     return c["layers"] * 2 * layer_macs_per_token(c, True) + 2 * c["vocab"] * c["dim"]
 
 
+def phases_bound(weight_bytes, cache_bytes, matmul_flops, attention_flops, bandwidth, peak):
+    """The bound of a step's phases in turn (same units as the figures over the rates): a
+    layer's attention waits for its projections and the FFN for its attention, so without
+    overlap the matmuls' bound (weights or their FLOPs) and attention's (cache or its FLOPs)
+    add up."""
+    return max(weight_bytes / bandwidth, matmul_flops / peak) + max(cache_bytes / bandwidth, attention_flops / peak)
+
+
 def decode_cost_kv(c, positions, kv_bytes_per_token=None):
     """FLOPs and bytes of one cached decode step in which each sequence decodes one token at its
     position (pos+1 keys each): a batch shares one read of the weights, and each sequence reads
@@ -158,11 +166,8 @@ def batch_figures(b, ck, kind, batch):
         f.update(bw=bw, bw_source=where)
         if bw:
             mem, cpu = nbytes / bw, flops / peak
-            # a layer's attention waits for its projections and the FFN for its attention, so
-            # without overlap the matmuls' floor and attention's add up
             matmul_flops = batch * token_flops(ck.info)
-            phases = (max(ck.info["weight_bytes"] / bw, matmul_flops / peak) +
-                      max(kv / bw, (flops - matmul_flops) / peak))
+            phases = phases_bound(ck.info["weight_bytes"], kv, matmul_flops, flops - matmul_flops, bw, peak)
             f.update(bound=max(mem, cpu), share=max(mem, cpu) / t, phases_bound=phases, phases_share=phases / t,
                      bound_by="compute" if cpu > mem else "cache" if kv > ck.info["weight_bytes"] else "weights")
     return f

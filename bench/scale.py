@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 from bench.common import BenchError, ROOT, log, rel
 from bench.engine import engine_json
 from bench.machine import logical_cpus, machine_name_for_scale, mem_available
+from bench.roofline import phases_bound
 
 SHAPE = "tinyllama-1.1b"
 VARIANTS = ("MHA", "GQA", "MQA", "MLA")
@@ -113,10 +114,8 @@ def measure(args, bandwidth, peak_flops):
                 flops = matmul_flops + attn_flops
                 ms = statistics.median(got)
                 floor_ms = max(nbytes / bandwidth, flops / peak_flops) * 1e3
-                # a layer's attention waits for its projections and the FFN for its attention, so
-                # without overlap the matmuls' floor and attention's add up
-                phases_ms = (max(i["weight_bytes"] / bandwidth, matmul_flops / peak_flops) +
-                             max(cache_bytes / bandwidth, attn_flops / peak_flops)) * 1e3
+                phases_ms = phases_bound(i["weight_bytes"], cache_bytes, matmul_flops, attn_flops, bandwidth,
+                                         peak_flops) * 1e3
                 cells.append(dict(variant=name, batch=batch, context=ctx, step_ms=ms, spread=max(got) - min(got),
                                   weight_bytes=i["weight_bytes"], cache_bytes=cache_bytes, flops=flops,
                                   floor_ms=floor_ms, share=floor_ms / ms, phases_ms=phases_ms,
