@@ -705,8 +705,8 @@ static void finish_unit(const AttnPass *p, const Unit *u, int nh, int thread, fl
  * in order, as an item that ran them all would have. */
 static void merge_split_chunks(const AttnPass *p, int t0, int t1) {
     const int H = p->L->cfg->n_heads, w = p->out_width;
-    Share sh = share_begin(p->wk, (long)(t1 - t0) * H, SHARE_SPLIT,
-                           parallel_mode((long)(t1 - t0) * H * p->a->max_chunks * w, t1 - t0));
+    Share sh =
+        share_begin(p->wk, (long)(t1 - t0) * H, SHARE_SPLIT, parallel_mode((long)(t1 - t0) * H * p->a->max_chunks * w));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long i = lo; i < hi; i++) {
             const int slot = (int)(i / H), h = (int)(i % H), n = chunks_of(p, t0 + slot);
@@ -750,7 +750,7 @@ static void run_queries(const AttnPass *p, int t0, int t1, int sharing) {
     att[0] = p->a->scores + (size_t)thread * 2 * p->a->scores_per_item;
     att[1] = att[0] + p->a->scores_per_item;
     float max[ATTN_MAX_HEADS_PER_ITEM], sum[ATTN_MAX_HEADS_PER_ITEM];
-    Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim, T));
+    Share sh = share_begin(p->wk, n_items, SHARE_SPLIT, parallel_mode(keys * H * p->L->cfg->head_dim));
     for (long lo, hi; share_next(&sh, &lo, &hi);) {
         long i = lo;
         Unit cur = {0}, prev = {0};
@@ -803,7 +803,7 @@ static void kv_heads_window_sequence(const AttnPass *p, int t0, int t1) {
     const Config *c = p->L->cfg;
     const int t = t1 - 1;
     Share sh = share_begin(p->wk, 2L * c->n_kv_heads, SHARE_SPLIT,
-                           parallel_mode(2L * c->n_kv_heads * c->head_dim * keys_of(p, t), t1 - t0));
+                           parallel_mode(2L * c->n_kv_heads * c->head_dim * keys_of(p, t)));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long r = lo; r < hi; r++)
             gather_rows(p->L, p->slots->cache[t], (int)r, p->slots->pos[t], r < c->n_kv_heads ? 0 : -1, NULL,
@@ -826,12 +826,12 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
     matmul_jobs(p->wk, qkv, 3);
     stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
     if (packed(p)) open_layout(p);
-    Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * (Hkv + H) * hd, T));
+    Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * (Hkv + H) * hd));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long tg = lo; tg < hi; tg++) kv_heads_store(p, (int)(tg / Hkv), (int)(tg % Hkv));
     share_end(&sh);
     if (packed(p)) {
-        sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * Hkv * hd, T));
+        sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * Hkv * hd));
         for (long lo, hi; share_next(&sh, &lo, &hi);)
             for (long tg = lo; tg < hi; tg++) {
                 open_close(p, (int)(tg / Hkv), (int)(tg % Hkv));
@@ -881,12 +881,12 @@ static void mla_project_and_store(const AttnPass *p, const float *xb) {
     matmul_jobs(p->wk, projections, 3);
     stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
     if (packed(p)) open_layout(p);
-    Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd), T));
+    Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd)));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long t = lo; t < hi; t++) mla_store(p, (int)t);
     share_end(&sh);
     if (packed(p)) {
-        sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (dc + rd), T));
+        sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (dc + rd)));
         for (long lo, hi; share_next(&sh, &lo, &hi);)
             for (long t = lo; t < hi; t++) open_close(p, (int)t, 0);
         share_end(&sh);

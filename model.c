@@ -46,7 +46,7 @@ void runstate_free(RunState *s) {
  * out = RMSNorm(x) w, a thread's share of the rows each. out may be dx. */
 static void residual_rmsnorm(Worker *wk, float *x, const float *dx, float *out, Mat w, int T, const Config *c) {
     const int D = c->dim;
-    Share sh = share_begin(wk, T, SHARE_SPLIT, parallel_mode((long)T * D, T));
+    Share sh = share_begin(wk, T, SHARE_SPLIT, parallel_mode((long)T * D));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long t = lo; t < hi; t++) {
             float *row = x + (size_t)t * D;

@@ -946,7 +946,7 @@ void matmul_jobs(Worker *wk, const MatmulJob *jobs, int n_jobs) {
         max_T = jobs[j].T > max_T ? jobs[j].T : max_T;
     }
     const int by_tokens = split_by_tokens(max_T);
-    Share sh = share_begin(wk, tiles, by_tokens ? SHARE_EACH : SHARE_SPLIT, parallel_mode(work, max_T));
+    Share sh = share_begin(wk, tiles, by_tokens ? SHARE_EACH : SHARE_SPLIT, parallel_mode(work));
     for (long lo, hi; share_next(&sh, &lo, &hi);) {
         if (!by_tokens) {
             jobs_tiles(jobs, n_jobs, lo, hi, 0, max_T);
@@ -972,7 +972,7 @@ void matmul_swiglu(Worker *wk, float *h1, float *h3, const float *x, int ldx, Ma
     const long tiles = (F + RB - 1) / RB, items = (tiles + SWIGLU_ITEM_TILES - 1) / SWIGLU_ITEM_TILES;
     /* by rows for every T (split_by_tokens): a thread computes the same rows of both products
      * and applies SwiGLU to them, so no barrier separates the three */
-    Share sh = share_begin(wk, items, SHARE_SPLIT, parallel_mode((long)T * w1.rows * w1.cols, T));
+    Share sh = share_begin(wk, items, SHARE_SPLIT, parallel_mode((long)T * w1.rows * w1.cols));
     for (long lo, hi; share_next(&sh, &lo, &hi);) {
         const long a = lo * SWIGLU_ITEM_TILES, b = hi * SWIGLU_ITEM_TILES < tiles ? hi * SWIGLU_ITEM_TILES : tiles;
         matmul_rows(h1, F, x, ldx, &w1, T, (int)a, (int)b);

@@ -365,9 +365,9 @@ double team_waited_ms(const Worker *w) {
 
 /* ---- sharing an operation's items ---- */
 
-ParallelMode parallel_mode(long work, int tokens) {
+ParallelMode parallel_mode(long work) {
     if (work < PARALLEL_MIN_WORK) return PARALLEL_ALONE;
-    return tokens >= PARALLEL_MIN_TOKENS_TAKE_OVER ? PARALLEL_TAKE_OVER : PARALLEL_STATIC;
+    return work >= PARALLEL_MIN_WORK_TAKE_OVER ? PARALLEL_TAKE_OVER : PARALLEL_STATIC;
 }
 
 Share share_begin(Worker *w, long n, ShareKind kind, ParallelMode mode) {

@@ -107,12 +107,13 @@ typedef enum {
     PARALLEL_TAKE_OVER, /* thread p does part p, then helps with the others' remaining items */
 } ParallelMode;
 
-/* The policy. work: multiply-adds (or comparable element operations) of the whole job;
- * tokens: how many tokens the step carries. Below PARALLEL_MIN_WORK the other threads
- * cost more than they save, so the work runs alone; from PARALLEL_MIN_TOKENS_TAKE_OVER
- * tokens the items are many and long enough for take-overs to pay for their claims. */
-enum { PARALLEL_MIN_WORK = 8192, PARALLEL_MIN_TOKENS_TAKE_OVER = 16 };
-ParallelMode parallel_mode(long work, int tokens);
+/* The policy. work: multiply-adds (or comparable element operations) of the whole job.
+ * Below PARALLEL_MIN_WORK the other threads cost more than they save, so the work runs
+ * alone; from PARALLEL_MIN_WORK_TAKE_OVER each thread's share is long enough for
+ * take-overs to pay for their claims, and a thread slowed by its core or its memory no
+ * longer holds the others at the barrier. */
+enum { PARALLEL_MIN_WORK = 8192, PARALLEL_MIN_WORK_TAKE_OVER = 1 << 22 };
+ParallelMode parallel_mode(long work);
 
 /* Thread i's share [*lo, *hi) of n items split among n_threads, in order. */
 static inline void parallel_share(long n, int i, int n_threads, long *lo, long *hi) {

@@ -444,7 +444,7 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
         if (run->rc != 0 || n == 0) break;
         model_forward_pass(dm, &run->draft_state, &run->draft_batch, sch->form, run->draft_logits, wk);
         if (team_alone(wk)) run->rc = model_finish(dm, &run->draft_state, &run->draft_batch, run->draft_logits);
-        Share sh = share_begin(wk, n, SHARE_SPLIT, parallel_mode((long)n * V * 4, n));
+        Share sh = share_begin(wk, n, SHARE_SPLIT, parallel_mode((long)n * V * 4));
         for (long lo, hi; share_next(&sh, &lo, &hi);)
             for (long k = lo; k < hi; k++) {
                 const int i = run->draft_slots[k];
@@ -518,7 +518,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
     }
     const int S = run->n_sample;
     stage_begin(sch->clock, wk);
-    Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4, S));
+    Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
         for (long k = lo; k < hi && run->rc == 0; k++) sample_chain(run, k, wk->thread);
     share_end(&sh);

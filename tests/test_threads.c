@@ -345,10 +345,10 @@ static void test_fixed_team_keeps_its_size(void **state) {
 
 static void test_mode_policy(void **state) {
     (void)state;
-    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK - 1, 256), PARALLEL_ALONE);
-    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK, 1), PARALLEL_STATIC);
-    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK, PARALLEL_MIN_TOKENS_TAKE_OVER - 1), PARALLEL_STATIC);
-    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK, PARALLEL_MIN_TOKENS_TAKE_OVER), PARALLEL_TAKE_OVER);
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK - 1), PARALLEL_ALONE);
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK), PARALLEL_STATIC);
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK_TAKE_OVER - 1), PARALLEL_STATIC);
+    assert_int_equal(parallel_mode(PARALLEL_MIN_WORK_TAKE_OVER), PARALLEL_TAKE_OVER);
 }
 
 static void test_thread_count_from_the_environment(void **state) {
