@@ -172,6 +172,20 @@ def test_generated_weights_keep_the_bitwise_promise(shape):
     assert code == 0, check
 
 
+def test_products_that_take_over_keep_the_one_thread_bits(tmp_path):
+    # a batch-1 cached step whose FFN and head are 2^22 multiply-adds each: from there the
+    # threads take over one another's items (kernels/threads.h), which must not move a bit
+    shape = "gqa,layers=1,ffn=8192,vocab=8192"
+    dumps = []
+    for threads in (1, 2, 3):
+        out = tmp_path / f"t{threads}.f32"
+        generate_json(["--shape", shape, "-s", 3, "-n", 6, "-p", "5 6 7", "--kv", "--threads", threads,
+                       "--dump-logits", out])
+        dumps.append(out.read_bytes())
+    assert len(dumps[0]) == 6 * 8192 * 4
+    assert dumps[0] == dumps[1] == dumps[2]
+
+
 def test_generated_weights_refuse_text():
     one_line_error(["--shape", SMALL, "-p", "Once upon a time", "-n", 2], 1,
                    "the prompt is not token ids: generated weights (--shape) have no tokenizer")
