@@ -1,6 +1,6 @@
 /* matmul.c: the engine's matmul alone, on the model's weight shapes, in GFLOP/s.
  *
- *   build/matmul_bench [--threads N] [--reps R]
+ *   build/matmul_bench [--threads N] [--reps R] [--tiles 8x3|wide]
  *
  * For each shape (rows x cols of a bf16 weight, packed as the loader packs it) and token
  * count T: best and median of R timed calls (default 30) after one untimed call, with the
@@ -61,8 +61,11 @@ int main(int argc, char **argv) {
             threads_set(threads);
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--tiles") && i + 1 < argc &&
+                 (!strcmp(argv[i + 1], "8x3") || !strcmp(argv[i + 1], "wide")))
+            matmul_set_wide_tiles(!strcmp(argv[++i], "wide"));
         else {
-            fprintf(stderr, "usage: matmul_bench [--threads N] [--reps R]\n");
+            fprintf(stderr, "usage: matmul_bench [--threads N] [--reps R] [--tiles 8x3|wide]\n");
             return 2;
         }
     }
@@ -87,7 +90,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "matmul_bench: cannot start %d threads\n", threads);
         return 1;
     }
-    printf("kernels %s, %d threads, %d reps\n", kernels_simd_name(), threads, reps);
+    printf("kernels %s, %s tiles past 6 tokens, %d threads, %d reps\n", kernels_simd_name(),
+           matmul_wide_tiles() ? "wide" : "8x3", threads, reps);
     printf("%-14s %4s %10s %12s %14s\n", "shape", "T", "best ms", "best GFLOP/s", "median GFLOP/s");
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int rows = shapes[s].rows, cols = shapes[s].cols;

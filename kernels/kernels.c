@@ -728,8 +728,9 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
  * of its accumulators per pass over the group, which stays in L1 between the passes,
  * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains.
  * Where many tokens pass over a group held in L1 (a batched step, a prompt), AVX-512
- * takes wide tiles of 4 to 6 tokens first (tile_wide): the 8x3 tile spends one of its
- * two vector ports' slots on widening for every 3 FMAs, a wide tile one for every 6. */
+ * takes wide tiles of 4 to 6 tokens first (tile_wide) on processors where widening shares
+ * the FMAs' ports (wide_tiles_on): there the 8x3 tile spends one of its two vector ports'
+ * slots on widening for every 3 FMAs, a wide tile one for every 6. */
 #define RB MAT_GROUP_ROWS
 #define TB 3
 _Static_assert(TB == 3, "tile_any has one case per token count, 1 to TB");
@@ -882,6 +883,20 @@ static void tile_wide_any(float *out, int ldo, const float *x, int ldx, const Ma
 static int wide_tiles(const Mat *w, int tl) {
     return chunks_paired(w->dtype, w->rows) && w->cols % 32 == 0 && (tl + 1) * RB <= w->rows;
 }
+
+/* Wide tiles pay where widening a weight competes with the FMAs for the vector ports, as on
+ * Intel's AVX-512 cores; AMD's Zen 5 runs the 8x3 tile faster (docs/PERFORMANCE.md). Set
+ * before main, while one thread runs. */
+static int wide_tiles_on;
+__attribute__((constructor)) static void pick_tiles(void) {
+    __builtin_cpu_init();
+    wide_tiles_on = !__builtin_cpu_is("amd");
+}
+void matmul_set_wide_tiles(int on) { wide_tiles_on = on != 0; }
+int matmul_wide_tiles(void) { return wide_tiles_on; }
+#else
+void matmul_set_wide_tiles(int on) { (void)on; }
+int matmul_wide_tiles(void) { return 0; }
 #endif
 
 /* Tile tl (rows tl*RB ..) for the token block at t0 of T tokens. */
@@ -904,7 +919,7 @@ static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat 
     for (int tl = tile_lo; tl < tile_hi; tl++) {
         int t0 = 0;
 #if ISA_AVX512
-        if (T > 2 * TB && wide_tiles(w, tl)) /* from two blocks' worth on, they pay */
+        if (T > 2 * TB && wide_tiles_on && wide_tiles(w, tl)) /* from two blocks' worth on */
             for (int nt; (nt = T - t0 < TW ? T - t0 : TW) > TB; t0 += nt)
                 tile_wide_any(out, ldo, x, ldx, w, tl * RB, t0, nt);
 #endif

@@ -130,6 +130,11 @@ void matmul_jobs(Worker *wk, const MatmulJob *jobs, int n_jobs);
  * thread computes the same rows of both products (split by rows for every T) and applies
  * SwiGLU to them, so no barrier separates the three. */
 void matmul_swiglu(Worker *wk, float *h1, float *h3, const float *x, int ldx, Mat w1, Mat w3, int T);
+/* Whether products of more than two token blocks take AVX-512's wide tiles (kernels.c):
+ * at startup, unless the processor is AMD's. Both tiles give the same bits; the tests and
+ * build/matmul_bench set it to take each. Always 0 without AVX-512. */
+void matmul_set_wide_tiles(int on);
+int matmul_wide_tiles(void);
 
 /* sum_i a[i] b[i] in the canonical order. */
 float dot(const float *a, const float *b, int n);
