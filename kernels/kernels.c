@@ -728,9 +728,9 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
  * of its accumulators per pass over the group, which stays in L1 between the passes,
  * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains.
  * Where many tokens pass over a group held in L1 (a batched step, a prompt), AVX-512
- * takes wide tiles of 4 to 6 tokens first (tile_wide) on processors where widening shares
- * the FMAs' ports (wide_tiles_on): there the 8x3 tile spends one of its two vector ports'
- * slots on widening for every 3 FMAs, a wide tile one for every 6. */
+ * takes wide tiles of 4 to 6 tokens first (tile_wide) on Intel's processors
+ * (wide_tiles_on): there the 8x3 tile spends one of its two vector ports' slots on
+ * widening for every 3 FMAs, a wide tile one for every 6. */
 #define RB MAT_GROUP_ROWS
 #define TB 3
 _Static_assert(TB == 3, "tile_any has one case per token count, 1 to TB");
@@ -884,8 +884,8 @@ static int wide_tiles(const Mat *w, int tl) {
     return chunks_paired(w->dtype, w->rows) && w->cols % 32 == 0 && (tl + 1) * RB <= w->rows;
 }
 
-/* Wide tiles pay where widening a weight competes with the FMAs for the vector ports, as on
- * Intel's AVX-512 cores; AMD's Zen 5 runs the 8x3 tile faster (docs/PERFORMANCE.md). Set
+/* Wide tiles measured faster on an Intel AVX-512 core (Ice Lake), where widening a weight
+ * seems to take the FMAs' ports, and slower on AMD's Zen 5 (docs/PERFORMANCE.md). Set
  * before main, while one thread runs. */
 static int wide_tiles_on;
 __attribute__((constructor)) static void pick_tiles(void) {
