@@ -62,6 +62,7 @@ def info_of(obj, ckpt):
         info[mine] = field(obj, key, "--info")
     info["is_mla"] = info["latent"] > 0
     info["kernels"] = obj.get("kernels") or "?"
+    info["matmul_tiles"] = obj.get("matmul_tiles") or "?"
     per_token, ctx = info["kv_bytes_per_token"], info["context"]
     if not (per_token == info["kv_alloc_per_token"] and per_token * ctx == info["kv_full_bytes"]
             == info["kv_alloc_bytes"]):

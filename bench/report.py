@@ -101,7 +101,8 @@ def write_report(b):
         ["caches", f"L2 {mach['l2']}; L3 {mach['l3']}"],
         ["memory", f"{mach['mem'] / 2**30:.1f} GiB" if mach["mem"] else "?"],
         ["compiler", mach["compiler"]],
-        ["engine", f"git {mach['git']}; kernels {cks[0].info['kernels']}"],
+        ["engine", f"git {mach['git']}; kernels {cks[0].info['kernels']}, "
+                   f"tiles of {cks[0].info['matmul_tiles']} past 6 tokens"],
     ] + ([["PyTorch", mach["torch"]]] if have_pt else []) + [
         ["date", mach["date"]],
         ["other load", (f"load average {mach['load_start']:.2f} at the start; other processes used "

@@ -898,6 +898,7 @@ int matmul_wide_tiles(void) { return wide_tiles_on; }
 void matmul_set_wide_tiles(int on) { (void)on; }
 int matmul_wide_tiles(void) { return 0; }
 #endif
+const char *matmul_tiles_name(void) { return matmul_wide_tiles() ? "4x6" : RB == 8 ? "8x3" : "4x3"; }
 
 /* Tile tl (rows tl*RB ..) for the token block at t0 of T tokens. */
 static void tile_any(float *out, int ldo, const float *x, int ldx, const Mat *w, int tl, int t0, int T) {

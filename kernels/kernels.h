@@ -135,6 +135,8 @@ void matmul_swiglu(Worker *wk, float *h1, float *h3, const float *x, int ldx, Ma
  * build/matmul_bench set it to take each. Always 0 without AVX-512. */
 void matmul_set_wide_tiles(int on);
 int matmul_wide_tiles(void);
+/* The tile of the products past 6 tokens, rows x tokens: "4x6" (wide), "8x3" or "4x3". */
+const char *matmul_tiles_name(void);
 
 /* sum_i a[i] b[i] in the canonical order. */
 float dot(const float *a, const float *b, int n);

@@ -59,13 +59,13 @@ static void info_json(const Config *c, const Options *o, int pool_blocks, const 
            "\"kv_bytes_per_token_allocated\": %zu, \"kv_pool_blocks\": %d, \"kv_block_tokens\": %d, "
            "\"kv_block_bytes\": %zu, \"kv_pool_bytes\": %zu, \"batch\": %d, \"kv_bytes_contiguous\": %zu, "
            "\"kv_tail_bytes\": %zu, \"scratch_bytes\": %zu, \"tier_stage_bytes\": %zu, \"tier_bytes_full\": %zu, "
-           "\"memory_needed_bytes\": %zu, \"kernels\": \"%s\"",
+           "\"memory_needed_bytes\": %zu, \"kernels\": \"%s\", \"matmul_tiles\": \"%s\"",
            c->dtype == DTYPE_BF16 ? "bf16" : "fp32", c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads,
            c->kv_latent, config_rope_width(c), c->hidden_dim, c->vocab_size, (double)c->rope_theta, c->window,
            o->window_from_model ? "true" : "false", f->params, f->weight_bytes, f->model_bytes, f->per_token,
-           f->kv_full, f->kv_batch, f->per_token_allocated, pool_blocks, KV_BLOCK_TOKENS, f->block_bytes,
-           f->pool_bytes, o->batch, f->kv_contiguous, f->tail_bytes, f->scratch_bytes, f->stage_bytes, f->tier_bytes_full,
-           f->needed, kernels_simd_name());
+           f->kv_full, f->kv_batch, f->per_token_allocated, pool_blocks, KV_BLOCK_TOKENS, f->block_bytes, f->pool_bytes,
+           o->batch, f->kv_contiguous, f->tail_bytes, f->scratch_bytes, f->stage_bytes, f->tier_bytes_full, f->needed,
+           kernels_simd_name(), matmul_tiles_name());
     if (f->available < 0)
         fputs(", \"memory_available_bytes\": null, \"memory_total_bytes\": null, \"fits_in_memory\": null", stdout);
     else
@@ -134,6 +134,7 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
     else
         printf("memory         weights, pool and scratch need %.2f GiB; this machine's memory is unknown\n",
                f.needed / gib);
-    printf("kernels        %s\n", kernels_simd_name());
+    printf("kernels        %s; products past 6 tokens in tiles of %s rows x tokens\n", kernels_simd_name(),
+           matmul_tiles_name());
     return 0;
 }

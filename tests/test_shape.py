@@ -69,6 +69,17 @@ def test_info_by_dtype_and_variant():
     assert twin["kv_bytes_per_token"] == 22 * (256 + 32) * 2
 
 
+def test_info_names_the_matmul_tile():
+    # AVX-512 takes wide tiles (4 rows x 6 tokens) past 6 tokens except on AMD's processors
+    _, info = json_one(["--shape", "gqa", "--info"])
+    if info["kernels"] != "avx512":
+        assert info["matmul_tiles"] == "4x3", info
+        return
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    assert info["matmul_tiles"] == ("8x3" if amd else "4x6"), info
+
+
 def test_info_says_whether_it_fits():
     _, info = json_one(["--shape", "llama2-70b", "--info"])
     assert info["memory_needed_bytes"] == info["model_bytes"] + info["kv_pool_bytes"] + info["scratch_bytes"]
