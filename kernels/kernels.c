@@ -729,7 +729,7 @@ float dot_canonical_scalar(const float *a, const float *b, int n) {
  * and a 4x1 tile (decode) both parts in one pass, for 8 independent chains.
  * Where many tokens pass over a group held in L1 (a batched step, a prompt), AVX-512
  * takes wide tiles of 4 to 6 tokens first (tile_wide) on Intel's processors
- * (wide_tiles_on): there the 8x3 tile spends one of its two vector ports' slots on
+ * (wide_tiles): there the 8x3 tile spends one of its two vector ports' slots on
  * widening for every 3 FMAs, a wide tile one for every 6. */
 #define RB MAT_GROUP_ROWS
 #define TB 3
@@ -879,11 +879,6 @@ static void tile_wide_any(float *out, int ldo, const float *x, int ldx, const Ma
     (nt == 6 ? tile_wide_6 : nt == 5 ? tile_wide_5 : tile_wide_4)(out, ldo, x, ldx, w, r0, t0);
 }
 
-/* Whether tile tl of w takes wide tiles: a full group, of full bf16 chunks only. */
-static int wide_tiles(const Mat *w, int tl) {
-    return chunks_paired(w->dtype, w->rows) && w->cols % 32 == 0 && (tl + 1) * RB <= w->rows;
-}
-
 /* Wide tiles measured faster on an Intel AVX-512 core (Ice Lake), where widening a weight
  * seems to take the FMAs' ports, and slower on AMD's Zen 5 (docs/PERFORMANCE.md). Set
  * before main, while one thread runs. */
@@ -891,6 +886,12 @@ static int wide_tiles_on;
 __attribute__((constructor)) static void pick_tiles(void) {
     __builtin_cpu_init();
     wide_tiles_on = !__builtin_cpu_is("amd");
+}
+
+/* Whether tile tl of w takes wide tiles: where they are on, a full group of full bf16
+ * chunks only. */
+static int wide_tiles(const Mat *w, int tl) {
+    return wide_tiles_on && chunks_paired(w->dtype, w->rows) && w->cols % 32 == 0 && (tl + 1) * RB <= w->rows;
 }
 void matmul_set_wide_tiles(int on) { wide_tiles_on = on != 0; }
 int matmul_wide_tiles(void) { return wide_tiles_on; }
@@ -920,7 +921,7 @@ static void matmul_rows(float *out, int ldo, const float *x, int ldx, const Mat 
     for (int tl = tile_lo; tl < tile_hi; tl++) {
         int t0 = 0;
 #if ISA_AVX512
-        if (T > 2 * TB && wide_tiles_on && wide_tiles(w, tl)) /* from two blocks' worth on */
+        if (T > 2 * TB && wide_tiles(w, tl)) /* from two blocks' worth on, they pay */
             for (int nt; (nt = T - t0 < TW ? T - t0 : TW) > TB; t0 += nt)
                 tile_wide_any(out, ldo, x, ldx, w, tl * RB, t0, nt);
 #endif

@@ -65,16 +65,10 @@ struct Team {
  * than the machine has CPUs for it, where the thread waited for may not be running at all. */
 enum { SPIN_NS = 1000000 };
 
-static long clock_ns(void) {
+static long now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1000000000L + t.tv_nsec;
-}
-
-static long elapsed_ns(const struct timespec *t0) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
 }
 
 /* Returns once *word differs from seen; 1 when it waited past the spin. Spins for up to
@@ -83,17 +77,16 @@ static long elapsed_ns(const struct timespec *t0) {
  * so the late one (or whatever else wants the core) runs. It stays runnable: beside
  * niced background work a futex sleep here was slower (docs/PERFORMANCE.md). */
 static int wait_for_change(Team *t, atomic_uint *word, unsigned seen) {
-    struct timespec t0;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    const long t0 = now_ns();
     for (unsigned spins = 1;; spins++) {
         if (atomic_load_explicit(word, memory_order_acquire) != seen) return 0;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
-        if (spins % 64 == 0 && elapsed_ns(&t0) >= t->spin_ns) break;
+        if (spins % 64 == 0 && now_ns() - t0 >= t->spin_ns) break;
     }
     while (atomic_load_explicit(word, memory_order_acquire) == seen) sched_yield();
-    return elapsed_ns(&t0) >= SPIN_NS;
+    return now_ns() - t0 >= SPIN_NS;
 }
 
 /* A member the team left out sleeps in the kernel until the roster changes: it must not
@@ -155,12 +148,6 @@ static int others_runnable(void) {
 
 /* Whether a team of `size` threads finds a CPU each beside what else runs now. */
 static int room_for(const Team *t, int size) { return t->cpus <= 0 || others_runnable() + size <= t->cpus; }
-
-static long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000L + t.tv_nsec;
-}
 
 /* ---- the team ---- */
 
@@ -339,7 +326,7 @@ void team_barrier(Worker *w) {
     w->pending = 0;
     if (!t || w->threads == 1) return;
     w->barriers++;
-    if (t->timed) t->arrival_ns[w->thread] = clock_ns();
+    if (t->timed) t->arrival_ns[w->thread] = now_ns();
     const unsigned passed = atomic_load_explicit(&t->passed, memory_order_acquire);
     if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) + 1 == (unsigned)w->threads) {
         if (t->timed) { /* the others' arrivals came before their increments of `arrived` */

@@ -69,7 +69,6 @@ void profile_open(Profile *p, const Model *m, const KVPool *pool, const Options 
     const Config *c = &m->cfg;
     memset(p, 0, sizeof *p);
     p->model = m, p->pool = pool, p->form = o->mla_form, p->per_layer = o->profile == 2;
-    p->team = threads_count() > 1;
     if (!(p->clock.ms = calloc((size_t)stage_slots(c), sizeof *p->clock.ms)) ||
         !(p->clock.wait_ms = calloc((size_t)stage_slots(c), sizeof *p->clock.wait_ms)))
         die(1, "out of memory");
@@ -164,7 +163,7 @@ void profile_print(FILE *out, const Profile *p) {
             fprintf(out, "%s %s %.3f (%.0f%%)", k ? " +" : "", PART_NAMES[k], m.part_ms[k],
                     m.step_ms > 0 ? 100.0 * m.part_ms[k] / m.step_ms : 0.0);
         fprintf(out, " + other %.3f\n", m.other_ms);
-        if (p->team) {
+        if (threads_count() > 1) { /* a team's waits; alone there are none */
             fprintf(out, "  %s: of which the threads waited for one another (each barrier, first arrival to last):",
                     PHASE_NAMES[ph]);
             for (int k = 0; k < PARTS; k++) fprintf(out, "%s %s %.3f", k ? "," : "", PART_NAMES[k], m.part_wait_ms[k]);

@@ -32,7 +32,6 @@ typedef struct {
     const KVPool *pool;
     MlaForm form;
     int per_layer;
-    int team;         /* the run has a team of threads (threads_count() > 1) */
     StageClock clock; /* the scheduler's: stage_slots(cfg) slots */
     /* what one pass reads of the weights, and the multiply-adds a token and a key cost */
     double pass_weight_bytes, token_macs, key_macs, sequence_key_macs;

@@ -166,23 +166,29 @@ static void check_matmul(int T, int rows, int cols, DType dt) {
     free(out);
 }
 
-/* With and without AVX-512's wide tiles, whichever this processor takes. */
-static void test_matmul_reference(void **state) {
+/* checks() with and without AVX-512's wide tiles, whichever this processor takes. */
+static void with_each_tile(void (*checks)(void)) {
     const int machine = matmul_wide_tiles();
     for (int wide = 0; wide < 2; wide++) {
         matmul_set_wide_tiles(wide);
-        check_matmul(1, 64, 512, DTYPE_BF16);
-        check_matmul(5, 67, 100, DTYPE_BF16);
-        check_matmul(13, 30, 1344, DTYPE_BF16);
-        check_matmul(64, 16, 512, DTYPE_BF16); /* many tokens: wide tiles, where taken */
-        check_matmul(7, 9, 33, DTYPE_F32);
-        check_matmul(256, 16, 64, DTYPE_F32);
-        check_matmul(3, 2, 20, DTYPE_BF16); /* fewer rows than a group */
-        check_matmul(2, 6, 63, DTYPE_BF16); /* a last chunk of 31 columns: 16 + 15 */
-        check_matmul(4, 5, 48, DTYPE_BF16); /* one pair chunk and a last chunk of 16 */
+        checks();
     }
     matmul_set_wide_tiles(machine);
 }
+
+static void matmul_reference_checks(void) {
+    check_matmul(1, 64, 512, DTYPE_BF16);
+    check_matmul(5, 67, 100, DTYPE_BF16);
+    check_matmul(13, 30, 1344, DTYPE_BF16);
+    check_matmul(64, 16, 512, DTYPE_BF16); /* many tokens: wide tiles, where taken */
+    check_matmul(7, 9, 33, DTYPE_F32);
+    check_matmul(256, 16, 64, DTYPE_F32);
+    check_matmul(3, 2, 20, DTYPE_BF16); /* fewer rows than a group */
+    check_matmul(2, 6, 63, DTYPE_BF16); /* a last chunk of 31 columns: 16 + 15 */
+    check_matmul(4, 5, 48, DTYPE_BF16); /* one pair chunk and a last chunk of 16 */
+}
+
+static void test_matmul_reference(void **state) { with_each_tile(matmul_reference_checks); }
 
 /* Batch invariance: row t of a T-token matmul equals the 1-token matmul of row t, and the
  * canonical scalar dot, bit for bit. */
@@ -221,15 +227,12 @@ static void check_matmul_batch_invariant(int T, int rows, int cols) {
     free(wrow);
 }
 
-static void test_matmul_batch_invariant(void **state) {
-    const int machine = matmul_wide_tiles();
-    for (int wide = 0; wide < 2; wide++) {
-        matmul_set_wide_tiles(wide);
-        check_matmul_batch_invariant(37, 45, 528); /* a last chunk of 16 columns: no wide tiles */
-        check_matmul_batch_invariant(37, 45, 512);
-    }
-    matmul_set_wide_tiles(machine);
+static void matmul_batch_invariant_checks(void) {
+    check_matmul_batch_invariant(37, 45, 528); /* a last chunk of 16 columns: no wide tiles */
+    check_matmul_batch_invariant(37, 45, 512);
 }
+
+static void test_matmul_batch_invariant(void **state) { with_each_tile(matmul_batch_invariant_checks); }
 
 /* matmul_jobs gives every product exactly what matmul gives it, whatever the thread count
  * and wherever the threads' shares cut the concatenated tile list, in a forward pass's team

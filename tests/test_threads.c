@@ -19,6 +19,7 @@
 #include <cmocka.h>
 
 #include "kernels/threads.h"
+#include "kernels/timer.h"
 #include "testutil.h"
 
 enum { MAX_ITEMS = 1000, ROUNDS = 50 };
@@ -248,20 +249,14 @@ static void waits_member(void *arg, Worker *w) {
     while (team_wait(w)) waits_step(arg, w);
 }
 
-static double clock_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
-
 /* Posts one step of the waits test; its wall time on thread 0. */
 static double waits_post(Team *t, Waits *x, int sleep) {
     x->sleep = sleep;
     atomic_store(&x->leader_there, 0);
-    const double t0 = clock_ms();
+    const double t0 = now_ms();
     team_post(t);
     waits_step(x, team_leader(t));
-    return clock_ms() - t0;
+    return now_ms() - t0;
 }
 
 static void test_barrier_waits_when_timed(void **state) {
