@@ -66,7 +66,7 @@ build/matmul_bench: bench/matmul.c $(B)/kernels/kernels.o $(B)/kernels/threads.o
 	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o -o $@ -lm -pthread
 
 # the attention kernels alone on one item of a long-context step (bench/attention.c); not part of `make bench`
-build/attention_bench: bench/attention.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h kernels/threads.h
+build/attention_bench: bench/attention.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h kernels/simd.h kernels/threads.h
 	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o -o $@ -lm -pthread
 
 build/roofline: bench/roofline.c $(B)/kernels/kernels.o $(B)/kernels/threads.o kernels/kernels.h
