@@ -180,9 +180,9 @@ def write(args, machine, bandwidth, peak_flops, infos, cells, cross, disturbed):
         f.write("variant,batch,context,step_ms,spread_ms,weight_bytes,cache_bytes,flops,floor_ms,share,"
                 "phases_floor_ms,phases_share\n")
         for c in cells:
-            f.write(f"{c['variant']},{c['batch']},{c['context']},{c['step_ms']:.4f},{c['spread']:.4f},"
-                    f"{c['weight_bytes']},{c['cache_bytes']},{c['flops']},{c['floor_ms']:.4f},{c['share']:.6g},"
-                    f"{c['phases_ms']:.4f},{c['phases_share']:.6g}\n")
+            f.write(f"{c['variant']},{c['batch']},{c['context']},{c['step_ms']:.6g},{c['spread']:.6g},"
+                    f"{c['weight_bytes']},{c['cache_bytes']},{c['flops']},{c['floor_ms']:.6g},{c['share']:.6g},"
+                    f"{c['phases_ms']:.6g},{c['phases_share']:.6g}\n")
     os.replace(base + ".csv.tmp", base + ".csv")
     try:
         import matplotlib
