@@ -90,8 +90,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "matmul_bench: cannot start %d threads\n", threads);
         return 1;
     }
-    printf("kernels %s, %s tiles past 6 tokens, %d threads, %d reps\n", kernels_simd_name(),
-           matmul_wide_tiles() ? "wide" : "8x3", threads, reps);
+    printf("kernels %s, tiles of %s past 6 tokens, %d threads, %d reps\n", kernels_simd_name(), matmul_tiles_name(),
+           threads, reps);
     printf("%-14s %4s %10s %12s %14s\n", "shape", "T", "best ms", "best GFLOP/s", "median GFLOP/s");
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int rows = shapes[s].rows, cols = shapes[s].cols;
