@@ -60,8 +60,9 @@ enum { MIN_STACK_BYTES = 32 << 10 };
 
 /* The model's shape: --shape's, or the checkpoint's header (ck, left open: nothing else
  * of it is read yet), with -c's context; a window as long as the context slides nothing,
- * so it goes. */
-static Config model_config(const Options *o, Checkpoint *ck) {
+ * so it goes. A shape's context is only a default, so --fill past it (no -c) sets the
+ * context to the fill plus the shape's own, room for the prompt and -n as the shape had. */
+static Config model_config(Options *o, Checkpoint *ck) {
     Config c;
     char err[512];
     if (o->shape) {
@@ -69,6 +70,11 @@ static Config model_config(const Options *o, Checkpoint *ck) {
     } else {
         if (checkpoint_open(ck, o->checkpoint, err, sizeof err) != 0) die(1, "%s", err);
         c = ck->cfg;
+    }
+    if (o->shape && !o->ctx_size && o->fill >= c.max_seq_len) {
+        const long grown = (long)o->fill + c.max_seq_len;
+        o->fill_grew_ctx = c.max_seq_len;
+        c.max_seq_len = grown < MAX_SEQ_LEN ? (int)grown : MAX_SEQ_LEN; /* past it, check_limits refuses the fill */
     }
     if (o->ctx_size) {
         if (!o->shape && o->ctx_size > c.max_seq_len)

@@ -57,6 +57,7 @@ typedef struct {
     int window_sinks;         /* of them, the first positions kept for good (--evict sinks) */
     KVEvict evict;            /* what a full window gives up (--evict) */
     int fill;                 /* --fill: positions of generated cache entries every sequence starts after */
+    int fill_grew_ctx;        /* --shape's own context, when --fill past it (no -c) set the context */
     int prompt_given;         /* -p or -f was on the command line */
     int mla_given;        /* --mla was on the command line (refused for a model without MLA) */
     int threads_note;         /* -t above 2: say that -t is the temperature here and threads are --threads */

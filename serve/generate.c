@@ -592,6 +592,9 @@ int mode_generate(const Model *m, KVPool *pool, const Drafter *draft, const Opti
         fprintf(stderr, "run: note: the weights are generated from the seed (--shape %s), not trained: the tokens "
                         "mean nothing, and print as their ids\n",
                 o->shape);
+    if (o->fill_grew_ctx)
+        fprintf(stderr, "run: note: the context is %d positions, --fill %d plus the shape's own %d (-c sets it)\n",
+                m->cfg.max_seq_len, o->fill, o->fill_grew_ctx);
     print_settings(m, o, list.n, o->batch);
     /* Step lines go to stderr when asked for, or when it is a terminal of its own: there
      * they do not cut the story up. In a file or pipe they would interleave with the story

@@ -47,3 +47,27 @@ def test_refused(flags, says):
     assert p.returncode == 2
     err = p.stderr.decode()
     assert says in err and err.count("\n") == 1, err
+
+
+def test_a_fill_past_a_shapes_context_grows_it(tmp_path):
+    """A shape's context is a default: --fill past it without -c sets the context to the fill
+    plus the shape's own (the mha preset's 256), and the run is the one asked for with -c."""
+    base = ["--shape", "mha", "--kv", "--fill", "300", "-n", "4", "-k", "1", "--ignore-eos", "-s", "5", "-q"]
+    grown, seqs, summary = generate_json(base + ["--dump-logits", tmp_path / "grown.f32"])
+    assert summary["context"] == 300 + 256
+    assert seqs[0]["fill"] == 300 and len(seqs[0]["tokens"]) == 4 and seqs[0]["stop"] == "steps"
+    assert "the context is 556 positions" in grown.stderr.decode()
+    _, same, given = generate_json(base + ["-c", "556", "--dump-logits", tmp_path / "given.f32"])
+    assert given["context"] == 556 and same[0]["tokens"] == seqs[0]["tokens"]
+    assert (tmp_path / "grown.f32").read_bytes() == (tmp_path / "given.f32").read_bytes()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--shape", "mha", "-c", "256", "--fill", "300"], "out of range (1..255"),  # -c is kept
+    (["--shape", "mha", "--fill", "131072"], "out of range (1..131071"),          # past the largest context
+    ([CKPT, "--fill", "300"], "out of range (1..255"),                            # a checkpoint's is its own
+])
+def test_a_fill_past_the_context_refused(args, says):
+    p = run(args + ["--kv", "-n", "2"], check=False)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and says in err and err.count("\n") == 1, err
