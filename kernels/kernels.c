@@ -272,15 +272,18 @@ static inline __attribute__((always_inline)) void dot_block_rows(float *out, con
 enum { WIDE_COLS = 320, WIDE_HEADS = 16 };
 
 /* dot_block_rows for the nh heads that read block b, each head's scores at out + h*ld_out:
- * every 16 rows' columns are widened to floats once, a slab of WIDE_COLS at a time, 16 rows
- * a 16-column slice side by side, and every head reads them from L1, where widening them
- * anew for each head would bound the loop. A head's 16 chains wait in `spill` between
- * slabs: the same chains in the same order, so the bits of dot_block_rows. */
+ * every 16 rows' columns are widened to floats once, a slab of WIDE_COLS at a time, and
+ * every head reads them from L1, where widening them anew for each head would bound the
+ * loop. A 16-column slice holds its rows in pairs, the first 8 columns of both rows, then
+ * the last 8 (v16_low_halves), so each head's chains for columns c and c + 8 lie in two
+ * vectors at the same lanes and v16_reduce16's first level is one add, not two shuffles and
+ * an add. A head's 16 chains wait in `spill` between slabs: each lane's chain is the one
+ * dot_block_rows computes, in the same order, so the bits are its bits. */
 static inline __attribute__((always_inline)) void dot_block_rows_shared(float *out, size_t ld_out, const float *q,
                                                                         size_t ld_q, int nh, const RowBlocks *r, int b,
                                                                         int m, int width, float scale, DType dt) {
     const char *base = r->block[b];
-    float wide[16 * WIDE_COLS] __attribute__((aligned(64))); /* (WIDE_COLS / 16 slices, 16 rows, 16) */
+    float wide[16 * WIDE_COLS] __attribute__((aligned(64))); /* (WIDE_COLS / 16 slices, 8 pairs, 2 halves, 16) */
     v16 spill[WIDE_HEADS][16];
     const int batch = width <= WIDE_COLS ? nh : WIDE_HEADS; /* one slab: no chains wait, so no bound */
     int j = 0;
@@ -290,25 +293,37 @@ static inline __attribute__((always_inline)) void dot_block_rows_shared(float *o
             for (int c0 = 0; c0 < width; c0 += WIDE_COLS) {
                 const int cw = width - c0 < WIDE_COLS ? width - c0 : WIDE_COLS;
                 for (int k = 0; k < cw; k += 16)
-                    for (int i = 0; i < 16; i++)
-                        v16_store(wide + 16 * (k + i),
-                                  block_load(r, base, b, j + i, c0 + k, cw - k < 16 ? cw - k : 16, dt), 16);
+                    for (int i = 0; i < 16; i += 2) {
+                        const int len = cw - k < 16 ? cw - k : 16;
+                        const v16 first = block_load(r, base, b, j + i, c0 + k, len, dt),
+                                  second = block_load(r, base, b, j + i + 1, c0 + k, len, dt);
+                        v16_store(wide + 16 * (k + i), v16_low_halves(first, second), 16);
+                        v16_store(wide + 16 * (k + i + 1), v16_high_halves(first, second), 16);
+                    }
                 for (int h = 0; h < hn; h++) {
                     const float *qh = q + (size_t)(h0 + h) * ld_q + c0;
-                    v16 acc[16];
+                    v16 acc[16]; /* pair i/2 of rows: columns 0-7 of each 16 (i even), 8-15 (i odd) */
 #pragma GCC unroll 16
                     for (int i = 0; i < 16; i++) acc[i] = c0 == 0 ? v16_zero() : spill[h][i];
                     for (int k = 0; k < cw; k += 16) {
-                        const v16 qk = v16_load_f32(qh + k, cw - k < 16 ? cw - k : 16);
-#pragma GCC unroll 16
-                        for (int i = 0; i < 16; i++)
-                            acc[i] = v16_fma(qk, v16_load_f32(wide + 16 * (k + i), 16), acc[i]);
+                        const int len = cw - k < 16 ? cw - k : 16;
+                        const v16 q_low = v16_load_f32_twice8(qh + k, len < 8 ? len : 8),
+                                  q_high = v16_load_f32_twice8(qh + k + 8, len - 8);
+#pragma GCC unroll 8
+                        for (int i = 0; i < 16; i += 2) {
+                            acc[i] = v16_fma(q_low, v16_load_f32(wide + 16 * (k + i), 16), acc[i]);
+                            acc[i + 1] = v16_fma(q_high, v16_load_f32(wide + 16 * (k + i + 1), 16), acc[i + 1]);
+                        }
                     }
                     if (c0 + cw < width) {
 #pragma GCC unroll 16
                         for (int i = 0; i < 16; i++) spill[h][i] = acc[i];
                     } else {
-                        v16_store(out + (size_t)(h0 + h) * ld_out + j, v16_mul(v16_reduce16(acc), v16_set1(scale)), 16);
+                        v16 folded[8];
+#pragma GCC unroll 8
+                        for (int i = 0; i < 8; i++) folded[i] = v16_add(acc[2 * i], acc[2 * i + 1]);
+                        v16_store(out + (size_t)(h0 + h) * ld_out + j,
+                                  v16_mul(v16_reduce16_folded(folded), v16_set1(scale)), 16);
                     }
                 }
             }

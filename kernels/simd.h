@@ -143,12 +143,18 @@ static inline __m512 avx512_fold2(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 
-/* r[j] = v16_reduce(a[j]) for 16 vectors at once: the same tree of adds (l + l+8, + l+4,
- * + l+2, + l+1) for every vector, done on 16 of them side by side by shuffles, so the
- * result equals v16_reduce bit for bit. */
-static inline v16 v16_reduce16(const v16 a[16]) {
-    __m512 s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++) s8[i] = avx512_fold8(a[2 * i], a[2 * i + 1]);
+/* Lanes 0-7 of a, then of b; lanes 8-15 of a, then of b. */
+static inline v16 v16_low_halves(v16 a, v16 b) { return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)); }
+static inline v16 v16_high_halves(v16 a, v16 b) { return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)); }
+/* p[0..n) (n <= 8, the rest 0) in lanes 0-7 and again in lanes 8-15 */
+static inline v16 v16_load_f32_twice8(const float *p, int n) {
+    const __m256 h = n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps((__mmask8)(n > 0 ? (1u << n) - 1 : 0), p);
+    return _mm512_broadcast_f32x8(h);
+}
+
+/* v16_reduce16 after its first level: s8[i] = [a(2i) l+(l+8) ; a(2i+1) l+(l+8)], l < 8. */
+static inline v16 v16_reduce16_folded(const v16 s8[8]) {
+    __m512 s4[4], s2[2];
     for (int i = 0; i < 4; i++) s4[i] = avx512_fold4(s8[2 * i], s8[2 * i + 1]); /* block b: a(4i+b) */
     for (int i = 0; i < 2; i++) s2[i] = avx512_fold2(s4[2 * i], s4[2 * i + 1]); /* block b: a(8i+b), a(8i+b+4) */
     /* block b, element i: a(b + 4i) lane 0 + lane 1 */
@@ -156,6 +162,15 @@ static inline v16 v16_reduce16(const v16 a[16]) {
                              _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(order, r); /* lane j: a(j) */
+}
+
+/* r[j] = v16_reduce(a[j]) for 16 vectors at once: the same tree of adds (l + l+8, + l+4,
+ * + l+2, + l+1) for every vector, done on 16 of them side by side by shuffles, so the
+ * result equals v16_reduce bit for bit. */
+static inline v16 v16_reduce16(const v16 a[16]) {
+    __m512 s8[8];
+    for (int i = 0; i < 8; i++) s8[i] = avx512_fold8(a[2 * i], a[2 * i + 1]);
+    return v16_reduce16_folded(s8);
 }
 
 /* out[j] = v16_reduce(a[j]) for j < 8: v16_reduce16's tree on 8 vectors side by side */
@@ -341,12 +356,10 @@ static inline float v16_reduce(v16 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* v16_reduce of a[0..7] side by side, by shuffles: the same tree (l + l+8, + l+4, + l+2,
- * + l+1) for each, so each lane equals v16_reduce bit for bit. */
-static inline __m256 avx2_reduce8(const v16 a[8]) {
-    __m256 s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(a[i].lo, a[i].hi); /* a(i): l + (l+8), l < 8 */
-    for (int i = 0; i < 4; i++)                                          /* [a(2i) l+(l+4) ; a(2i+1) l+(l+4)], l < 4 */
+/* avx2_reduce8 after its first level: s8[i] = a(i)'s l + (l+8), l < 8. */
+static inline __m256 avx2_reduce8_folded(const __m256 s8[8]) {
+    __m256 s4[4], s2[2];
+    for (int i = 0; i < 4; i++) /* [a(2i) l+(l+4) ; a(2i+1) l+(l+4)], l < 4 */
         s4[i] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x20),
                               _mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x31));
     for (int i = 0; i < 2; i++) { /* 128-bit half b: [a(4i+b) l+(l+2) ; a(4i+b+2) l+(l+2)], l < 2 */
@@ -359,9 +372,39 @@ static inline __m256 avx2_reduce8(const v16 a[8]) {
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* lane j: a(j) */
 }
 
+/* v16_reduce of a[0..7] side by side, by shuffles: the same tree (l + l+8, + l+4, + l+2,
+ * + l+1) for each, so each lane equals v16_reduce bit for bit. */
+static inline __m256 avx2_reduce8(const v16 a[8]) {
+    __m256 s8[8];
+    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(a[i].lo, a[i].hi); /* a(i): l + (l+8), l < 8 */
+    return avx2_reduce8_folded(s8);
+}
+
 /* r[j] = v16_reduce(a[j]) for 16 vectors at once */
 static inline v16 v16_reduce16(const v16 a[16]) {
     v16 r = {avx2_reduce8(a), avx2_reduce8(a + 8)};
+    return r;
+}
+/* Lanes 0-7 of a, then of b; lanes 8-15 of a, then of b. */
+static inline v16 v16_low_halves(v16 a, v16 b) {
+    v16 v = {a.lo, b.lo};
+    return v;
+}
+static inline v16 v16_high_halves(v16 a, v16 b) {
+    v16 v = {a.hi, b.hi};
+    return v;
+}
+/* p[0..n) (n <= 8, the rest 0) in lanes 0-7 and again in lanes 8-15 */
+static inline v16 v16_load_f32_twice8(const float *p, int n) {
+    const __m256 h = n >= 8 ? _mm256_loadu_ps(p) : n > 0 ? _mm256_maskload_ps(p, avx2_mask8(n)) : _mm256_setzero_ps();
+    v16 v = {h, h};
+    return v;
+}
+/* v16_reduce16 after its first level: s8[i] = [a(2i) l+(l+8) ; a(2i+1) l+(l+8)], l < 8. */
+static inline v16 v16_reduce16_folded(const v16 s8[8]) {
+    __m256 t[16];
+    for (int i = 0; i < 8; i++) t[2 * i] = s8[i].lo, t[2 * i + 1] = s8[i].hi;
+    v16 r = {avx2_reduce8_folded(t), avx2_reduce8_folded(t + 8)};
     return r;
 }
 /* out[j] = v16_reduce(a[j]) for j < 8 */
@@ -500,6 +543,35 @@ static inline v16 v16_reduce16(const v16 a[16]) {
 /* out[j] = v16_reduce(a[j]) for j < 8 */
 static inline void v16_reduce8_store(float *out, const v16 a[8]) {
     for (int j = 0; j < 8; j++) out[j] = v16_reduce(a[j]);
+}
+/* Lanes 0-7 of a, then of b; lanes 8-15 of a, then of b. */
+static inline v16 v16_low_halves(v16 a, v16 b) {
+    v16 v;
+    for (int l = 0; l < 8; l++) v.x[l] = a.x[l], v.x[8 + l] = b.x[l];
+    return v;
+}
+static inline v16 v16_high_halves(v16 a, v16 b) {
+    v16 v;
+    for (int l = 0; l < 8; l++) v.x[l] = a.x[8 + l], v.x[8 + l] = b.x[8 + l];
+    return v;
+}
+/* p[0..n) (n <= 8, the rest 0) in lanes 0-7 and again in lanes 8-15 */
+static inline v16 v16_load_f32_twice8(const float *p, int n) {
+    v16 v;
+    for (int l = 0; l < 8; l++) v.x[l] = v.x[8 + l] = l < n ? p[l] : 0.0f;
+    return v;
+}
+/* v16_reduce16 after its first level: s8[i] = [a(2i) l+(l+8) ; a(2i+1) l+(l+8)], l < 8. */
+static inline v16 v16_reduce16_folded(const v16 s8[8]) {
+    v16 r;
+    for (int j = 0; j < 16; j++) {
+        float x[8];
+        for (int l = 0; l < 8; l++) x[l] = s8[j / 2].x[8 * (j % 2) + l];
+        for (int h = 4; h >= 1; h /= 2)
+            for (int l = 0; l < h; l++) x[l] = x[l] + x[l + h];
+        r.x[j] = x[0];
+    }
+    return r;
 }
 #endif
 
