@@ -497,6 +497,9 @@ static void step_share(SchedulerRun *run, Worker *wk) {
     const Scheduler *sch = run->sch;
     const int V = sch->model->cfg.vocab_size;
     if (sch->draft_model) draft_share(run, wk);
+    /* the step's samples, as laid out by its last pass: read after a lay-out's barrier, since
+     * past the passes' last barrier thread 0 may be laying out the next step already */
+    int S = 0;
     for (int p = 0; p < run->n_passes; p++) {
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
@@ -508,6 +511,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
             team_barrier(wk);
             if (run->rc != 0) return;
             more = run->more;
+            S = run->n_sample;
             float *logits = run->logits + (size_t)run->row0 * V;
             model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
             if (team_alone(wk)) run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
@@ -516,7 +520,6 @@ static void step_share(SchedulerRun *run, Worker *wk) {
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
     }
-    const int S = run->n_sample;
     stage_begin(sch->clock, wk);
     Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4));
     for (long lo, hi; share_next(&sh, &lo, &hi);)
@@ -642,8 +645,9 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
     if (run->team && sch->clock) team_time_barriers(run->team);
     if (run->team) team_post(run->team);
-    /* thread 0's share; once it returns the members are done with the step too: they do
-     * nothing alone, and every shared operation ended in a barrier thread 0 passed */
+    /* thread 0's share; once it returns the members are done with the step's state too:
+     * every shared operation ended in a barrier thread 0 passed, and past the last one they
+     * read nothing thread 0 changes (step_share's S) */
     step_share(run, leader);
     if (run->team) sch->short_team_steps = team_short_steps(run->team);
     if (run->rc == MODEL_ERR_TIER) sch->tier_errno = sch->pool->stream->err;
