@@ -491,22 +491,23 @@ static void check_step(const Scheduler *sch, int rc) {
 /* Warm-up, as llama.cpp does after loading: one untimed forward of the first prompt (what
  * a window takes in one pass), on a cache emptied after. A process's first forward runs
  * cold (its weights come from DRAM); that is a cost of loading, so the timed prefill runs
- * warm, like every decode step. The arithmetic is batch-invariant, so the prefill's
- * logits are the same bits either way. */
-static void warm_up(const Model *m, KVPool *pool, const Drafter *draft, const Options *o, const Request *first,
-                    Generation *g) {
+ * warm, like every decode step. It runs on the run's own scheduler, whose buffers are then
+ * warm too, and which holds the only scratch --info counts. The arithmetic is
+ * batch-invariant, so the prefill's logits are the same bits either way. */
+static void warm_up(Scheduler *sch, const Request *first, Generation *g) {
     const double t0 = now_ms();
-    Scheduler sch;
-    scheduler_open(&sch, m, pool, draft, o, 1);
-    sch.fill = 0; /* the generated entries are the timed run's: the warm-up computes the prompt */
+    const KVPool *pool = sch->pool;
+    const int fill = sch->fill;
+    sch->fill = 0; /* the generated entries are the timed run's: the warm-up computes the prompt */
     const int n = pool->window && first->n_prompt > pool->window ? pool->window : first->n_prompt;
     Request r = {.tokens = first->tokens, .n_prompt = n, .cap_tokens = first->cap_tokens, .score = 1};
-    if (scheduler_add(&sch, &r) != 0) die(1, "out of memory");
+    if (scheduler_add(sch, &r) != 0) die(1, "out of memory");
     StepResult st;
     int rc;
-    while ((rc = scheduler_step(&sch, &st)) > 0) {}
-    check_step(&sch, rc);
-    scheduler_free(&sch);
+    while ((rc = scheduler_step(sch, &st)) > 0) {}
+    check_step(sch, rc);
+    sch->fill = fill;
+    scheduler_restart_figures(sch);
     if (pool->stream) kv_stream_restart_figures(pool->stream);
     if (g->step_lines) {
         start_stderr_line(g);
@@ -604,10 +605,8 @@ int mode_generate(const Model *m, KVPool *pool, const Drafter *draft, const Opti
     catch_interrupts();
     if (streams_text(&g))
         for (int i = 1; i < list.requests[0].n_prompt; i++) print_text(&g, token_text(&g, list.requests[0].tokens[i]));
-    /* the run's buffers first: touching them after the warm-up would push the weights it
-     * brought into the caches back out, and the timed prefill would run cold */
     scheduler_open(&sch, m, pool, draft, o, o->batch);
-    warm_up(m, pool, draft, o, &list.requests[0], &g);
+    warm_up(&sch, &list.requests[0], &g);
     sch.clock = g.profile ? &profile.clock : NULL;
     sch.record = g.attn ? &attn.record : NULL;
     for (int i = 0; i < list.n; i++)

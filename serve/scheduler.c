@@ -60,6 +60,7 @@ struct SchedulerRun {
     double start;       /* the first step's start */
     int evicts;         /* the window gives up positions by attention (kvcache.h's KVEvict) */
     AttnRecord paid;    /* then every token's attention weights, each pass */
+    long short_steps_before; /* the team's short steps before scheduler_restart_figures */
 };
 
 static int min_int(int a, int b) { return a < b ? a : b; }
@@ -649,7 +650,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
      * every shared operation ended in a barrier thread 0 passed, and past the last one they
      * read nothing thread 0 changes (step_share's S) */
     step_share(run, leader);
-    if (run->team) sch->short_team_steps = team_short_steps(run->team);
+    if (run->team) sch->short_team_steps = team_short_steps(run->team) - run->short_steps_before;
     if (run->rc == MODEL_ERR_TIER) sch->tier_errno = sch->pool->stream->err;
     if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE || run->rc == MODEL_ERR_TIER ? run->rc : -1;
     /* generated entries stand for a prefill that never ran: no step's time */
@@ -685,14 +686,24 @@ int scheduler_max_tokens(const Config *c, int max_batch) {
     return min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS) + max_batch;
 }
 
-int scheduler_init(Scheduler *sch) {
-    const Config *c = &sch->model->cfg;
-    sch->run = NULL;
+static void zero_figures(Scheduler *sch) {
     sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = sch->rule_recomputes = 0;
     sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
     sch->drafted = sch->accepted = sch->verify_passes = 0;
     sch->draft_ms = 0.0;
+}
+
+void scheduler_restart_figures(Scheduler *sch) {
+    zero_figures(sch);
+    if (sch->run->team) sch->run->short_steps_before = team_short_steps(sch->run->team);
+}
+
+int scheduler_init(Scheduler *sch) {
+    const Config *c = &sch->model->cfg;
+    sch->run = NULL;
+    zero_figures(sch);
+    sch->prefill_ms = 0.0, sch->prefill_tokens = 0;
     if (sch->max_batch < 1 ||
         (!sch->pool->stream && sch->pool->n_blocks < kv_blocks_per_sequence(sch->pool, c->max_seq_len)))
         return -1;

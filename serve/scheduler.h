@@ -212,6 +212,9 @@ int scheduler_add(Scheduler *sch, Request *r);
  * finite (nothing is sampled from them); MODEL_ERR_TIER when a streamed cache's tier
  * failed (a write, a read or a checksum: tier_errno), which the run cannot go on from. */
 int scheduler_step(Scheduler *sch, StepResult *out);
+/* Forgets the steps run so far (a warm-up's): the counts and times a run reports start from
+ * zero again; the prefill's rate, the buffers, the team and the pool stay. */
+void scheduler_restart_figures(Scheduler *sch);
 /* Closes the team and frees the run, and what requests still running hold. */
 void scheduler_free(Scheduler *sch);
 

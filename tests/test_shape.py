@@ -213,6 +213,28 @@ def test_a_run_that_does_not_fit_is_refused():
     assert "GiB available" in err
 
 
+def test_a_run_holds_what_info_counts():
+    """The memory --info counts (and a run checks before it allocates) is what a run holds at
+    its peak: one pass's scratch, not a second one for the warm-up. Two shapes whose scratch
+    differs by half (the logits of 2,048 or 1,024 prompt tokens a pass, a 32,000-token
+    vocabulary over tiny layers): their peak RSS differs by what --info's figure does, where
+    a second scratch would double it. Differences, so the process's own pages and ASan's
+    shadow (an eighth more) leave the ratio near 1."""
+    from conftest import run_measured
+    shape = "layers=1,dim=64,heads=2,kv_heads=2,head_dim=32,ffn=64,vocab=32000"
+    need, peak = [], []
+    for ctx in (2048, 1024):
+        args = ["--shape", f"{shape},ctx={ctx}", "-n", 2, "-p", "1", "--kv"]
+        _, info = json_one(args + ["--info"])
+        code, err, rss_kb = run_measured(args + ["-q"])
+        assert code == 0, err
+        need.append(info["memory_needed_bytes"])
+        peak.append(rss_kb * 1024)
+    assert need[0] - need[1] > 100 << 20, need
+    ratio = (peak[0] - peak[1]) / (need[0] - need[1])
+    assert 0.8 < ratio < 1.3, (ratio, need, peak)  # with the warm-up's own scheduler: 2.0
+
+
 # ---- bad input ----
 
 @pytest.mark.parametrize("args,code,needle", [
