@@ -130,9 +130,11 @@ static inline float v16_reduce(v16 v) {
  * fold4(a, b), a and b two fold8 results: 128-bit block k holds the 4 sums l+(l+4) of
  *   the k-th of their 4 halves (a's two, then b's two);
  * fold2(a, b), two fold4 results: block k = [a's block k l+(l+2) ; b's block k l+(l+2)]. */
+/* Lanes 0-7 of a, then of b; lanes 8-15 of a, then of b. */
+static inline v16 v16_low_halves(v16 a, v16 b) { return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)); }
+static inline v16 v16_high_halves(v16 a, v16 b) { return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)); }
 static inline __m512 avx512_fold8(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(v16_low_halves(a, b), v16_high_halves(a, b));
 }
 static inline __m512 avx512_fold4(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
@@ -143,9 +145,6 @@ static inline __m512 avx512_fold2(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 
-/* Lanes 0-7 of a, then of b; lanes 8-15 of a, then of b. */
-static inline v16 v16_low_halves(v16 a, v16 b) { return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)); }
-static inline v16 v16_high_halves(v16 a, v16 b) { return _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)); }
 /* p[0..n) (n <= 8, the rest 0) in lanes 0-7 and again in lanes 8-15 */
 static inline v16 v16_load_f32_twice8(const float *p, int n) {
     const __m256 h = n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps((__mmask8)(n > 0 ? (1u << n) - 1 : 0), p);
@@ -162,15 +161,6 @@ static inline v16 v16_reduce16_folded(const v16 s8[8]) {
                              _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(order, r); /* lane j: a(j) */
-}
-
-/* r[j] = v16_reduce(a[j]) for 16 vectors at once: the same tree of adds (l + l+8, + l+4,
- * + l+2, + l+1) for every vector, done on 16 of them side by side by shuffles, so the
- * result equals v16_reduce bit for bit. */
-static inline v16 v16_reduce16(const v16 a[16]) {
-    __m512 s8[8];
-    for (int i = 0; i < 8; i++) s8[i] = avx512_fold8(a[2 * i], a[2 * i + 1]);
-    return v16_reduce16_folded(s8);
 }
 
 /* out[j] = v16_reduce(a[j]) for j < 8: v16_reduce16's tree on 8 vectors side by side */
@@ -380,11 +370,6 @@ static inline __m256 avx2_reduce8(const v16 a[8]) {
     return avx2_reduce8_folded(s8);
 }
 
-/* r[j] = v16_reduce(a[j]) for 16 vectors at once */
-static inline v16 v16_reduce16(const v16 a[16]) {
-    v16 r = {avx2_reduce8(a), avx2_reduce8(a + 8)};
-    return r;
-}
 /* Lanes 0-7 of a, then of b; lanes 8-15 of a, then of b. */
 static inline v16 v16_low_halves(v16 a, v16 b) {
     v16 v = {a.lo, b.lo};
@@ -529,17 +514,13 @@ static inline v16 v16_first(v16 v, int n) {
     for (int l = n < 0 ? 0 : n; l < 16; l++) v.x[l] = 0.0f;
     return v;
 }
-static inline float v16_reduce(v16 v) {
-    for (int h = 8; h >= 1; h /= 2)
-        for (int l = 0; l < h; l++) v.x[l] = v.x[l] + v.x[l + h];
-    return v.x[0];
+/* x[0] after the tree's levels from `half` down: x[l] + x[l + h] for h = half, half/2 .. 1 */
+static inline float portable_tree(float *x, int half) {
+    for (int h = half; h >= 1; h /= 2)
+        for (int l = 0; l < h; l++) x[l] = x[l] + x[l + h];
+    return x[0];
 }
-/* r[j] = v16_reduce(a[j]) for 16 vectors, one at a time */
-static inline v16 v16_reduce16(const v16 a[16]) {
-    v16 r;
-    for (int j = 0; j < 16; j++) r.x[j] = v16_reduce(a[j]);
-    return r;
-}
+static inline float v16_reduce(v16 v) { return portable_tree(v.x, 8); }
 /* out[j] = v16_reduce(a[j]) for j < 8 */
 static inline void v16_reduce8_store(float *out, const v16 a[8]) {
     for (int j = 0; j < 8; j++) out[j] = v16_reduce(a[j]);
@@ -567,13 +548,21 @@ static inline v16 v16_reduce16_folded(const v16 s8[8]) {
     for (int j = 0; j < 16; j++) {
         float x[8];
         for (int l = 0; l < 8; l++) x[l] = s8[j / 2].x[8 * (j % 2) + l];
-        for (int h = 4; h >= 1; h /= 2)
-            for (int l = 0; l < h; l++) x[l] = x[l] + x[l + h];
-        r.x[j] = x[0];
+        r.x[j] = portable_tree(x, 4);
     }
     return r;
 }
 #endif
+
+/* r[j] = v16_reduce(a[j]) for 16 vectors at once: the same tree of adds (l + l+8, + l+4,
+ * + l+2, + l+1) for every vector, its first level on two vectors' halves side by side,
+ * so the result equals v16_reduce bit for bit. */
+static inline v16 v16_reduce16(const v16 a[16]) {
+    v16 s8[8];
+    for (int i = 0; i < 8; i++)
+        s8[i] = v16_add(v16_low_halves(a[2 * i], a[2 * i + 1]), v16_high_halves(a[2 * i], a[2 * i + 1]));
+    return v16_reduce16_folded(s8);
+}
 
 /* e^x for x <= 0 (softmax's shifted scores), within ~2 ulp: x = n ln2 + r, |r| <= ln2/2,
  * e^r by Cephes' expf polynomial, times 2^n. x below -87.3 is taken as -87.3 (e^x ~ 1e-38
