@@ -30,7 +30,7 @@ typedef struct {
 struct Team {
     int threads;
     int spin_ns; /* how long a wait spins before it yields its core */
-    int closing; /* read by the members after a post */
+    atomic_int closing; /* read by the members after a post, or while left out of one */
     /* the threads that take part in this step, 1..threads, and the leader's barrier count
      * when it posted the step: both set by team_post, read by the members after it */
     atomic_int active;
@@ -41,7 +41,7 @@ struct Team {
     int cpus;     /* team_adapt's: CPUs the team may use; 0, no limit */
     int adaptive; /* team_adapt: the size follows the machine's load */
     long short_steps; /* steps posted with fewer threads than the team's */
-    unsigned join_post; /* the post a member let back in takes first */
+    atomic_uint join_post; /* the post a member let back in takes first */
     _Alignas(64) atomic_int late_step;
     _Alignas(64) atomic_uint roster; /* changes when the team grows or closes: left-out members sleep on it */
     void (*member)(void *arg, Worker *w);
@@ -218,7 +218,7 @@ Worker *team_leader(Team *t) { return &t->workers[0]; }
 
 void team_close(Team *t) {
     if (!t) return;
-    t->closing = 1;
+    atomic_store_explicit(&t->closing, 1, memory_order_relaxed); /* posted's release orders it */
     atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
     wake_all(&t->roster);
     for (int i = 1; i < t->threads; i++) pthread_join(t->ids[i], NULL);
@@ -276,7 +276,8 @@ static void choose_active(Team *t) {
     const int room = !late && team_size_may_grow(&t->size, now) && room_for(t, size + 1);
     team_size_next(&t->size, late, now, room);
     if (t->size.size > size) {
-        t->join_post = atomic_load_explicit(&t->posted, memory_order_relaxed) + 1;
+        atomic_store_explicit(&t->join_post, atomic_load_explicit(&t->posted, memory_order_relaxed) + 1,
+                              memory_order_relaxed);
         atomic_store_explicit(&t->active, t->size.size, memory_order_release); /* after join_post */
         wake_all(&t->roster);
     } else {
@@ -303,17 +304,19 @@ int team_wait(Worker *w) {
          * a step of the team's without it), and taking them one by one would start a step
          * that was never posted, on the last one's state */
         seen = atomic_load_explicit(&t->posted, memory_order_acquire);
-        if (t->closing) return 0;
+        if (atomic_load_explicit(&t->closing, memory_order_relaxed)) return 0;
         /* in the team, unless it was let back in for a post still to come */
-        if (w->thread < atomic_load_explicit(&t->active, memory_order_acquire) && (int)(t->join_post - seen) <= 0) break;
+        if (w->thread < atomic_load_explicit(&t->active, memory_order_acquire) &&
+            (int)(atomic_load_explicit(&t->join_post, memory_order_relaxed) - seen) <= 0)
+            break;
         /* left out: asleep until the team lets this thread back in, at post join_post */
         for (;;) {
             const unsigned roster = atomic_load_explicit(&t->roster, memory_order_acquire);
-            if (t->closing) return 0;
+            if (atomic_load_explicit(&t->closing, memory_order_relaxed)) return 0;
             if (w->thread < atomic_load_explicit(&t->active, memory_order_acquire)) break;
             sleep_while_unchanged(&t->roster, roster);
         }
-        seen = t->join_post - 1;
+        seen = atomic_load_explicit(&t->join_post, memory_order_relaxed) - 1;
     }
     w->pending = 0;
     w->threads = atomic_load_explicit(&t->active, memory_order_relaxed);

@@ -439,10 +439,16 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
     const int V = dm->cfg.vocab_size, K = sch->draft_k;
     const double t0 = now_ms();
     for (int j = 0; j < K; j++) {
-        if (team_alone(wk)) run->rc = lay_out_draft_pass(run, j) ? model_prepare(dm, &run->draft_state, &run->draft_batch) : 0;
+        /* an error (of this lay-out, or the last pass's model_finish) lays out no rows: the
+         * members stop on the count alone, since thread 0 writes rc again before the next barrier */
+        if (team_alone(wk)) {
+            if (run->rc == 0 && lay_out_draft_pass(run, j))
+                run->rc = model_prepare(dm, &run->draft_state, &run->draft_batch);
+            if (run->rc != 0) run->n_draft_rows = 0;
+        }
         team_barrier(wk);
         const int n = run->n_draft_rows;
-        if (run->rc != 0 || n == 0) break;
+        if (n == 0) break;
         model_forward_pass(dm, &run->draft_state, &run->draft_batch, sch->form, run->draft_logits, wk);
         if (team_alone(wk)) run->rc = model_finish(dm, &run->draft_state, &run->draft_batch, run->draft_logits);
         Share sh = share_begin(wk, n, SHARE_SPLIT, parallel_mode((long)n * V * 4));
@@ -491,15 +497,12 @@ static void sample_chain(SchedulerRun *run, long k, int thread) {
     }
 }
 
-/* A step as thread wk->thread of the team runs it: each group's passes (thread 0 lays
- * each out and finishes it, every thread computes it), then every thread samples its
- * share of the sequences. */
-static void step_share(SchedulerRun *run, Worker *wk) {
+/* Each group's passes (thread 0 lays each out and finishes it, every thread computes it).
+ * Returns the count of sequences to sample, as the last pass laid them out, or -1 after an
+ * error. */
+static int passes_share(SchedulerRun *run, Worker *wk) {
     const Scheduler *sch = run->sch;
     const int V = sch->model->cfg.vocab_size;
-    if (sch->draft_model) draft_share(run, wk);
-    /* the step's samples, as laid out by its last pass: read after a lay-out's barrier, since
-     * past the passes' last barrier thread 0 may be laying out the next step already */
     int S = 0;
     for (int p = 0; p < run->n_passes; p++) {
         if (team_alone(wk) && !sch->kv)
@@ -510,7 +513,7 @@ static void step_share(SchedulerRun *run, Worker *wk) {
                 run->rc = model_prepare(sch->model, &run->state, &run->batch);
             }
             team_barrier(wk);
-            if (run->rc != 0) return;
+            if (run->rc != 0) return -1;
             more = run->more;
             S = run->n_sample;
             float *logits = run->logits + (size_t)run->row0 * V;
@@ -521,12 +524,27 @@ static void step_share(SchedulerRun *run, Worker *wk) {
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
     }
-    stage_begin(sch->clock, wk);
-    Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * V * 4));
-    for (long lo, hi; share_next(&sh, &lo, &hi);)
-        for (long k = lo; k < hi && run->rc == 0; k++) sample_chain(run, k, wk->thread);
-    share_end(&sh);
-    stage_end(sch->clock, wk, pass_stage_slot(&sch->model->cfg, PASS_STAGE_SAMPLING));
+    return S;
+}
+
+/* A step as thread wk->thread of the team runs it: the draft model's passes, the model's,
+ * then every thread samples its share of the sequences (rows whose pass failed in
+ * model_finish too: the step returns the error, and no thread but 0 could know of it). */
+static void step_share(SchedulerRun *run, Worker *wk) {
+    const Scheduler *sch = run->sch;
+    if (sch->draft_model) draft_share(run, wk);
+    const int S = passes_share(run, wk);
+    if (S > 0) {
+        stage_begin(sch->clock, wk);
+        Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * sch->model->cfg.vocab_size * 4));
+        for (long lo, hi; share_next(&sh, &lo, &hi);)
+            for (long k = lo; k < hi; k++) sample_chain(run, k, wk->thread);
+        share_end(&sh);
+        stage_end(sch->clock, wk, pass_stage_slot(&sch->model->cfg, PASS_STAGE_SAMPLING));
+    }
+    /* the step ends together: past here thread 0 plans and lays out the next one, and a
+     * member still reading this one's plan (its count of passes, its clock) would race it */
+    team_barrier(wk);
 }
 
 /* The team's threads 1..: a step each time thread 0 posts one. */
@@ -646,9 +664,8 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
     if (run->team && sch->clock) team_time_barriers(run->team);
     if (run->team) team_post(run->team);
-    /* thread 0's share; once it returns the members are done with the step's state too:
-     * every shared operation ended in a barrier thread 0 passed, and past the last one they
-     * read nothing thread 0 changes (step_share's S) */
+    /* thread 0's share; once it returns the members are done with the step too (its last
+     * barrier) */
     step_share(run, leader);
     if (run->team) sch->short_team_steps = team_short_steps(run->team) - run->short_steps_before;
     if (run->rc == MODEL_ERR_TIER) sch->tier_errno = sch->pool->stream->err;
