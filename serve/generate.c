@@ -485,6 +485,9 @@ static void check_step(const Scheduler *sch, int rc) {
     if (rc == MODEL_ERR_TIER)
         die(1, "--kv-offload: the tier failed under a streamed cache (%s); its blocks have no other copy, so the run "
                "cannot go on", strerror(sch->tier_errno));
+    if (rc == MODEL_ERR_NONFINITE && sch->failed_in_draft)
+        die(1, "--draft: the draft model computes logits that are not finite numbers (NaN or infinity): its weights "
+               "overflow float arithmetic");
     check_model(rc);
 }
 

@@ -55,6 +55,7 @@ struct SchedulerRun {
     double draft_ms;     /* this step's drafting: the draft model's passes and draws, or prompt lookup */
     Request **finished; /* (max_batch) */
     int rc;             /* of the step's passes: 0, or model.h's error */
+    int rc_in_draft;    /* rc came from the draft model's passes */
     int more;           /* the group being run has another pass (without the cache) */
     double fill_ms;     /* this step's admissions spent generating --fill entries */
     double start;       /* the first step's start */
@@ -450,7 +451,10 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
         const int n = run->n_draft_rows;
         if (n == 0) break;
         model_forward_pass(dm, &run->draft_state, &run->draft_batch, sch->form, run->draft_logits, wk);
-        if (team_alone(wk)) run->rc = model_finish(dm, &run->draft_state, &run->draft_batch, run->draft_logits);
+        if (team_alone(wk)) {
+            run->rc = model_finish(dm, &run->draft_state, &run->draft_batch, run->draft_logits);
+            run->rc_in_draft = run->rc != 0;
+        }
         Share sh = share_begin(wk, n, SHARE_SPLIT, parallel_mode((long)n * V * 4));
         for (long lo, hi; share_next(&sh, &lo, &hi);)
             for (long k = lo; k < hi; k++) {
@@ -660,7 +664,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     run->state.attn.record = sch->record ? sch->record : run->evicts ? &run->paid : NULL;
     if (run->state.attn.record) attn_record_clear(run->state.attn.record);
     plan_passes(run);
-    run->rc = 0;
+    run->rc = run->rc_in_draft = 0;
     Worker alone = worker_alone(), *leader = run->team ? team_leader(run->team) : &alone;
     if (run->team && sch->clock) team_time_barriers(run->team);
     if (run->team) team_post(run->team);
@@ -669,6 +673,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
     step_share(run, leader);
     if (run->team) sch->short_team_steps = team_short_steps(run->team) - run->short_steps_before;
     if (run->rc == MODEL_ERR_TIER) sch->tier_errno = sch->pool->stream->err;
+    sch->failed_in_draft = run->rc_in_draft;
     if (run->rc != 0) return run->rc == MODEL_ERR_NONFINITE || run->rc == MODEL_ERR_TIER ? run->rc : -1;
     /* generated entries stand for a prefill that never ran: no step's time */
     const double step_ms = now_ms() - t0 - run->fill_ms;

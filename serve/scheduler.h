@@ -184,6 +184,7 @@ typedef struct {
                             * busy (threads.h's adaptive team) */
     int swaps, swap_failures; /* preemptions swapped out, and swaps that fell back to recompute */
     int tier_errno;           /* why the step returned MODEL_ERR_TIER: streaming's tier failed */
+    int failed_in_draft;      /* the step's MODEL_ERR_NONFINITE came from the draft model's logits */
     int rule_recomputes;      /* preemptions preempt_rule recomputed instead of swapping */
     /* the prefill's rate, measured over every step that computed only prompt tokens since
      * scheduler_init (the warm-up's included): the recompute's cost in preempt_rule */
@@ -209,7 +210,8 @@ int scheduler_init(Scheduler *sch);
 int scheduler_add(Scheduler *sch, Request *r);
 /* Runs one step. Returns 1 and fills *out; 0 when no request is left; -1 when out of
  * memory; MODEL_ERR_NONFINITE (model.h) when a forward pass gives logits that are not
- * finite (nothing is sampled from them); MODEL_ERR_TIER when a streamed cache's tier
+ * finite (no token drawn from them is kept; failed_in_draft says whether the draft model's
+ * did); MODEL_ERR_TIER when a streamed cache's tier
  * failed (a write, a read or a checksum: tier_errno), which the run cannot go on from. */
 int scheduler_step(Scheduler *sch, StepResult *out);
 /* Forgets the steps run so far (a warm-up's): the counts and times a run reports start from

@@ -255,6 +255,20 @@ def test_overflowing_weights_give_no_garbage(small_checkpoints, tmp_path, storie
         assert "nan" not in p.stdout.decode().lower()
 
 
+
+def test_overflowing_draft_model_named(small_checkpoints, tmp_path):
+    """A draft model whose logits overflow ends the run in one line that names the draft, not
+    the target's line."""
+    target, draft = small_checkpoints["gqa"][0], small_checkpoints["mqa"][0]
+    size, dim = os.path.getsize(draft), header_u32(draft, 16)
+    bad = patched(draft, tmp_path / "overflow.bin", {size - 2 * dim + 2 * i: b"\x7f\x7f" for i in range(dim)})
+    for args in (["-k", "1"], ["-k", "40", "-s", "3"], ["--batch", "2", "--draft-k", "8"]):
+        p = run([target, "--kv", "-n", "8", "-q", "--draft", bad] + args, check=False)
+        err = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 1, (args, p.stderr.decode())  # stdout holds the target's tokens before drafting
+        assert err[-1] == ("run: --draft: the draft model computes logits that are not finite numbers (NaN or "
+                           "infinity): its weights overflow float arithmetic"), (args, err)
+
 # ---- 7: limits, however they are set ----
 
 @pytest.mark.parametrize("value,message", [
