@@ -129,7 +129,8 @@ static int pool_blocks(const Config *c, const Options *o) {
     const double tails = (double)(o->kv ? o->batch : 1) * (o->draft ? 2 : 1) * (double)kv_tail_bytes_for(c, o->kv_dtype);
     const double blocks =
         o->kv_mem_mb > 0.0f
-            ? floor(((double)o->kv_mem_mb * 1048576.0 - tails - (double)stream_stage_bytes(c, o)) / (double)block_bytes)
+            ? fmax(0.0, floor(((double)o->kv_mem_mb * 1048576.0 - tails - (double)stream_stage_bytes(c, o)) /
+                              (double)block_bytes))
             : (double)(o->kv ? o->batch : 1) * one_sequence;
     if (run_streams(o) && blocks < 2)
         die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes beside the tier's staging area (%.0f bytes); "

@@ -4,6 +4,7 @@ with recompute and with a pool that never preempts; the tier is never left behin
 existing path is refused, and a file size limit (a full disk's stand-in) warns and falls
 back to recompute. The tier's own bookkeeping and failures are tests/test_kvtier.c's."""
 import os
+import re
 import resource
 import signal
 
@@ -186,6 +187,18 @@ def test_streaming_needs_one_slot(small_checkpoints, tmp_path):
     assert p.returncode == 2 and len(err) == 1 and "--kv-mem" in err[0] and "--batch 1" in err[0], p.stderr
     assert not any(tmp_path.iterdir())
 
+
+
+def test_streaming_pool_smaller_than_its_staging(small_checkpoints, tmp_path):
+    """A --kv-mem under the staging area alone counts no blocks beside it, not fewer than none."""
+    path, _ = small_checkpoints["mqa"]
+    p = run([path, "-p", PROMPT, "--kv", "-n", 2, "-q", "--kv-mem", "0.001", "--kv-offload", tmp_path / "tier"],
+            check=False)
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1, p.stderr
+    assert re.fullmatch(r"run: --kv-mem 0\.001 MB holds 0 blocks of \d+ bytes beside the tier's staging area "
+                        r"\(\d+ bytes\); streaming needs 2 at least", err[0]), err[0]
+    assert not any(tmp_path.iterdir())
 
 def test_shared_prefix_is_swapped_once(small_checkpoints, tmp_path):
     """Sequences sharing a long prompt's blocks: a preempted one holds the shared blocks in the
