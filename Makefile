@@ -3,6 +3,7 @@
 #   make test       unit tests (cmocka) and parity/integration tests (pytest)
 #   make bench      the latency tables (bench/README.md)
 #   make test-asan  the test suite under AddressSanitizer + UBSan
+#   make test-tsan  the threaded modes under ThreadSanitizer
 #   make fuzz       libFuzzer harnesses (clang)
 CC ?= gcc
 CXX ?= g++
@@ -111,8 +112,8 @@ demo: run
 	  if [ -z "$$first" ]; then echo "demo: weights/ is empty: no trained checkpoint yet (weights/README.md says how to train one)."; \
 	  else echo "demo: weights/gqa.bin is not trained yet; running $$first instead."; ./run $$first -p "$(DEMO_PROMPT)" --kv; fi; fi
 
-# make fuzz, make test-asan, make valgrind (docs/ROBUSTNESS.md)
-include fuzz/fuzz.mk fuzz/asan.mk
+# make fuzz, make test-asan, make test-tsan, make valgrind (docs/ROBUSTNESS.md)
+include fuzz/fuzz.mk fuzz/asan.mk fuzz/tsan.mk
 include bench/bench.mk
 
 # One page of the five variants on one prompt (the gqa run's steps, every variant's heads

@@ -3,7 +3,7 @@
 # Installs only what is missing; uses sudo when not root.
 set -euo pipefail
 PACKAGES=(
-  build-essential pkg-config            # gcc, g++, make
+  build-essential pkg-config            # gcc (with ASan and TSan), g++, make
   libsentencepiece-dev sentencepiece    # the tokenizer library and spm_train
   libcmocka-dev                         # C unit tests
   python3 python3-torch python3-sentencepiece python3-numpy python3-tqdm python3-matplotlib python3-pytest
