@@ -211,8 +211,8 @@ int scheduler_add(Scheduler *sch, Request *r);
 /* Runs one step. Returns 1 and fills *out; 0 when no request is left; -1 when out of
  * memory; MODEL_ERR_NONFINITE (model.h) when a forward pass gives logits that are not
  * finite (no token drawn from them is kept; failed_in_draft says whether the draft model's
- * did); MODEL_ERR_TIER when a streamed cache's tier
- * failed (a write, a read or a checksum: tier_errno), which the run cannot go on from. */
+ * did); MODEL_ERR_TIER when a streamed cache's tier failed (a write, a read or a checksum:
+ * tier_errno), which the run cannot go on from. */
 int scheduler_step(Scheduler *sch, StepResult *out);
 /* Forgets the steps run so far (a warm-up's): the counts and times a run reports start from
  * zero again; the prefill's rate, the buffers, the team and the pool stay. */
