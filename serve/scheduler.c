@@ -502,12 +502,10 @@ static void sample_chain(SchedulerRun *run, long k, int thread) {
 }
 
 /* Each group's passes (thread 0 lays each out and finishes it, every thread computes it).
- * Returns the count of sequences to sample, as the last pass laid them out, or -1 after an
- * error. */
+ * Returns 0, or -1 after an error. */
 static int passes_share(SchedulerRun *run, Worker *wk) {
     const Scheduler *sch = run->sch;
     const int V = sch->model->cfg.vocab_size;
-    int S = 0;
     for (int p = 0; p < run->n_passes; p++) {
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
@@ -519,7 +517,6 @@ static int passes_share(SchedulerRun *run, Worker *wk) {
             team_barrier(wk);
             if (run->rc != 0) return -1;
             more = run->more;
-            S = run->n_sample;
             float *logits = run->logits + (size_t)run->row0 * V;
             model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
             if (team_alone(wk)) run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
@@ -528,7 +525,7 @@ static int passes_share(SchedulerRun *run, Worker *wk) {
         if (team_alone(wk) && !sch->kv)
             for (int i = run->pass_first[p]; i < run->pass_first[p + 1]; i++) kv_reset(&run->running[i]->live->cache);
     }
-    return S;
+    return 0;
 }
 
 /* A step as thread wk->thread of the team runs it: the draft model's passes, the model's,
@@ -537,7 +534,7 @@ static int passes_share(SchedulerRun *run, Worker *wk) {
 static void step_share(SchedulerRun *run, Worker *wk) {
     const Scheduler *sch = run->sch;
     if (sch->draft_model) draft_share(run, wk);
-    const int S = passes_share(run, wk);
+    const int S = passes_share(run, wk) == 0 ? run->n_sample : 0; /* as the last pass laid them out */
     if (S > 0) {
         stage_begin(sch->clock, wk);
         Share sh = share_begin(wk, S, SHARE_SPLIT, parallel_mode((long)S * sch->model->cfg.vocab_size * 4));
