@@ -6,7 +6,7 @@ attention, are in tests/test_kvcache.c."""
 import numpy as np
 import pytest
 
-from conftest import PROMPT, VARIANTS, json_one, read_logits, run
+from conftest import PROMPT, VARIANTS, generate_json, json_one, read_logits, run
 
 
 def dump_logits(path, tmp_path, name, *args):
@@ -38,9 +38,13 @@ def test_a_sequence_evicts_the_same_in_a_batch(small_checkpoints, variant, polic
     """Sampled, so the four sequences differ and evict differently; each is bitwise its
     solo run, through 25 or more evictions (h2o) or 2 (block)."""
     path, _ = small_checkpoints[variant]
-    code, verdict = json_one([path, "-p", PROMPT, "--kv", "--kv-budget", 32, "--evict", policy, "--batch", 4, "-s", 5,
-                              "-n", 58, "--ignore-eos", "--check-batch"])
+    args = [path, "-p", PROMPT, "--kv", "--kv-budget", 32, "--evict", policy, "--batch", 4, "-s", 5, "-n", 58,
+            "--ignore-eos"]
+    code, verdict = json_one(args + ["--check-batch"])
     assert code == 0 and verdict["batch"] == 4 and verdict["sequences_identical"] == 4, verdict
+    _, sequences, _ = generate_json(args + ["-q"])
+    assert len({tuple(s["tokens"]) for s in sequences}) == 4  # four different texts, so four different evictions
+    assert all(s["prompt_tokens"] + s["generated"] > 32 + 25 for s in sequences)
 
 
 def test_ppl_reports_the_tokens_past_the_budget(small_checkpoints, tmp_path):

@@ -52,11 +52,13 @@ def test_swap_equals_recompute_and_no_preemption(small_checkpoints, variant, tmp
 @pytest.mark.parametrize("variant", ["mha", "mla64"])
 def test_check_batch_with_swaps_is_bitwise(small_checkpoints, variant, tmp_path):
     path, _ = small_checkpoints[variant]
-    code, verdict = json_one(small_pool_args(path) + ["--kv-offload", tmp_path / "tier", "--check-batch"],
-                             check=False)
+    args = small_pool_args(path) + ["--kv-offload", tmp_path / "tier", "--preempt", "swap"]
+    code, verdict = json_one(args + ["--check-batch"], check=False)
     assert code == 0 and verdict["identical"] is True, verdict
     assert all(r["bitwise_identical"] is True for r in verdict["sequences"]), verdict
     assert not (tmp_path / "tier").exists()
+    _, _, s = generate_json(args + ["-q"])  # the batch the check ran: its preemptions went to the tier
+    assert s["preemptions"] > 0 and s["tier_swaps"] == s["preemptions"], s
 
 
 def test_existing_path_is_refused(small_checkpoints, tmp_path):
@@ -66,13 +68,17 @@ def test_existing_path_is_refused(small_checkpoints, tmp_path):
     p = run(small_pool_args(path) + ["--kv-offload", tier, "-q"], check=False)
     assert p.returncode == 2 and p.stdout == b""
     err = p.stderr.decode().strip().splitlines()
-    assert len(err) == 1 and "--kv-offload" in err[0], err
+    assert err == [f"run: --kv-offload {tier}: cannot create the tier file: File exists"], err
     assert tier.read_bytes() == b"keep me"
 
 
-@pytest.mark.parametrize("flags", [["--preempt", "often"], ["--preempt", "swap"], ["--kv-offload", "{tier}", "--no-kv"],
-                                   ["--kv-offload", "{tier}", "--window", "32"]])
-def test_bad_flags(small_checkpoints, tmp_path, flags):
+@pytest.mark.parametrize("flags,says", [
+    (["--preempt", "often"], "--preempt takes swap or recompute, got 'often'"),
+    (["--preempt", "swap"], "--preempt swap needs a tier to swap to: give --kv-offload PATH"),
+    (["--kv-offload", "{tier}", "--no-kv"], "--kv-offload swaps a sequence's cache: it needs --kv and takes no --window"),
+    (["--kv-offload", "{tier}", "--window", "32"],
+     "--kv-offload swaps a sequence's cache: it needs --kv and takes no --window")])
+def test_bad_flags(small_checkpoints, tmp_path, flags, says):
     path, _ = small_checkpoints["mqa"]
     tier = str(tmp_path / "tier")
     args = [path, "-p", PROMPT, "-n", 2, "-q"]
@@ -82,7 +88,7 @@ def test_bad_flags(small_checkpoints, tmp_path, flags):
     else:
         args.append("--kv")
     p = run(args + flags, check=False)
-    assert p.returncode == 2 and len(p.stderr.decode().strip().splitlines()) == 1, p.stderr
+    assert p.returncode == 2 and p.stderr.decode() == f"run: {says}\n", p.stderr
     assert not os.path.exists(tier)
 
 

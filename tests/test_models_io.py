@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPT, ROOT, TOKENIZER, run, run_json
+from conftest import PROMPT, ROOT, TOKENIZER, json_one, run, run_json
 
 sys.path.insert(0, os.path.join(ROOT, "train"))
 import export  # noqa: E402
@@ -56,7 +56,10 @@ def test_window_in_header(tmp_path):
     export.export(model, path, TOKENIZER, "bf16")
     assert export.read_header(path)["window"] == 48
     assert export.header_config(export.read_header(path)).window == 48
-    run([path, "-n", 2, "-q"])  # loads
+    _, info = json_one([path, "--info", "--kv"])
+    assert (info["model_window"], info["window"], info["window_from_model"]) == (48, 48, True)
+    _, info = json_one([path, "--info", "--kv", "--window", 32])
+    assert (info["model_window"], info["window"], info["window_from_model"]) == (48, 32, False)
     model.cfg.window = 65
     with pytest.raises(ValueError, match="window = 65"):
         export.export(model, str(tmp_path / "w2.bin"), TOKENIZER, "bf16")
@@ -358,6 +361,9 @@ def hf_llama_logits(cfg, T, ids):
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos(), emb.sin()  # (n, hd)
     mask = torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+    if cfg.get("sliding_window"):  # Mistral: position i sees the sliding_window positions up to itself
+        at = torch.arange(n)
+        mask = mask.masked_fill(at[None, :] <= at[:, None] - cfg["sliding_window"], float("-inf"))
 
     def norm(x, w):
         return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -489,7 +495,7 @@ def test_hf_import_greedy(tmp_path, kind):
     config = dict(LLAMA_CONFIG)
     st_dtype, shards = "BF16", 2
     if kind.startswith("mistral"):
-        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32,
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16,
                       tie_word_embeddings=True, num_key_value_heads=4, rope_theta=10000.0,
                       max_position_embeddings=1024)  # a context over 256
         del config["mlp_bias"], config["pretraining_tp"]
@@ -510,7 +516,7 @@ def test_hf_import_greedy(tmp_path, kind):
     assert np.float32(h["rope_theta"]) == np.float32(config["rope_theta"])
     assert np.float32(h["norm_eps"]) == np.float32(config["rms_norm_eps"])
     cfg, T = read_hf(d)
-    n = 24
+    n = 24  # past the window of 16: the prompt's 5 positions and 24 more
     seq = greedy_tokens(str(out), n=n)
     want = greedy(lambda ids: hf_llama_logits(cfg, T, ids)[-1], prompt_ids(), n)
     assert seq["tokens"] == want

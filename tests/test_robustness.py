@@ -110,8 +110,7 @@ int fstat64(int fd, struct stat64 *st) {
 @pytest.fixture(scope="module")
 def shrink_shim(tmp_path_factory):
     cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("no C compiler")
+    assert cc, "no C compiler: the project builds with one"
     d = tmp_path_factory.mktemp("shim")
     (d / "shrink.c").write_text(SHRINK_SHIM)
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "shrink.so"), str(d / "shrink.c"), "-ldl"], check=True)

@@ -42,6 +42,9 @@ def test_speculation_is_bitwise_plain_decoding(tmp_path, variant, prompt):
     assert plain["draft"] is None and plain["draft_tokens"] == 0
     assert spec["draft"] == "ngram" and spec["draft_k"] == 5
     assert 0 <= spec["draft_accepted"] <= spec["draft_tokens"]
+    assert spec["acceptance_rate"] == pytest.approx(spec["draft_accepted"] / spec["draft_tokens"], abs=1e-4)
+    # a verifying pass keeps its accepted drafts and the target's own token: 1 to draft_k + 1
+    assert 1.0 <= spec["tokens_per_verify_pass"] <= 1 + spec["draft_k"]
     if prompt == REPEATING:
         assert spec["draft_accepted"] > 0, spec  # the repeated sentence is found and kept
         # each accepted draft saves a step: fewer decode steps than tokens
@@ -65,26 +68,28 @@ def test_a_tight_pool_rolls_back_and_still_matches(tmp_path):
     rollback leave the tokens as they were."""
     base = [weights("gqa"), "-p", REPEATING, "--batch", 4, "-k", 1, "-n", 60, "--kv", "-q", "--kv-mem", "1.1"]
     _, plain, _ = generate_json(base)
-    _, spec, _ = generate_json(base + ["--draft", "ngram", "--draft-k", 8])
+    _, spec, summary = generate_json(base + ["--draft", "ngram", "--draft-k", 8])
     assert [s["tokens"] for s in spec] == [s["tokens"] for s in plain]
+    assert summary["preemptions"] > 0, summary
+    # some drafts were rejected, so their cache rows were rolled back; some were kept
+    assert summary["draft_tokens"] > summary["draft_accepted"] > 0, summary
 
 
-@pytest.mark.parametrize("args", [
-    ["--draft", "ngram"],                                          # without --kv
-    ["--kv", "--draft", "ngram", "--draft-k", 0],
-    ["--kv", "--draft", "ngram", "--draft-k", 17],
-    ["--kv", "--draft-k", 4],                                      # -k without --draft
-    ["--kv", "--draft", "ngram", "--window", 64],                  # a ring cannot roll back
-    ["--kv", "--draft", DRAFT, "--draft-k", 17],
-    [ "--draft", DRAFT],                                           # a model, without --kv
-    ["--kv", "--check-spec"],                                      # nothing to check without --draft
+@pytest.mark.parametrize("args,says", [
+    (["--draft", "ngram"], "--draft speculates on the cache: it needs --kv"),
+    (["--kv", "--draft", "ngram", "--draft-k", 0], "--draft-k 0 is out of range (1..16)"),
+    (["--kv", "--draft", "ngram", "--draft-k", 17], "--draft-k 17 is out of range (1..16)"),
+    (["--kv", "--draft-k", 4], "--draft-k needs --draft"),
+    (["--kv", "--draft", "ngram", "--window", 64], "takes no --window (a ring cannot be rolled back)"),
+    (["--kv", "--draft", DRAFT, "--draft-k", 17], "--draft-k 17 is out of range (1..16)"),
+    (["--draft", DRAFT], "--draft speculates on the cache: it needs --kv"),
+    (["--kv", "--check-spec"], "--check-spec needs --draft"),
 ])
-def test_bad_draft_flags(args):
-    extra = [] if "-k" in args else ["-k", 1]
-    p = run([weights("mqa"), "-p", PROMPT, "-n", 4] + extra + args, check=False)
+def test_bad_draft_flags(args, says):
+    p = run([weights("mqa"), "-p", PROMPT, "-n", 4, "-k", 1] + args, check=False)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.decode().strip().splitlines()
-    assert len(lines) == 1 and "draft" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("run: ") and says in lines[0], lines
 
 
 # ---- the draft model (--draft CKPT) ----
@@ -133,11 +138,14 @@ def test_draft_model_with_a_tight_pool_preempts_and_matches(tmp_path):
 @pytest.mark.parametrize("drafter", ["ngram", DRAFT, TABLE])
 def test_check_spec_on_every_target(drafter):
     for variant in VARIANTS:
-        p = run([weights(variant), "-p", REPEATING, "-n", 40, "--kv", "--batch", 2, "--draft", drafter,
-                 "--check-spec"], check=False)
-        assert p.returncode == 0, p.stdout
-        lines = [l for l in p.stdout.decode().splitlines() if l.startswith("check-spec ")]
-        assert len(lines) == 2 and all("bitwise_identical=1" in l for l in lines), lines
+        base = [weights(variant), "-p", REPEATING, "-n", 40, "--kv", "--batch", 2, "--draft", drafter, "--ignore-eos"]
+        rc, check = json_one(base + ["--check-spec"])
+        assert rc == 0 and check["identical"] is True and check["batch"] == 2, check
+        assert check["sequences_identical"] == 2
+        assert [(s["steps"], s["bitwise_identical"], s["first_difference"]) for s in check["sequences"]] == \
+            [(40, True, -1)] * 2
+        _, _, summary = generate_json(base + ["-q", "-k", 1])
+        assert summary["draft_tokens"] > 0, summary  # the check compared runs that speculated
 
 
 # ---- sampled speculation ----

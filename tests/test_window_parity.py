@@ -159,8 +159,7 @@ CASES = [(v, policy) for v in ("gqa", "mla64") for policy in ("ring", "sinks")]
 
 @pytest.mark.parametrize("variant,policy", CASES, ids=[f"{v}-{p}" for v, p in CASES])
 def test_window_parity_trained(variant, policy, tmp_path):
-    if variant not in TRAINED:
-        pytest.skip(f"weights/{variant}.bin is not here")
+    assert variant in TRAINED, f"weights/{variant}.bin is not here"
     import export
     check_window_parity(TRAINED[variant], export.load_engine_checkpoint(TRAINED[variant]), policy, tmp_path)
 
@@ -173,8 +172,7 @@ LONG_PROMPT = ("Once upon a time, there was a little girl named Lily. She loved 
 def test_window_parity_prompt_longer_than_the_window(variant, tmp_path):
     """A prompt of about 30 tokens through a sinks window of 8: the engine computes it in pieces
     the window can take (then one token a pass), and every step still matches."""
-    if variant not in TRAINED:
-        pytest.skip(f"weights/{variant}.bin is not here")
+    assert variant in TRAINED, f"weights/{variant}.bin is not here"
     import export
     assert len(prompt_tokens(LONG_PROMPT)) > 3 * 8
     check_window_parity(TRAINED[variant], export.load_engine_checkpoint(TRAINED[variant]), "sinks", tmp_path,
