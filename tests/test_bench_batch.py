@@ -193,7 +193,12 @@ def test_dtype_table(batch_report):
                      and x["batch"] == "1" and x["flags"] == flags and x["phase"] == "decode"]
             assert steps
             tps = val(r["vals"], "dtype", name, f"B=1 {dtype}", "tokens_per_s_median")
-            assert float(tps) > 0
+            per_run = []
+            for rep in (1, 2):  # the dtype's own step logs: 1000 / the median over runs of each run's median
+                suffix = "" if dtype == "fp32" else f"-{dtype}"
+                with open(r["out"] / "tmp" / r["slug"] / f"c-{name}-batch1{suffix}-{rep}.csv") as f:
+                    per_run.append(statistics.median(float(x["ms"]) for x in full_steps(list(csv.DictReader(f)), 1)))
+            assert close(tps, 1000 / statistics.median(per_run)), (name, dtype, tps, per_run)
             if dtype == "fp32":   # the same runs as the throughput table's
                 assert tps == val(r["vals"], "batch", name, "B=1", "tokens_per_s_median")
 

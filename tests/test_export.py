@@ -304,25 +304,45 @@ def test_cli_refuses_mla_llama2c(tmp_path):
     assert not os.path.exists(out) and not os.path.exists(tmp_path / "l2c")
 
 
-def test_tensor_offsets_follow_format_md(exported):
-    """Offsets computed by hand from FORMAT.md's table, independent of export.tensor_layout:
-    MLA layer 0 is attn_norm, wq, wdkv, kv_norm, wkr, wuk, wuv, wo, ffn_norm, w1, w2, w3; final_norm ends the file."""
-    model, path = exported["mla64"]
+# FORMAT.md's table of tensors, a layer's in file order: (name, shape from the header's fields)
+FORMAT_LAYER = {
+    "kv_heads": [("attn_norm", "D"), ("wq", "H*hd,D"), ("wk", "Hkv*hd,D"), ("wv", "Hkv*hd,D"), ("wo", "D,H*hd")],
+    "mla": [("attn_norm", "D"), ("wq", "H*(hd+rd),D"), ("wdkv", "dc,D"), ("kv_norm", "dc"), ("wkr", "rd,D"),
+            ("wuk", "H*hd,dc"), ("wuv", "H*hd,dc"), ("wo", "D,H*hd")],
+}
+FORMAT_FFN = [("ffn_norm", "D"), ("w1", "F,D"), ("w2", "D,F"), ("w3", "F,D")]
+
+
+@pytest.mark.parametrize("variant", ["mla64", "gqa"])
+def test_tensor_offsets_follow_format_md(exported, variant):
+    """Every tensor at the offset FORMAT.md's table gives, walked by hand from the header's
+    fields (independent of export.tensor_layout): tok_embeddings, each layer's tensors in the
+    table's order, final_norm ending the file."""
+    model, path = exported[variant]
     h = export.read_header(path)
-    V, D, H, hd, rd, dc, F = 4096, 64, 4, 16, 8, 16, 96
+    dims = dict(V=h["vocab_size"], D=h["dim"], H=h["n_heads"], hd=h["head_dim"], Hkv=h["n_kv_heads"],
+                dc=h["kv_latent"], rd=h["rope_dim"], F=h["hidden_dim"])
     data = np.fromfile(path, dtype="<u2", offset=h["weights_offset"])
     widen = lambda a: torch.from_numpy((a.astype(np.uint32) << 16).view(np.float32))  # noqa: E731
-    att = model.layers[0].attn
-    off = V * D + D                                   # tok_embeddings, attn_norm
-    off += H * (hd + rd) * D                          # wq
-    assert torch.equal(widen(data[off:off + dc * D]).view(dc, D), bf16_reference(att.wdkv.weight))
-    off += dc * D
-    assert torch.equal(widen(data[off:off + dc]), bf16_reference(att.kv_norm.weight))
-    off += dc + rd * D + 2 * H * hd * dc              # kv_norm, wkr, wuk, wuv
-    assert torch.equal(widen(data[off:off + D * H * hd]).view(D, H * hd), bf16_reference(att.wo.weight))
-    assert torch.equal(widen(data[-D:]), bf16_reference(model.norm.weight))
-    per_layer = D + H * (hd + rd) * D + dc * D + dc + rd * D + 2 * H * hd * dc + D * H * hd + D + 3 * F * D
-    assert len(data) == V * D + 2 * per_layer + D
+    off = 0
+
+    def take(shape, want):
+        nonlocal off
+        size = [eval(d, {}, dims) for d in shape.split(",")]
+        n = int(np.prod(size))
+        assert tuple(want.shape) == tuple(size), (shape, want.shape)
+        assert torch.equal(widen(data[off:off + n]).view(*size), bf16_reference(want)), shape
+        off += n
+
+    take("V,D", model.tok_embeddings.weight)
+    attention = FORMAT_LAYER["mla" if dims["dc"] else "kv_heads"]
+    for layer in model.layers:
+        for name, shape in attention + FORMAT_FFN:
+            owner = layer if name in ("attn_norm", "ffn_norm") else layer.ffn if name in ("w1", "w2", "w3") \
+                else layer.attn
+            take(shape, getattr(owner, name).weight)
+    take("D", model.norm.weight)
+    assert off == len(data) and h["flags"] == 0  # the head is tied: nothing after final_norm
 
 
 def test_cli_exports_a_training_checkpoint(tmp_path):

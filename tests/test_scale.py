@@ -58,8 +58,9 @@ def test_bytes_and_crossovers_follow_from_info(report):
         assert f"| {name} | {per_token:,} | {weights:,} | {weights / per_token:,.0f} |" in text
 
 
-def test_phases_floor_adds_the_matmuls_and_attention(report):
-    """The floor of the phases in turn is the matmuls' (weights or their FLOPs) plus attention's
+def test_floors_follow_from_bytes_flops_and_the_probe(report):
+    """The step's floor is the larger of all its bytes over the bandwidth and all its FLOPs over
+    the peak, and its share that over the step; the floor of the phases in turn is the matmuls' (weights or their FLOPs) plus attention's
     (cache or its FLOPs), at the probe's figures the report names: never below the step's floor
     (the larger of all bytes and all FLOPs), never above twice it."""
     text, rows = report
@@ -71,6 +72,9 @@ def test_phases_floor_adds_the_matmuls_and_attention(report):
             if r["variant"] != name:
                 continue
             floor, phases = float(r["floor_ms"]), float(r["phases_floor_ms"])
+            bytes_read = int(r["weight_bytes"]) + int(r["cache_bytes"])
+            assert floor == pytest.approx(max(bytes_read / bandwidth, int(r["flops"]) / peak) * 1e3, rel=0.01)
+            assert float(r["share"]) == pytest.approx(floor / float(r["step_ms"]), rel=1e-3)
             assert floor * (1 - 1e-4) <= phases <= 2 * floor * (1 + 1e-4)
             matmul_flops = 2 * info["parameters"] * int(r["batch"])
             attn_flops = int(r["flops"]) - matmul_flops
