@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -189,6 +190,9 @@ int main(int argc, char **argv) {
         fputs(line, stderr);
         _exit(EXIT_USAGE);
     }
+    /* a file size limit (ulimit -f) then fails the write with EFBIG, which every output and
+     * the tier report in one line, where SIGXFSZ would end the run without one */
+    signal(SIGXFSZ, SIG_IGN);
     Options o;
     size_t errlen = 256; /* room for the longest message with every argument in it */
     for (int i = 0; i < argc; i++) errlen += strlen(argv[i]);

@@ -29,14 +29,19 @@ static unsigned char *mask_of(const IndexList *list, int n, const char *flag, co
     return mask;
 }
 
-void attn_dump_open(AttnDump *d, FILE *f, const Model *m, const Options *o) {
+void attn_dump_open(AttnDump *d, const Model *m, const Options *o) {
     const Config *c = &m->cfg;
     memset(d, 0, sizeof *d);
-    d->f = f, d->path = o->dump_attn_path, d->o = o;
+    d->path = o->dump_attn_path, d->o = o, d->cfg = c;
     d->layers = mask_of(&o->dump_attn_layers, c->n_layers, "--dump-attn-layers", "layers");
     d->heads = mask_of(&o->dump_attn_heads, c->n_heads, "--dump-attn-heads", "heads");
     d->record.layers = d->layers;
     d->record.heads = d->heads;
+}
+
+void attn_dump_begin(AttnDump *d, FILE *f) {
+    const Config *c = d->cfg;
+    d->f = f;
     const int32_t header[6] = {ATTN_DUMP_VERSION, c->n_layers, c->n_heads, c->max_seq_len, RECORD_INTS, 0};
     write_all(d, MAGIC, 1, sizeof MAGIC);
     write_all(d, header, sizeof header[0], 6);

@@ -13,14 +13,18 @@ typedef struct {
     FILE *f;
     const char *path;
     const Options *o;
+    const Config *cfg;
     AttnRecord record; /* the scheduler's: what each step recorded */
     unsigned char *layers, *heads;
     long records;
 } AttnDump;
 
-/* Opens the file (opened by the caller, refused when it is an input) and writes the header;
- * dies with one line (exit 2) when a chosen layer or head is not in the model. */
-void attn_dump_open(AttnDump *d, FILE *f, const Model *m, const Options *o);
+/* Takes the chosen layers and heads; dies with one line (exit 2) when one is not in the
+ * model. Called before any output is opened, so a refused run leaves every file as it was. */
+void attn_dump_open(AttnDump *d, const Model *m, const Options *o);
+
+/* Writes the header to f (opened by the caller, refused when it is an input). */
+void attn_dump_begin(AttnDump *d, FILE *f);
 /* Whether step `step` is recorded. */
 int attn_dump_wants_step(const AttnDump *d, int step);
 /* After step `step`: its records of the chosen sequences into the file. */

@@ -535,12 +535,16 @@ static void catch_interrupts(void) {
     sigaction(SIGTERM, &sa, NULL);
 }
 
-/* --log and --dump-logits, refused when they name one of the run's inputs or each other. */
-static FILE *open_output(const char *path, const Options *o, const char *log_path) {
+/* --log, --dump-logits and --dump-attn, refused when they name one of the run's inputs or
+ * an output opened before them (earlier: those outputs' paths, NULL where none). */
+static FILE *open_output(const char *path, const Options *o, const char *earlier_log, const char *earlier_dump) {
     const NamedPath inputs[] = {{"the checkpoint", o->checkpoint},
                                 {"the prompt file", o->prompt_path},
                                 {"the --prompts file", o->prompts_path},
-                                {"the --log file", log_path}};
+                                {"the --draft file", o->draft_path},
+                                {"the --profile-peaks file", o->profile_peaks},
+                                {"the --log file", earlier_log},
+                                {"the --dump-logits file", earlier_dump}};
     FILE *f;
     char err[512];
     const int rc = output_open(&f, path, inputs, (int)(sizeof inputs / sizeof inputs[0]), err, sizeof err);
@@ -571,8 +575,14 @@ int mode_generate(const Model *m, KVPool *pool, const Drafter *draft, const Opti
                     .list = &list,
                     .serving = o->prompts_path != NULL,
                     .one_terminal = one_terminal()};
+    Profile profile;
+    AttnDump attn;
+    /* what can refuse the run is read before any output is opened, so a refused run leaves
+     * every file as it was */
+    if (o->profile) profile_open(g.profile = &profile, m, pool, o);
+    if (o->dump_attn_path) attn_dump_open(g.attn = &attn, m, o);
     if (o->log_path) {
-        g.log_csv = open_output(o->log_path, o, NULL);
+        g.log_csv = open_output(o->log_path, o, NULL, NULL);
         fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms");
         if (o->profile) {
             profile_csv_header(g.log_csv);
@@ -581,11 +591,8 @@ int mode_generate(const Model *m, KVPool *pool, const Drafter *draft, const Opti
         fputc('\n', g.log_csv);
         check_written(g.log_csv, o->log_path);
     }
-    if (o->dump_path) g.dump = open_output(o->dump_path, o, o->log_path);
-    Profile profile;
-    AttnDump attn;
-    if (o->profile) profile_open(g.profile = &profile, m, pool, o);
-    if (o->dump_attn_path) attn_dump_open(g.attn = &attn, open_output(o->dump_attn_path, o, o->log_path), m, o);
+    if (o->dump_path) g.dump = open_output(o->dump_path, o, o->log_path, NULL);
+    if (o->dump_attn_path) attn_dump_begin(&attn, open_output(o->dump_attn_path, o, o->log_path, o->dump_path));
     /* notes once every input has been checked, so that an error stays the one line */
     if (o->threads_note)
         fprintf(stderr, "run: note: -t %g is the temperature (as in llama2.c); the thread count is --threads\n",

@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "kernels/errmsg.h"
+#include "kernels/fileio.h"
+#include "kernels/threads.h"
 #include "serve/json.h"
 #include "serve/session.h"
 
@@ -39,17 +41,34 @@ static void layer_costs(Profile *p, const LayerWeights *w) {
         p->token_macs += mat_elements(per_token[i]), p->pass_weight_bytes += mat_bytes(per_token[i]);
 }
 
-/* "key value" lines of build/roofline's output: the best streaming read and FMA rate. */
+/* A number of a peaks file, or the run ends with one line naming it: the figures divide the
+ * profile's, so a value outside (0, limit) would print as nonsense. */
+static double peak_value(const char *path, const char *key, double value, double limit) {
+    if (!(value > 0 && value < limit))
+        die(1, "%s: %s = %g is out of range (over 0, under %g)", msg_path(path).s, key, value, limit);
+    return value;
+}
+
+/* "key value" lines of build/roofline's output: the best streaming read and FMA rate. A
+ * regular file only: a FIFO or a device would block or stream without end. */
 static void read_peaks(Profile *p, const char *path) {
-    FILE *f = fopen(path, "r");
+    char err[512];
+    size_t size;
+    const int fd = open_regular(path, "--profile-peaks ", &size, err, sizeof err);
+    if (fd < 0) die(1, "%s", err);
+    FILE *f = fdopen(fd, "r");
     if (!f) die(1, "cannot read %s: %s", msg_path(path).s, strerror(errno));
     char line[256], key[128];
     double value;
     while (fgets(line, sizeof line, f))
         if (sscanf(line, "%127s %lf", key, &value) == 2) {
-            if (!strcmp(key, "bandwidth_best_GBps")) p->peak_GBps = value;
-            if (!strcmp(key, "peak_best_GFLOPs")) p->peak_GFLOPs = value;
-            if (!strcmp(key, "roofline_threads")) p->peak_threads = (int)value;
+            if (!strcmp(key, "bandwidth_best_GBps")) p->peak_GBps = peak_value(path, key, value, 1e6);
+            if (!strcmp(key, "peak_best_GFLOPs")) p->peak_GFLOPs = peak_value(path, key, value, 1e9);
+            if (!strcmp(key, "roofline_threads")) {
+                if (value != (int)peak_value(path, key, value, TEAM_MAX_THREADS + 1))
+                    die(1, "%s: roofline_threads = %g is not a whole number", msg_path(path).s, value);
+                p->peak_threads = (int)value;
+            }
         }
     fclose(f);
     if (!(p->peak_GBps > 0) || !(p->peak_GFLOPs > 0))

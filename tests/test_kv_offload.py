@@ -6,7 +6,6 @@ back to recompute. The tier's own bookkeeping and failures are tests/test_kvtier
 import os
 import re
 import resource
-import signal
 
 import pytest
 
@@ -93,8 +92,8 @@ def test_bad_flags(small_checkpoints, tmp_path, flags, says):
 
 
 def test_file_size_limit_falls_back_to_recompute(small_checkpoints, tmp_path):
-    """RLIMIT_FSIZE of a block and a half, SIGXFSZ ignored: the tier's writes fail as on a
-    full disk; one warning, the swaps recomputed, the same tokens. --preempt swap: the
+    """RLIMIT_FSIZE of a block and a half (./run ignores SIGXFSZ): the tier's writes fail as on
+    a full disk; one warning, the swaps recomputed, the same tokens. --preempt swap: the
     default's rule weighs measured times, and on a loaded machine it may recompute every
     preemption after the first swap, so that no write ever reaches the limit."""
     path, _ = small_checkpoints["gqa"]
@@ -103,7 +102,6 @@ def test_file_size_limit_falls_back_to_recompute(small_checkpoints, tmp_path):
     limit = info["kv_block_bytes"] * 3 // 2
 
     def limited():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
     import json
@@ -168,7 +166,6 @@ def test_streaming_full_disk_ends_the_run(small_checkpoints, tmp_path):
     limit = info["kv_block_bytes"] // 4
 
     def limited():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
     import subprocess

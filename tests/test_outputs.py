@@ -139,6 +139,71 @@ def test_output_that_is_an_input_is_refused(ckpt, tmp_path):
     one_error_line(p, 2, f"cannot write {tmp_path}: it is a directory")
 
 
+def test_output_that_is_a_draft_or_peaks_file_is_refused(ckpt, tmp_path):
+    """--draft's checkpoint or table and --profile-peaks' file are inputs too; --dump-attn
+    may not share a file with --dump-logits."""
+    draft = tmp_path / "draft.bin"
+    draft.write_bytes(open(ckpt, "rb").read())
+    before = digest(draft)
+    p = run([ckpt, "-n", 3, "--kv", "--draft", draft, "--log", draft], check=False)
+    one_error_line(p, 2, f"cannot write {draft}: it is the --draft file")
+    assert digest(draft) == before
+    peaks = tmp_path / "peaks.txt"
+    peaks.write_text("bandwidth_best_GBps 50\npeak_best_GFLOPs 400\nroofline_threads 2\n")
+    p = run([ckpt, "-n", 3, "--profile", "--profile-peaks", peaks, "--dump-logits", peaks], check=False)
+    one_error_line(p, 2, f"cannot write {peaks}: it is the --profile-peaks file")
+    assert peaks.read_text().startswith("bandwidth_best_GBps 50")
+    both = tmp_path / "both.out"
+    p = run([ckpt, "-n", 3, "--dump-logits", both, "--dump-attn", both], check=False)
+    one_error_line(p, 2, f"cannot write {both}: it is the --dump-logits file")
+
+
+@pytest.mark.parametrize("bad,code,message", [
+    (["--dump-attn", "{attn}", "--dump-attn-layers", 99], 2, None),
+    (["--dump-attn", "{attn}", "--dump-attn-heads", 99], 2, None),
+    (["--profile", "--profile-peaks", "{missing}"], 1, None)])
+def test_a_refused_run_leaves_its_outputs_alone(ckpt, tmp_path, bad, code, message):
+    """What can refuse a run (the layers and heads to dump, the peaks file) is read before any
+    output is opened: an existing --log, --dump-logits or --dump-attn file keeps its bytes."""
+    files = {name: tmp_path / name for name in ("log.csv", "logits.bin", "attn.bin")}
+    for f in files.values():
+        f.write_bytes(b"keep me")
+    bad = [str(a).replace("{attn}", str(files["attn.bin"])).replace("{missing}", str(tmp_path / "none"))
+           for a in bad]
+    p = run([ckpt, "-n", 3, "--log", files["log.csv"], "--dump-logits", files["logits.bin"]] + bad, check=False)
+    assert p.returncode == code and p.stderr.decode().count("\n") == 1, p.stderr
+    assert all(f.read_bytes() == b"keep me" for f in files.values())
+
+
+def test_peaks_file_that_is_not_regular_or_not_sane(ckpt, tmp_path):
+    """--profile-peaks: a FIFO is refused at once (it blocked before), and a value that is not
+    a positive finite number in range is named."""
+    fifo = tmp_path / "peaks.fifo"
+    os.mkfifo(fifo)
+    p = run([ckpt, "-n", 2, "-q", "--profile", "--profile-peaks", fifo], check=False, timeout=60)
+    assert p.returncode == 1 and p.stderr.decode().count("\n") == 1 and "FIFO" in p.stderr.decode(), p.stderr
+    for line, says in (("roofline_threads 1e30", "roofline_threads = 1e+30 is out of range (over 0, under 257)"),
+                       ("roofline_threads 1.5", "roofline_threads = 1.5 is not a whole number"),
+                       ("bandwidth_best_GBps nan", "bandwidth_best_GBps = nan is out of range (over 0, under 1e+06)"),
+                       ("peak_best_GFLOPs inf", "peak_best_GFLOPs = inf is out of range (over 0, under 1e+09)")):
+        peaks = tmp_path / "peaks.txt"
+        peaks.write_text("bandwidth_best_GBps 50\npeak_best_GFLOPs 400\n" + line + "\n")
+        p = run([ckpt, "-n", 2, "-q", "--profile", "--profile-peaks", peaks], check=False)
+        one_error_line(p, 1, f"{peaks}: {says}")
+
+
+def test_file_size_limit_is_one_line(ckpt, tmp_path):
+    """ulimit -f: a write past it fails (./run ignores SIGXFSZ) and the run says so, exit 1."""
+    import resource
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    log = tmp_path / "steps.csv"
+    p = subprocess.run(args_of([ckpt, "--kv", "--window", 32, "-n", 2000, "-q", "--ignore-eos", "--log", log]), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, preexec_fn=limited, timeout=300)
+    one_error_line(p, 1, f"cannot write {log}: File too large")
+
+
 def test_fifo_never_hangs(ckpt, tmp_path):
     fifo = tmp_path / "steps.fifo"
     os.mkfifo(fifo)
