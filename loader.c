@@ -105,7 +105,8 @@ int config_check(const Config *c, const char *what, char *err, size_t errlen) {
             return errmsg(err, errlen, -1, "%s: %s = %d is out of range (1..%d)", what, dims[i].name, dims[i].v,
                           dims[i].max);
     if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
-        return errmsg(err, errlen, -1, "%s: n_heads * head_dim = %ld is absurd", what, (long)c->n_heads * c->head_dim);
+        return errmsg(err, errlen, -1, "%s: n_heads * (head_dim + rope_dim) = %ld is over %d", what,
+                      (long)c->n_heads * (c->head_dim + (long)c->rope_dim), MAX_DIM);
     if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
         c->n_kv_heads > MAX_DIM)
         return errmsg(err, errlen, -1, "%s: n_kv_heads, kv_latent or rope_dim is out of range", what);

@@ -218,7 +218,7 @@ int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     const int V = m->cfg.vocab_size, is_mla = m->cfg.variant == VARIANT_MLA;
     int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));
     if (!prompt) die(1, "out of memory");
-    const int n = encode_prompt(m, o->prompt, prompt, m->cfg.max_seq_len + 1, "");
+    const int n = encode_prompt(m, o->prompt, 0, prompt, m->cfg.max_seq_len + 1, "");
     const int steps = o->steps ? o->steps : m->cfg.max_seq_len;
     Options run = *o;
     run.steps = steps;

@@ -94,8 +94,8 @@ int mode_info(const Config *c, const Options *o, int pool_blocks) {
            "rope theta %g\n",
            c->dim, c->n_layers, c->n_heads, c->head_dim, c->n_kv_heads, c->kv_latent, config_rope_width(c),
            c->hidden_dim, c->vocab_size, c->max_seq_len, (double)c->rope_theta);
-    printf("parameters     %zu (%.2f M), %zu bytes of weights (%.2f GiB); loaded %zu bytes\n", f.params, f.params / 1e6,
-           f.weight_bytes, f.weight_bytes / gib, f.model_bytes);
+    printf("parameters     %zu (%.2f M), %zu bytes of weights (%.2f GiB); %zu bytes once loaded\n", f.params,
+           f.params / 1e6, f.weight_bytes, f.weight_bytes / gib, f.model_bytes);
     if (dtype_packed(dt)) {
         printf("KV cache       %d-bit codes, bf16 scales and mins (KIVI), a %zu-byte fp32 tail a sequence", dtype_bits(dt),
                f.tail_bytes);

@@ -15,12 +15,22 @@
 #include "tokenizer/spm_c.h"
 
 void die(int code, const char *fmt, ...) {
-    va_list ap;
+    char small[2048], *line = small;
+    va_list ap, again;
     va_start(ap, fmt);
-    fputs("run: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    va_copy(again, ap);
+    const int n = vsnprintf(small, sizeof small, fmt, ap);
+    if (n >= (int)sizeof small && (line = malloc((size_t)n + 1)) != NULL)
+        vsnprintf(line, (size_t)n + 1, fmt, again);
+    else
+        line = small; /* cut, where memory is short */
+    va_end(again);
     va_end(ap);
+    /* a control character quoted from a flag, a prompt or a file (a newline, an escape
+     * sequence's ESC) shows as '?': the message stays one line and cannot drive a terminal */
+    for (char *c = line; *c; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7F) *c = '?';
+    fprintf(stderr, "run: %s\n", line);
     exit(code);
 }
 
@@ -73,10 +83,15 @@ static int parse_token_ids(const Model *m, const char *prompt, int *tokens, int 
     return n;
 }
 
-int encode_prompt(const Model *m, const char *prompt, int *tokens, int max_tokens, const char *where) {
+int encode_prompt(const Model *m, const char *prompt, int fill, int *tokens, int max_tokens, const char *where) {
     int n = m->tokenizer ? spm_encode(m->tokenizer, prompt, strlen(prompt), 1, tokens, max_tokens)
                          : parse_token_ids(m, prompt, tokens, max_tokens, where);
     if (n < 0) die(1, "%sthe prompt %s", where, encode_error(n));
+    if (fill && (long)fill + n >= m->cfg.max_seq_len)
+        die(1,
+            "%sthe prompt is %d tokens: from --fill %d on it reaches position %ld of the %d-token context, "
+            "with no room to generate",
+            where, n, fill, (long)fill + n - 1, m->cfg.max_seq_len);
     if (n > m->cfg.max_seq_len)
         die(1, "%sthe prompt is %d tokens, longer than the context (%d tokens)", where, n, m->cfg.max_seq_len);
     if (n >= m->cfg.max_seq_len)
@@ -116,8 +131,9 @@ RequestList requests_of(const Model *m, const Options *o) {
         if (o->prompts_path)
             snprintf(where, sizeof where, "%s:%d: ", input_name(o->prompts_path).s,
                      ((PromptFile *)l.file)->line_numbers[i]);
-        const int n = o->prompts_path || i == 0 ? encode_prompt(m, l.texts[i], prompt, m->cfg.max_seq_len + 1, where)
-                                                : l.requests[0].n_prompt;
+        const int n = o->prompts_path || i == 0
+                          ? encode_prompt(m, l.texts[i], o->fill, prompt, m->cfg.max_seq_len + 1, where)
+                          : l.requests[0].n_prompt;
         l.requests[i] = request_of(prompt, n, i, o->seed + (uint64_t)i);
     }
     free(prompt);

@@ -245,6 +245,8 @@ def test_a_run_holds_what_info_counts():
     (["--shape", "llama2-7b,kv_heads=5", "--info"], 2, "kv_heads = 5 does not divide heads = 32"),
     (["--shape", "llama2-7b,ctx=200000", "--info"], 2, "max_seq_len = 200000 is out of range (1..131072)"),
     (["--shape", "tinyllama-1.1b,latent=256,kv_heads=4", "--info"], 2, "MLA, which has no KV heads"),
+    (["--shape", "layers=1,dim=64,heads=4,latent=1,rope_dim=65536", "--info"], 2,
+     "n_heads * (head_dim + rope_dim) = 262208 is over 65536"),
     (["--shape", "", "--info"], 2, "--shape needs a preset"),
     (["weights/gqa.bin", "--shape", "gqa"], 2, "--shape generates a model's weights: it takes no checkpoint"),
     (["--shape", "gqa", "-c", "abc"], 2, "-c needs an integer, got 'abc'"),
