@@ -97,14 +97,15 @@ static void check_limits(const Config *c, const Options *o) {
     if (o->steps > ctx && (!o->window || o->check_kv || o->evict != KV_EVICT_OLDEST))
         die(EXIT_USAGE, "-n %d is out of range (1..%d, the context%s)", o->steps, ctx,
             o->check_kv ? "" : o->window ? "; --evict h2o and block keep positions' own rotation" : "; more with --window");
-    if (o->window > ctx) die(EXIT_USAGE, "--window %d is out of range (1..%d, the context)", o->window, ctx);
+    if (o->window > ctx) die(EXIT_USAGE, "%s %d is out of range (1..%d, the context)", o->window_flag, o->window, ctx);
     if (o->evict == KV_EVICT_H2O && o->window < 2)
         die(EXIT_USAGE, "--kv-budget %d is too small for --evict h2o (2..%d)", o->window, ctx);
     if (o->evict == KV_EVICT_BLOCK && (o->window < 2 * KV_BLOCK_TOKENS || o->window % KV_BLOCK_TOKENS))
         die(EXIT_USAGE, "--kv-budget %d does not suit --evict block: whole blocks of %d, at least %d", o->window,
             KV_BLOCK_TOKENS, 2 * KV_BLOCK_TOKENS);
     if (o->window && o->window <= o->window_sinks)
-        die(EXIT_USAGE, "--window %d leaves no room beside the %d sink positions", o->window, o->window_sinks);
+        die(EXIT_USAGE, "%s %d leaves no room beside the %d sink positions", o->window_flag, o->window,
+            o->window_sinks);
     if (o->fill && (long)o->fill + 1 > ctx)
         die(EXIT_USAGE, "--fill %d is out of range (1..%d: the prompt needs a position of the %d-token context)",
             o->fill, ctx - 1, ctx);
@@ -224,6 +225,7 @@ int main(int argc, char **argv) {
     /* the model's own sliding window, where a run with a cache would take --window */
     if (!o.window && cfg.window && (o.kv || o.ppl_path || o.info || o.check_kv))
         o.window = cfg.window, o.window_sinks = 0, o.window_from_model = 1;
+    if (!o.top_k_given && o.top_k > cfg.vocab_size) o.top_k = cfg.vocab_size; /* the default keeps them all */
     check_limits(&cfg, &o);
     const int blocks = pool_blocks(&cfg, &o);
     if (o.info) { /* from the shape alone: no weights, no pool */

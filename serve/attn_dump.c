@@ -29,9 +29,13 @@ static unsigned char *mask_of(const IndexList *list, int n, const char *flag, co
     return mask;
 }
 
-void attn_dump_open(AttnDump *d, const Model *m, const Options *o) {
+void attn_dump_open(AttnDump *d, const Model *m, const Options *o, int n_sequences) {
     const Config *c = &m->cfg;
     memset(d, 0, sizeof *d);
+    const int last = index_list_max(&o->dump_attn_sequences);
+    if (last >= n_sequences)
+        die(EXIT_USAGE, "--dump-attn-seqs %d is out of range: the run has %d sequence%s (0..%d)", last, n_sequences,
+            n_sequences == 1 ? "" : "s", n_sequences - 1);
     d->path = o->dump_attn_path, d->o = o, d->cfg = c;
     d->layers = mask_of(&o->dump_attn_layers, c->n_layers, "--dump-attn-layers", "layers");
     d->heads = mask_of(&o->dump_attn_heads, c->n_heads, "--dump-attn-heads", "heads");

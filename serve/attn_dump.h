@@ -20,8 +20,9 @@ typedef struct {
 } AttnDump;
 
 /* Takes the chosen layers and heads; dies with one line (exit 2) when one is not in the
- * model. Called before any output is opened, so a refused run leaves every file as it was. */
-void attn_dump_open(AttnDump *d, const Model *m, const Options *o);
+ * model, or a chosen sequence not among the run's n_sequences. Called before any output is
+ * opened, so a refused run leaves every file as it was. */
+void attn_dump_open(AttnDump *d, const Model *m, const Options *o, int n_sequences);
 
 /* Writes the header to f (opened by the caller, refused when it is an input). */
 void attn_dump_begin(AttnDump *d, FILE *f);

@@ -23,7 +23,7 @@ void cli_usage(FILE *f) {
           "  -p, --prompt PROMPT   prompt text; - reads it from standard input (default: empty, BOS only)\n"
           "  -f, --file FILE       read the prompt from a UTF-8 text file (trailing line breaks dropped)\n"
           "  -n, --n-predict N     tokens to generate, 1..context (default: until EOS or the context is full)\n"
-          "  -k, --top-k K         keep the K most likely tokens, 1..vocab; 1 is greedy (default 40)\n"
+          "  -k, --top-k K         keep the K most likely tokens, 1..vocab; 1 is greedy (default 40, or vocab)\n"
           "      --top-p P         then the fewest whose probability reaches P, 0..1; 1 is off (default 1)\n"
           "  -t, --temp T          then divide the logits by T, 0..100; 0 is greedy (default 1.0)\n"
           "  -s, --seed S          random seed, a non-negative integer (default: from the clock; printed)\n"
@@ -277,6 +277,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
     int mla_given = 0, policy_given = 0, prompt_flags = 0; /* bit 0: -p, bit 1: -f */
     o->batch = 1;
     o->preempt_swap = -1;
+    o->window_flag = "--window";
     o->dump_attn_layers.all = o->dump_attn_heads.all = o->dump_attn_steps.all = o->dump_attn_sequences.all = 1;
     optind = 0; /* 0, not 1: glibc then forgets every earlier scan */
     opterr = 0;
@@ -321,7 +322,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
             if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->steps = (int)n;
             break;
         case 'k':
-            if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n;
+            if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->top_k = (int)n, o->top_k_given = 1;
             break;
         case OPT_TOP_P: rc = parse_float(flag, v, 0.0f, 1.0f, &o->top_p, err, errlen); break;
         case 't':
@@ -378,6 +379,7 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
             break;
         case OPT_WINDOW:
             if (!(rc = parse_long(flag, v, 1, 1L << 20, &n, err, errlen))) o->window = (int)n;
+            o->window_flag = strcmp(flag, "--kv-budget") ? "--window" : "--kv-budget";
             break;
         case OPT_FILL:
             if (!(rc = parse_long(flag, v, 1, 1L << 24, &n, err, errlen))) o->fill = (int)n;
@@ -446,8 +448,11 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2, "--check-spec needs --draft ngram|CKPT|TABLE and --kv");
     if (o->draft && !o->draft_k) o->draft_k = 4;
     if (o->draft && (!o->kv || o->window || o->ppl_path || o->info || o->check_kv || o->check_batch))
-        return errmsg(err, errlen, 2, "--draft speculates on the cache: it needs --kv and takes no %s",
-                      !o->kv ? "run without it" : o->window ? "--window (a ring cannot be rolled back)" : "other mode");
+        return errmsg(err, errlen, 2, "--draft speculates on the cache: it needs --kv and takes no %s%s",
+                      !o->kv      ? "run without it"
+                      : o->window ? o->window_flag
+                                  : "other mode",
+                      o->kv && o->window ? " (a ring cannot be rolled back)" : "");
     if (o->prompts_path && o->prompt_given)
         return errmsg(err, errlen, 2, "%s and --prompts cannot be combined", prompt_flags & 1 ? "-p" : "-f");
     if (policy_given && !o->window) return errmsg(err, errlen, 2, "--evict needs a budget: --kv-budget N");
@@ -461,20 +466,25 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
         return errmsg(err, errlen, 2,
                       "--dump-attn-layers, -heads, -steps and -seqs choose what --dump-attn FILE records");
     if (o->fill && (!o->kv || o->window || o->info || o->check_kv || o->check_batch || o->ppl_path))
-        return errmsg(err, errlen, 2,
-                      "--fill starts a generation with --kv over generated entries: it takes no %s",
-                      !o->kv ? "run without --kv" : o->window ? "--window" : o->info ? "--info" : o->check_kv ? "--check-kv" : o->check_batch ? "--check-batch" : "--ppl");
+        return errmsg(err, errlen, 2, "--fill starts a generation with --kv over generated entries: it takes no %s",
+                      !o->kv           ? "run without --kv"
+                      : o->window      ? o->window_flag
+                      : o->info        ? "--info"
+                      : o->check_kv    ? "--check-kv"
+                      : o->check_batch ? "--check-batch"
+                                       : "--ppl");
     if (dtype_packed(o->kv_dtype) && (o->window || o->kv_offload))
-        return errmsg(err, errlen, 2, "--kv-dtype %s quantizes whole blocks: it takes no %s", kv_dtype_name(o->kv_dtype),
-                      o->window ? "--window" : "--kv-offload");
+        return errmsg(err, errlen, 2, "--kv-dtype %s quantizes whole blocks: it takes no %s",
+                      kv_dtype_name(o->kv_dtype), o->window ? o->window_flag : "--kv-offload");
     if (o->kv_offload && (!o->kv || o->window))
-        return errmsg(err, errlen, 2, "--kv-offload swaps a sequence's cache: it needs --kv and takes no --window");
+        return errmsg(err, errlen, 2, "--kv-offload swaps a sequence's cache: it needs --kv and takes no %s",
+                      o->window_flag);
     if (o->preempt_swap == 1 && !o->kv_offload)
         return errmsg(err, errlen, 2, "--preempt swap needs a tier to swap to: give --kv-offload PATH");
     if (o->preempt_swap < 0 && !o->kv_offload) o->preempt_swap = 0; /* with a tier, -1: the measured rule */
     if (o->window && !o->kv && !o->ppl_path && !o->info && !o->check_kv)
-        return errmsg(err, errlen, 2,
-                      "--window needs --kv: without the cache every step recomputes the whole sequence");
+        return errmsg(err, errlen, 2, "%s needs --kv: without the cache every step recomputes the whole sequence",
+                      o->window_flag);
     /* the setup of the KV-cache post: the absorbed form decodes with the cache, the
      * expanded one recomputes without it */
     if (!mla_given) o->mla_form = o->kv && !o->ppl_path ? MLA_ABSORBED : MLA_EXPANDED;

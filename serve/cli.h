@@ -24,7 +24,8 @@ typedef struct {
     const char *prompt_path; /* -f FILE, or "-" for -p - (standard input): run.c reads it into prompt */
     int steps;               /* 0 = until EOS or the context is full */
     int top_k;
-    float top_p; /* 1 = off */
+    int top_k_given; /* -k given: else 40, or the whole vocabulary when that is smaller */
+    float top_p;     /* 1 = off */
     float temperature;
     uint64_t seed;
     int kv;
@@ -54,6 +55,7 @@ typedef struct {
     DType kv_dtype;           /* of the cached elements: fp32, bf16, int8 or fp8 (e4m3) */
     int window;               /* positions each sequence's cache keeps; 0 = the whole context */
     int window_from_model;    /* window is the model's own (Config's window), no --window given */
+    const char *window_flag;  /* "--window" or "--kv-budget", as given: the messages name it */
     int window_sinks;         /* of them, the first positions kept for good (--evict sinks) */
     KVEvict evict;            /* what a full window gives up (--evict) */
     int fill;                 /* --fill: positions of generated cache entries every sequence starts after */

@@ -580,7 +580,7 @@ int mode_generate(const Model *m, KVPool *pool, const Drafter *draft, const Opti
     /* what can refuse the run is read before any output is opened, so a refused run leaves
      * every file as it was */
     if (o->profile) profile_open(g.profile = &profile, m, pool, o);
-    if (o->dump_attn_path) attn_dump_open(g.attn = &attn, m, o);
+    if (o->dump_attn_path) attn_dump_open(g.attn = &attn, m, o, list.n);
     if (o->log_path) {
         g.log_csv = open_output(o->log_path, o, NULL, NULL);
         fprintf(g.log_csv, "step,phase,sequences,n_tokens,pos,token,ms");

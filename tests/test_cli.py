@@ -568,3 +568,26 @@ def test_control_characters_in_a_message_show_as_question_marks(small_checkpoint
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and err.startswith("run: " + says), err
     assert not any(ord(c) < 0x20 for c in err[:-1]), err
+
+
+def test_messages_name_the_flag_given(small_checkpoints):
+    """--kv-budget and --window are one flag: a refusal names the one written."""
+    ckpt = small_checkpoints["gqa"][0]
+    for flag in ("--kv-budget", "--window"):
+        p = run([ckpt, flag, 32, "-n", 3], check=False)
+        assert p.returncode == 2 and p.stderr.decode() == \
+            f"run: {flag} needs --kv: without the cache every step recomputes the whole sequence\n", p.stderr
+        p = run([ckpt, "--kv", flag, 32, "--kv-offload", "/nonexistent/tier", "-n", 3], check=False)
+        assert p.returncode == 2 and p.stderr.decode() == \
+            f"run: --kv-offload swaps a sequence's cache: it needs --kv and takes no {flag}\n", p.stderr
+
+
+def test_default_top_k_over_a_small_vocabulary():
+    """-k not given over a vocabulary under 40: every token is kept (the settings say so); a
+    -k given over it is still refused."""
+    _, info = json_one(["--shape", "gqa,layers=1,vocab=16", "--info"])
+    assert info["vocab"] == 16
+    p, _, summary = generate_json(["--shape", "gqa,layers=1,vocab=16", "-p", "1 2", "-n", 3, "-q", "--ignore-eos"])
+    assert summary["top_k"] == 16 and summary["tokens_generated"] == 3
+    p = run(["--shape", "gqa,layers=1,vocab=16", "-p", "1 2", "-n", 3, "-k", 40], check=False)
+    assert p.returncode == 2 and p.stderr.decode().endswith("-k 40 is out of range (1..16, the vocabulary)\n")

@@ -170,6 +170,9 @@ def test_chosen_steps_layers_heads(small_checkpoints, tmp_path):
     (["--dump-attn", "F", "--dump-attn-steps", "5-2"], "runs backwards"),
     (["--dump-attn-steps", "1"], "choose what --dump-attn FILE records"),
     (["--dump-attn", "F", "--ppl", "x"], "--dump-attn records a generation"),
+    (["--dump-attn", "F", "--dump-attn-seqs", "1"], "--dump-attn-seqs 1 is out of range: the run has 1 sequence (0..0)"),
+    (["--dump-attn", "F", "--batch", "2", "--dump-attn-seqs", "0,5"],
+     "--dump-attn-seqs 5 is out of range: the run has 2 sequences (0..1)"),
 ])
 def test_bad_choices_refused(small_checkpoints, tmp_path, args, message):
     args = [str(tmp_path / "out.bin") if a == "F" else a for a in args]

@@ -167,7 +167,7 @@ static void test_bad_specs(void **state) {
     expect_refused("llama2-7b,rope_theta=abc", "rope_theta needs a number");
     expect_refused("llama2-7b,window=5000", "window = 5000 is out of range (0..4096");
     expect_refused("llama2-7b,ctx=131072,head_dim=256", "RoPE tables");
-    expect_refused("llama2-7b,heads=1024", "absurd"); /* 1024 x 128 */
+    expect_refused("llama2-7b,heads=1024", "n_heads * (head_dim + rope_dim) = 131072 is over 65536");
     expect_refused("layers=2,dim=256", "heads is not given");
     expect_refused("layers=2,dim=250,heads=8", "heads = 8 does not divide dim = 250");
 }
