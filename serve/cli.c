@@ -243,7 +243,7 @@ static int getopt_error(int code, const char *arg, char *err, size_t errlen) {
 /* Refuses what one run cannot do at once, rather than silently doing one of it: two
  * modes, and flags only a generation (or only one sequence) uses beside another mode. */
 static int one_mode(const Options *o, char *err, size_t errlen) {
-    const char *given[4];
+    const char *given[5];
     int n = 0;
     if (o->info) given[n++] = "--info";
     if (o->check_kv) given[n++] = "--check-kv";
@@ -263,6 +263,9 @@ static int one_mode(const Options *o, char *err, size_t errlen) {
         return errmsg(err, errlen, 2, "--check-kv compares one sequence; --check-batch compares a batch");
     if (o->batch_given && o->ppl_path)
         return errmsg(err, errlen, 2, "--ppl scores one sequence at a time: it takes no --batch");
+    if (o->ppl_path && (o->prompt_given || o->steps))
+        return errmsg(err, errlen, 2, "--ppl scores the text of its file whole: it takes no %s",
+                      o->prompt_given ? "-p or -f" : "-n");
     return 0;
 }
 
@@ -437,10 +440,10 @@ int cli_parse(Options *o, int argc, char **argv, char *err, size_t errlen) {
             return errmsg(err, errlen, 2, "unexpected argument '%s' (one checkpoint only; see -h)", argv[i]);
         o->checkpoint = argv[i];
     }
+    o->prompt_given = prompt_flags != 0;
     int rc = one_mode(o, err, errlen);
     if (rc) return rc;
     if (prompt_flags == 3) return errmsg(err, errlen, 2, "-p and -f cannot be combined");
-    o->prompt_given = prompt_flags != 0;
     if (o->quiet && o->verbose) return errmsg(err, errlen, 2, "-q and -v cannot be combined");
     if (o->check_batch && !o->batch_given) return errmsg(err, errlen, 2, "--check-batch needs --batch B");
     if (o->draft_k && !o->draft) return errmsg(err, errlen, 2, "--draft-k needs --draft ngram|CKPT|TABLE");

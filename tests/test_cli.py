@@ -454,6 +454,11 @@ def test_bad_flags(small_checkpoints):
     expect_error([path, "--threads", "10000"], 2, "--threads 10000 is out of range")
     expect_error([path, "--mla", "fold"], 2, "--mla takes absorb or expand")
     expect_error([path, path], 2, "unexpected argument")
+    # every mode at once: the first two are named (the list of them once overflowed its array)
+    expect_error([path, "--info", "--check-kv", "--ppl", path, "--check-batch", "--batch", 2, "--check-spec",
+                  "--draft", "ngram", "--kv"], 2, "--info and --check-kv cannot be combined: one mode a run")
+    expect_error([path, "--ppl", path, "-p", "Once"], 2, "--ppl scores the text of its file whole: it takes no -p or -f")
+    expect_error([path, "--ppl", path, "-n", 5], 2, "--ppl scores the text of its file whole: it takes no -n")
 
 
 def test_bad_prompts(small_checkpoints):

@@ -68,7 +68,7 @@ def test_ppl_reports_the_tokens_past_the_budget(small_checkpoints, tmp_path):
     (["--kv", "--kv-budget", 40, "--evict", "block"], "--kv-budget 40 does not suit --evict block"),
     (["--kv", "--kv-budget", 16, "--evict", "block"], "--kv-budget 16 does not suit --evict block"),
     (["--kv", "--kv-budget", 1, "--evict", "h2o"], "--kv-budget 1 is too small for --evict h2o"),
-    (["--kv", "--kv-budget", 65, "--evict", "h2o"], "--window 65 is out of range (1..64, the context)"),
+    (["--kv", "--kv-budget", 65, "--evict", "h2o"], "--kv-budget 65 is out of range (1..64, the context)"),
     (["--kv", "--kv-budget", 32, "--evict", "h2o", "--check-kv"], "--evict h2o cannot agree with --check-kv"),
     (["--kv", "--kv-budget", 32, "--evict", "h2o", "-n", 65], "-n 65 is out of range (1..64, the context; --evict h2o"),
     (["--kv", "--kv-budget", 32, "--evict", "block", "--dump-attn", "x.bin"], "--evict block records the attention"),
