@@ -87,11 +87,9 @@ int encode_prompt(const Model *m, const char *prompt, int fill, int *tokens, int
     int n = m->tokenizer ? spm_encode(m->tokenizer, prompt, strlen(prompt), 1, tokens, max_tokens)
                          : parse_token_ids(m, prompt, tokens, max_tokens, where);
     if (n < 0) die(1, "%sthe prompt %s", where, encode_error(n));
-    if (fill && (long)fill + n >= m->cfg.max_seq_len)
-        die(1,
-            "%sthe prompt is %d tokens: from --fill %d on it reaches position %ld of the %d-token context, "
-            "with no room to generate",
-            where, n, fill, (long)fill + n - 1, m->cfg.max_seq_len);
+    if (fill && (long)fill + n > m->cfg.max_seq_len)
+        die(1, "%sthe prompt is %d tokens: from --fill %d on it runs past the %d-token context (to position %ld)",
+            where, n, fill, m->cfg.max_seq_len, (long)fill + n - 1);
     if (n > m->cfg.max_seq_len)
         die(1, "%sthe prompt is %d tokens, longer than the context (%d tokens)", where, n, m->cfg.max_seq_len);
     if (n >= m->cfg.max_seq_len)

@@ -24,8 +24,9 @@ void check_model(int rc);
 /* What a negative spm_encode result means, after "the prompt" or "story N". */
 const char *encode_error(int code);
 /* BOS and the prompt's tokens into tokens (max_tokens); `where` ("" or "FILE:LINE: ")
- * starts any error message. Dies when the prompt, after the `fill` positions --fill puts
- * before it, does not leave room to generate. A model without a tokenizer (--shape) reads
+ * starts any error message. Dies when the prompt does not leave room to generate, or
+ * runs past the context after the `fill` positions --fill puts before it (the last of
+ * its logits then give the one token there is room for). A model without a tokenizer (--shape) reads
  * the prompt as token ids, separated by spaces or commas, each below the vocabulary size. */
 int encode_prompt(const Model *m, const char *prompt, int fill, int *tokens, int max_tokens, const char *where);
 

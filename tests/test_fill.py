@@ -74,13 +74,14 @@ def test_a_fill_past_the_context_refused(args, says):
 
 
 def test_a_prompt_past_the_context_after_the_fill_refused():
-    """The prompt starts at --fill: with BOS and "Once" (2 tokens) from 254 on, it fills the
-    context to its last position (255), refused as a prompt that fills the context is; one
-    position earlier, the context holds the prompt and one token, and a second is sampled."""
-    p = run([CKPT, "--kv", "-p", "Once", "--fill", "254", "-n", "2", "-q"], check=False)
+    """The prompt starts at --fill: BOS and "Once" (2 tokens) from 255 on would need position
+    256 of a 256-token context; from 254 on they end at the last position, whose logits give
+    the one token there is room for (as BOS alone at --fill 255 does)."""
+    p = run([CKPT, "--kv", "-p", "Once", "--fill", "255", "-n", "2", "-q"], check=False)
     err = p.stderr.decode()
-    assert p.returncode == 1 and err == ("run: the prompt is 2 tokens: from --fill 254 on it reaches position 255 "
-                                         "of the 256-token context, with no room to generate\n"), err
-    _, seqs, _ = generate_json([CKPT, "--kv", "-p", "Once", "--fill", "253", "-n", "5", "-k", "1", "--ignore-eos",
-                                "-q"])
-    assert seqs[0]["prompt_tokens"] == 2 and len(seqs[0]["tokens"]) == 2 and seqs[0]["stop"] == "context full"
+    assert p.returncode == 1 and err == ("run: the prompt is 2 tokens: from --fill 255 on it runs past the "
+                                         "256-token context (to position 256)\n"), err
+    for prompt, fill in (("Once", 254), ("", 255)):
+        _, seqs, _ = generate_json([CKPT, "--kv", "-p", prompt, "--fill", fill, "-n", 5, "-k", 1, "--ignore-eos",
+                                    "-q"])
+        assert len(seqs[0]["tokens"]) == 1 and seqs[0]["stop"] == "context full", seqs
