@@ -508,14 +508,44 @@ int model_read_config(Config *c, const char *path, char *err, size_t errlen) {
     return 0;
 }
 
+SpmTokenizer *checkpoint_tokenizer(const Checkpoint *ck, char *err, size_t errlen) {
+    const Config *c = &ck->cfg;
+    char *bytes = malloc((size_t)ck->tok_size ? (size_t)ck->tok_size : 1), why[256];
+    if (!bytes) {
+        errmsg(err, errlen, -1, "out of memory loading %s", msg_path(ck->path).s);
+        return NULL;
+    }
+    if (read_at(ck->fd, bytes, (size_t)ck->tok_size, (size_t)ck->tok_off) != 0) {
+        if (errno)
+            errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(ck->path).s, strerror(errno));
+        else
+            errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(ck->path).s);
+        free(bytes);
+        return NULL;
+    }
+    SpmTokenizer *t = spm_load_bytes(bytes, (size_t)ck->tok_size, why, sizeof why);
+    free(bytes);
+    if (!t) {
+        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer: %s", why);
+        return NULL;
+    }
+    if (spm_vocab_size(t) != c->vocab_size || spm_bos_id(t) != c->bos_id || spm_eos_id(t) != c->eos_id) {
+        errmsg(err, errlen, -1,
+               "checkpoint: the embedded tokenizer (%d pieces, bos %d, eos %d) does not match the model (%d, bos %d, "
+               "eos %d)",
+               spm_vocab_size(t), spm_bos_id(t), spm_eos_id(t), c->vocab_size, c->bos_id, c->eos_id);
+        spm_free(t);
+        return NULL;
+    }
+    return t;
+}
+
 /* The file is read with pread, never mapped: a mapped file that shrinks under the reader
  * kills it with SIGBUS, while a read just comes up short. */
 int checkpoint_load(Model *m, const Checkpoint *ck, int ctx, char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
     const char *path = ck->path;
-    const int fd = ck->fd;
-    char *tokenizer = NULL;
-    PackCursor cur = {.fd = fd, .path = path, .err = err, .errlen = errlen};
+    PackCursor cur = {.fd = ck->fd, .path = path, .err = err, .errlen = errlen};
     Config *c = &m->cfg;
     *c = ck->cfg;
     if (ctx < 0 || ctx > c->max_seq_len) {
@@ -525,25 +555,7 @@ int checkpoint_load(Model *m, const Checkpoint *ck, int ctx, char *err, size_t e
     }
     if (ctx > 0) c->max_seq_len = ctx;
 
-    if (!(tokenizer = malloc((size_t)ck->tok_size))) goto out_of_memory;
-    if (read_at(fd, tokenizer, (size_t)ck->tok_size, (size_t)ck->tok_off) != 0) goto unreadable;
-    char why[256];
-    m->tokenizer = spm_load_bytes(tokenizer, (size_t)ck->tok_size, why, sizeof why);
-    free(tokenizer);
-    tokenizer = NULL;
-    if (!m->tokenizer) {
-        errmsg(err, errlen, -1, "checkpoint: the embedded tokenizer: %s", why);
-        goto bad;
-    }
-    if (spm_vocab_size(m->tokenizer) != c->vocab_size || spm_bos_id(m->tokenizer) != c->bos_id ||
-        spm_eos_id(m->tokenizer) != c->eos_id) {
-        errmsg(err, errlen, -1,
-               "checkpoint: the embedded tokenizer (%d pieces, bos %d, eos %d) does not match the model (%d, bos %d, "
-               "eos %d)",
-               spm_vocab_size(m->tokenizer), spm_bos_id(m->tokenizer), spm_eos_id(m->tokenizer), c->vocab_size,
-               c->bos_id, c->eos_id);
-        goto bad;
-    }
+    if (!(m->tokenizer = checkpoint_tokenizer(ck, err, errlen))) goto bad;
     if (alloc_model(m) != 0) goto out_of_memory;
     cur.offset = (size_t)ck->w_off;
     cur.dst = m->weights;
@@ -554,16 +566,9 @@ int checkpoint_load(Model *m, const Checkpoint *ck, int ctx, char *err, size_t e
     if (cur.failed) goto bad;
     if (c->variant == VARIANT_MLA && derive_absorbed(m) != 0) goto out_of_memory;
     return 0;
-unreadable:
-    if (errno)
-        errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
-    else
-        errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
-    goto bad;
 out_of_memory:
     errmsg(err, errlen, -1, "out of memory loading %s", msg_path(path).s);
 bad:
-    free(tokenizer);
     free(cur.rowmajor);
     model_free(m);
     return -1;

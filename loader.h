@@ -19,7 +19,7 @@ int model_load(Model *m, const char *path, char *err, size_t errlen);
  * it), before the RoPE tables are sized. */
 int model_load_with_context(Model *m, const char *path, int ctx, char *err, size_t errlen);
 /* A checkpoint's checked configuration from its header and section sizes alone: no
- * tokenizer, no weights are read (--info). */
+ * tokenizer, no weights are read. */
 int model_read_config(Config *c, const char *path, char *err, size_t errlen);
 
 /* model_load in two steps over one open file, so that a run can size everything from the
@@ -35,6 +35,10 @@ typedef struct {
 } Checkpoint;
 int checkpoint_open(Checkpoint *ck, const char *path, char *err, size_t errlen);
 int checkpoint_load(Model *m, const Checkpoint *ck, int ctx, char *err, size_t errlen);
+/* The embedded tokenizer, loaded and checked against the header (its pieces, BOS and EOS);
+ * NULL with one sentence in err when it is not what the header says (checkpoint_load's
+ * first step; --info's only one besides the header). */
+SpmTokenizer *checkpoint_tokenizer(const Checkpoint *ck, char *err, size_t errlen);
 void checkpoint_close(Checkpoint *ck);
 /* Checks a configuration against the limits above, the variant's head counts and the RoPE
  * tables' bound; `what` starts the message ("checkpoint", "--shape"). 0 or -1. */

@@ -28,6 +28,7 @@
 #include "serve/textfile.h"
 #include "serve/version.h"
 #include "shape.h"
+#include "tokenizer/spm_c.h"
 #include "kernels/errmsg.h"
 
 /* ---- the standard streams and the prompt ---- */
@@ -228,7 +229,11 @@ int main(int argc, char **argv) {
     if (!o.top_k_given && o.top_k > cfg.vocab_size) o.top_k = cfg.vocab_size; /* the default keeps them all */
     check_limits(&cfg, &o);
     const int blocks = pool_blocks(&cfg, &o);
-    if (o.info) { /* from the shape alone: no weights, no pool */
+    if (o.info) { /* from the shape alone: no weights, no pool; a checkpoint's tokenizer is checked */
+        char err[512];
+        SpmTokenizer *tokenizer = o.shape ? NULL : checkpoint_tokenizer(&ck, err, sizeof err);
+        if (!o.shape && !tokenizer) die(1, "%s", err);
+        spm_free(tokenizer);
         checkpoint_close(&ck);
         const int status = mode_info(&cfg, &o, blocks);
         free(prompt_text);

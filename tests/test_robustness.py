@@ -223,6 +223,22 @@ def test_reserved_header_bytes_refused(ckpt, tmp_path):
     one_line_error(run([bad], check=False), 1, "checkpoint: reserved header byte 127 is 7, not 0")
 
 
+def test_info_checks_the_tokenizer(ckpt, tmp_path):
+    """--info reads no weights, but it checks the embedded tokenizer as every other mode does:
+    bytes that do not parse, or an EOS id the tokenizer does not have, are refused."""
+    with open(ckpt, "rb") as f:
+        tok_off = struct.unpack_from("<Q", f.read(128), 72)[0]
+    garbled = patched(ckpt, tmp_path / "garbled.bin", {tok_off: b"\xff" * 64})
+    eos = patched(ckpt, tmp_path / "eos.bin", {68: struct.pack("<I", 5)})
+    for bad, says in ((garbled, "checkpoint: the embedded tokenizer: cannot load the SentencePiece model"),
+                      (eos, "checkpoint: the embedded tokenizer (4096 pieces, bos 1, eos 2) does not match the model "
+                            "(4096, bos 1, eos 5)")):
+        for mode in ([], ["--info"], ["--info", "--json"]):
+            p = run([bad, "-n", 2] if not mode else [bad] + mode, check=False)
+            err = p.stderr.decode()
+            assert p.returncode == 1 and p.stdout == b"" and err.count("\n") == 1 and says in err, (mode, err)
+
+
 # ---- 5: non-finite numbers ----
 
 def header_u32(path, offset):
