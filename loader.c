@@ -275,6 +275,13 @@ static inline uint16_t bf16_of(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* Why a read_at of the checkpoint failed: an error, or the file ended first (it shrank
+ * since its size was taken). Returns code with the message in err. */
+static int read_failed(const char *path, int code, char *err, size_t errlen) {
+    if (errno) return errmsg(err, errlen, code, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
+    return errmsg(err, errlen, code, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
+}
+
 /* Visitor: the next tensor, read and checked or generated, goes packed into the heap copy. */
 static void pack_tensor(void *ctx, const TensorRef *t) {
     PackCursor *cur = ctx;
@@ -289,11 +296,7 @@ static void pack_tensor(void *ctx, const TensorRef *t) {
         }
     }
     if (read_at(cur->fd, cur->rowmajor, bytes, cur->offset) != 0) {
-        cur->failed = errno
-                          ? errmsg(cur->err, cur->errlen, 1, "cannot read checkpoint %s: %s", msg_path(cur->path).s,
-                                   strerror(errno))
-                          : errmsg(cur->err, cur->errlen, 1,
-                                   "checkpoint %s shrank while it was being read (truncated?)", msg_path(cur->path).s);
+        cur->failed = read_failed(cur->path, 1, cur->err, cur->errlen);
         return;
     }
     const long bad = first_nonfinite(cur->rowmajor, n, cur->dt);
@@ -460,10 +463,7 @@ static int read_header(int fd, const char *path, size_t size, Config *c, uint64_
     if (size < HEADER_SIZE)
         return errmsg(err, errlen, -1, "checkpoint %s is truncated: %zu bytes, shorter than the %d-byte header",
                       msg_path(path).s, size, HEADER_SIZE);
-    if (read_at(fd, h, HEADER_SIZE, 0) != 0) {
-        if (errno) return errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(path).s, strerror(errno));
-        return errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(path).s);
-    }
+    if (read_at(fd, h, HEADER_SIZE, 0) != 0) return read_failed(path, -1, err, errlen);
     if (parse_header(c, h, err, errlen) != 0) return -1;
     *tok_off = rd_u64(h + 72), *tok_size = rd_u64(h + 80), *w_off = rd_u64(h + 88);
     const uint64_t w_size = rd_u64(h + 96);
@@ -516,10 +516,7 @@ SpmTokenizer *checkpoint_tokenizer(const Checkpoint *ck, char *err, size_t errle
         return NULL;
     }
     if (read_at(ck->fd, bytes, (size_t)ck->tok_size, (size_t)ck->tok_off) != 0) {
-        if (errno)
-            errmsg(err, errlen, -1, "cannot read checkpoint %s: %s", msg_path(ck->path).s, strerror(errno));
-        else
-            errmsg(err, errlen, -1, "checkpoint %s shrank while it was being read (truncated?)", msg_path(ck->path).s);
+        read_failed(ck->path, -1, err, errlen);
         free(bytes);
         return NULL;
     }

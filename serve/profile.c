@@ -65,9 +65,9 @@ static void read_peaks(Profile *p, const char *path) {
             if (!strcmp(key, "bandwidth_best_GBps")) p->peak_GBps = peak_value(path, key, value, 1e6);
             if (!strcmp(key, "peak_best_GFLOPs")) p->peak_GFLOPs = peak_value(path, key, value, 1e9);
             if (!strcmp(key, "roofline_threads")) {
-                if (value != (int)peak_value(path, key, value, TEAM_MAX_THREADS + 1))
+                p->peak_threads = (int)peak_value(path, key, value, TEAM_MAX_THREADS + 1);
+                if (p->peak_threads != value)
                     die(1, "%s: roofline_threads = %g is not a whole number", msg_path(path).s, value);
-                p->peak_threads = (int)value;
             }
         }
     fclose(f);
