@@ -25,8 +25,8 @@ __attribute__((format(printf, 4, 5))) static inline int errmsg(char *err, size_t
 
 /* A path as a message shows it: whole, or when longer than MSG_PATH_BYTES its last bytes
  * after "...", so that what a message says after the path (an errno text) is never what a
- * full buffer cuts off; a control character (an escape sequence's ESC, say) shows as '?',
- * so that no path can drive the terminal the message lands on. */
+ * full buffer cuts off; a control character (an escape sequence's ESC, say) shows as '?'
+ * (utf8_mask_controls), so that no path can drive the terminal the message lands on. */
 enum { MSG_PATH_BYTES = 160 };
 typedef struct {
     char s[MSG_PATH_BYTES + 4];
@@ -43,8 +43,7 @@ static inline MsgPath msg_path(const char *path) {
         memcpy(m.s, "...", 3);
         memcpy(m.s + 3, tail, strlen(tail) + 1);
     }
-    for (char *c = m.s; *c; c++)
-        if ((unsigned char)*c < 0x20 || *c == 0x7F) *c = '?';
+    utf8_mask_controls(m.s);
     return m;
 }
 

@@ -476,10 +476,8 @@ int threads_check_env(char *err, size_t errlen) {
     const char *env = getenv("OMP_NUM_THREADS");
     if (!env) return 0;
     char shown[64]; /* cut to fit; no control sequence reaches the terminal */
-    size_t i = 0;
-    for (; env[i] && i + 1 < sizeof shown; i++)
-        shown[i] = (unsigned char)env[i] < 0x20 || env[i] == 0x7F ? '?' : env[i];
-    shown[i] = '\0';
+    snprintf(shown, sizeof shown, "%s", env);
+    utf8_mask_controls(shown);
     int first;
     switch (env_threads_verdict(env, &first)) {
     case ENV_THREADS_OUT_OF_RANGE:

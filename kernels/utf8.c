@@ -84,6 +84,20 @@ size_t utf8_sanitize(char *dst, size_t dstlen, const char *src, size_t n) {
     return need;
 }
 
+void utf8_mask_controls(char *s) {
+    const size_t n = strlen(s);
+    char *out = s;
+    for (size_t i = 0; i < n;) {
+        const SanitizeStep st = sanitize_step(s + i, n - i);
+        if (st.out != s + i || s[i] == '\n' || s[i] == '\t')
+            *out++ = '?';
+        else
+            for (size_t k = 0; k < st.used; k++) *out++ = s[i + k];
+        i += st.used;
+    }
+    *out = '\0';
+}
+
 int utf8_fputs_sanitized(const char *s, FILE *f) {
     const size_t n = strlen(s);
     for (size_t i = 0; i < n;) {

@@ -32,6 +32,12 @@ int utf8_valid(const char *s, size_t n);
  * without the NUL. dst may be NULL when dstlen is 0. */
 size_t utf8_sanitize(char *dst, size_t dstlen, const char *src, size_t n);
 
+/* Rewrites the NUL-terminated s in place for a one-line message: every control character
+ * (C0 with newline and tab, DEL, C1) and every byte that starts no valid UTF-8 character
+ * becomes one '?', so that nothing quoted in the message can break its line or drive a
+ * terminal. The string only shortens. */
+void utf8_mask_controls(char *s);
+
 /* The same for a stream: writes the sanitized form of the NUL-terminated s to f.
  * Returns 0, or EOF on a write error. */
 int utf8_fputs_sanitized(const char *s, FILE *f);

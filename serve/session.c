@@ -27,9 +27,8 @@ void die(int code, const char *fmt, ...) {
     va_end(again);
     va_end(ap);
     /* a control character quoted from a flag, a prompt or a file (a newline, an escape
-     * sequence's ESC) shows as '?': the message stays one line and cannot drive a terminal */
-    for (char *c = line; *c; c++)
-        if ((unsigned char)*c < 0x20 || *c == 0x7F) *c = '?';
+     * sequence's ESC or CSI) shows as '?': the message stays one line and cannot drive a terminal */
+    utf8_mask_controls(line);
     fprintf(stderr, "run: %s\n", line);
     exit(code);
 }

@@ -564,15 +564,16 @@ def test_json_escapes_every_control_character(small_checkpoints):
     (["-n", "5\nx"], "-n needs an integer, got '5?x'"),
     (["--bogus\x1b[31m"], "unknown flag --bogus?[31m (see -h)"),
     (["--shape", "gqa,lay\x1bers=2", "--info"], "--shape: unknown key 'lay?ers'"),
+    (["-n", "5\u009b2J"], "-n needs an integer, got '5?2J'"),
 ])
 def test_control_characters_in_a_message_show_as_question_marks(small_checkpoints, args, says):
     """A flag's value quoted in a message keeps the message one line and cannot drive a terminal:
-    a newline or an escape sequence's ESC shows as '?'."""
+    a newline, an escape sequence's ESC or a C1 CSI (U+009B) shows as '?'."""
     base = [] if "--shape" in args else [small_checkpoints["gqa"][0]]
     p = run(base + args, check=False)
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and err.startswith("run: " + says), err
-    assert not any(ord(c) < 0x20 for c in err[:-1]), err
+    assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in err[:-1]), err
 
 
 def test_messages_name_the_flag_given(small_checkpoints):

@@ -214,6 +214,29 @@ static uint64_t rng_next(uint64_t *s) {
 
 /* Random bytes: the output is valid UTF-8 and holds no C0 control but newline and tab, no
  * DEL and no C1 control; the stream form writes the same bytes. */
+/* A message's masking: one '?' for each control (newline and tab too) and each byte that
+ * starts no character; valid text is kept byte for byte. */
+static void test_mask_controls(void **state) {
+    (void)state;
+    const struct {
+        const char *in, *out;
+    } cases[] = {
+        {"plain caf\xC3\xA9 \xF0\x9F\x90\x89", "plain caf\xC3\xA9 \xF0\x9F\x90\x89"},
+        {"a\nb\tc\x1b[2J\x07\x7F", "a?b?c?[2J??"},
+        {"\xC2\x9B"
+         "31m \xC2\x80\xC2\x9F \xC2\xA0",
+         "?31m ?? \xC2\xA0"},
+        {"\xFFx\xC3(\xE2\x82", "?x?(??"},
+        {"", ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char buf[64];
+        strcpy(buf, cases[i].in);
+        utf8_mask_controls(buf);
+        assert_string_equal(buf, cases[i].out);
+    }
+}
+
 static void test_sanitize_random_bytes(void **state) {
     (void)state;
     static const unsigned char pool[] = {0x1B, '[',  '3',  'm',  0x9B, 0xC2, 0x80, 0x9F, 0xA0,
@@ -264,6 +287,7 @@ int main(void) {
         cmocka_unit_test(test_sanitize_invalid_utf8),
         cmocka_unit_test(test_sanitize_buffer_like_snprintf),
         cmocka_unit_test(test_sanitize_random_bytes),
+        cmocka_unit_test(test_mask_controls),
     };
     return cmocka_run_group_tests_name("utf8", tests, NULL, NULL);
 }
