@@ -87,54 +87,63 @@ size_t model_param_count(const Config *c) {
     return (size_t)n;
 }
 
+/* The names config_check's messages give the fields: the header's (FORMAT.md) for a
+ * checkpoint, --shape's keys where a flag set them. */
+enum { F_DIM, F_LAYERS, F_HEADS, F_HEAD_DIM, F_FFN, F_VOCAB, F_CTX, F_KV_HEADS, F_LATENT, N_FIELD_NAMES };
+static const char *const HEADER_NAMES[N_FIELD_NAMES] = {
+    "dim", "n_layers", "n_heads", "head_dim", "hidden_dim", "vocab_size", "max_seq_len", "n_kv_heads", "kv_latent"};
+static const char *const SHAPE_NAMES[N_FIELD_NAMES] = {"dim",   "layers", "heads",    "head_dim", "ffn",
+                                                       "vocab", "ctx",    "kv_heads", "latent"};
+
 int config_check(const Config *c, const char *what, char *err, size_t errlen) {
+    const char *const *name = what[0] == '-' ? SHAPE_NAMES : HEADER_NAMES;
     const struct {
-        const char *name;
-        int v, max;
+        int field, v, max;
     } dims[] = {
-        {"dim", c->dim, MAX_DIM},
-        {"n_layers", c->n_layers, MAX_LAYERS},
-        {"n_heads", c->n_heads, MAX_DIM},
-        {"head_dim", c->head_dim, MAX_DIM},
-        {"hidden_dim", c->hidden_dim, MAX_DIM},
-        {"vocab_size", c->vocab_size, MAX_VOCAB},
-        {"max_seq_len", c->max_seq_len, MAX_SEQ_LEN},
+        {F_DIM, c->dim, MAX_DIM},
+        {F_LAYERS, c->n_layers, MAX_LAYERS},
+        {F_HEADS, c->n_heads, MAX_DIM},
+        {F_HEAD_DIM, c->head_dim, MAX_DIM},
+        {F_FFN, c->hidden_dim, MAX_DIM},
+        {F_VOCAB, c->vocab_size, MAX_VOCAB},
+        {F_CTX, c->max_seq_len, MAX_SEQ_LEN},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i].v <= 0 || dims[i].v > dims[i].max)
-            return errmsg(err, errlen, -1, "%s: %s = %d is out of range (1..%d)", what, dims[i].name, dims[i].v,
+            return errmsg(err, errlen, -1, "%s: %s = %d is out of range (1..%d)", what, name[dims[i].field], dims[i].v,
                           dims[i].max);
     if ((long)c->n_heads * (c->head_dim + (long)c->rope_dim) > MAX_DIM)
-        return errmsg(err, errlen, -1, "%s: n_heads * (head_dim + rope_dim) = %ld is over %d", what,
+        return errmsg(err, errlen, -1, "%s: %s * (head_dim + rope_dim) = %ld is over %d", what, name[F_HEADS],
                       (long)c->n_heads * (c->head_dim + (long)c->rope_dim), MAX_DIM);
     if (c->kv_latent < 0 || c->kv_latent > MAX_DIM || c->rope_dim < 0 || c->rope_dim > MAX_DIM || c->n_kv_heads < 0 ||
         c->n_kv_heads > MAX_DIM)
-        return errmsg(err, errlen, -1, "%s: n_kv_heads, kv_latent or rope_dim is out of range", what);
+        return errmsg(err, errlen, -1, "%s: %s, %s or rope_dim is out of range", what, name[F_KV_HEADS],
+                      name[F_LATENT]);
     switch (c->variant) {
     case VARIANT_MHA:
         if (c->n_kv_heads != c->n_heads)
-            return errmsg(err, errlen, -1, "%s: an MHA model needs n_kv_heads == n_heads (%d != %d)", what,
-                          c->n_kv_heads, c->n_heads);
+            return errmsg(err, errlen, -1, "%s: an MHA model needs %s == %s (%d != %d)", what, name[F_KV_HEADS],
+                          name[F_HEADS], c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_GQA:
         if (c->n_kv_heads <= 1 || c->n_kv_heads >= c->n_heads || c->n_heads % c->n_kv_heads != 0)
-            return errmsg(err, errlen, -1,
-                          "%s: a GQA model needs 1 < n_kv_heads < n_heads dividing n_heads (got %d, %d)", what,
-                          c->n_kv_heads, c->n_heads);
+            return errmsg(err, errlen, -1, "%s: a GQA model needs 1 < %s < %s dividing %s (got %d, %d)", what,
+                          name[F_KV_HEADS], name[F_HEADS], name[F_HEADS], c->n_kv_heads, c->n_heads);
         break;
     case VARIANT_MQA:
         if (c->n_kv_heads != 1)
-            return errmsg(err, errlen, -1, "%s: an MQA model needs n_kv_heads == 1 (got %d)", what, c->n_kv_heads);
+            return errmsg(err, errlen, -1, "%s: an MQA model needs %s == 1 (got %d)", what, name[F_KV_HEADS],
+                          c->n_kv_heads);
         break;
     case VARIANT_MLA:
         if (c->n_kv_heads != 0 || c->kv_latent <= 0 || c->rope_dim <= 0 || c->rope_dim % 2 != 0)
-            return errmsg(err, errlen, -1,
-                          "%s: an MLA model needs n_kv_heads == 0, kv_latent > 0 and an even rope_dim > 0", what);
+            return errmsg(err, errlen, -1, "%s: an MLA model needs %s == 0, %s > 0 and an even rope_dim > 0", what,
+                          name[F_KV_HEADS], name[F_LATENT]);
         break;
     default: return errmsg(err, errlen, -1, "%s: unknown variant %d", what, (int)c->variant);
     }
     if (c->variant != VARIANT_MLA && (c->kv_latent != 0 || c->rope_dim != 0))
-        return errmsg(err, errlen, -1, "%s: kv_latent and rope_dim must be 0 for %s", what, variant_name(c));
+        return errmsg(err, errlen, -1, "%s: %s and rope_dim must be 0 for %s", what, name[F_LATENT], variant_name(c));
     if (c->head_dim % 2 != 0)
         return errmsg(err, errlen, -1, "%s: head_dim = %d is odd (RoPE rotates pairs)", what, c->head_dim);
     if (!(c->rope_theta > 1.0f && c->rope_theta < 1e9f))
@@ -143,8 +152,8 @@ int config_check(const Config *c, const char *what, char *err, size_t errlen) {
         return errmsg(err, errlen, -1, "%s: norm_eps is not in (0, 1)", what);
     long rope_entries = (long)c->max_seq_len * (config_rope_width(c) / 2);
     if (rope_entries > MAX_ROPE_ENTRIES)
-        return errmsg(err, errlen, -1, "%s: max_seq_len * rotated width / 2 = %ld is over %ld (the RoPE tables)",
-                      what, rope_entries, (long)MAX_ROPE_ENTRIES);
+        return errmsg(err, errlen, -1, "%s: %s * rotated width / 2 = %ld is over %ld (the RoPE tables)", what,
+                      name[F_CTX], rope_entries, (long)MAX_ROPE_ENTRIES);
     if (c->window < 0 || c->window > c->max_seq_len)
         return errmsg(err, errlen, -1, "%s: window = %d is out of range (0..%d, the context; 0: none)", what,
                       c->window, c->max_seq_len);

@@ -41,7 +41,8 @@ int checkpoint_load(Model *m, const Checkpoint *ck, int ctx, char *err, size_t e
 SpmTokenizer *checkpoint_tokenizer(const Checkpoint *ck, char *err, size_t errlen);
 void checkpoint_close(Checkpoint *ck);
 /* Checks a configuration against the limits above, the variant's head counts and the RoPE
- * tables' bound; `what` starts the message ("checkpoint", "--shape"). 0 or -1. */
+ * tables' bound; `what` starts the message: "checkpoint", whose messages name the header's
+ * fields, or a flag ("--shape", "-c"), whose messages name --shape's keys. 0 or -1. */
 int config_check(const Config *c, const char *what, char *err, size_t errlen);
 /* A model of shape c (bf16, checked by config_check) whose weights are generated from seed
  * (loader.c's generate_tensor: deterministic, norms of 1, matrices of std 0.02), packed as

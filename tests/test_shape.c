@@ -149,16 +149,17 @@ static void test_bad_specs(void **state) {
     expect_refused("llama2-7b,layers=", "layers needs a number");
     expect_refused("llama2-7b,layers=-1", "layers = -1 is out of range");
     expect_refused("llama2-7b,layers=99999999999", "out of range");
-    expect_refused("llama2-7b,layers=0", "n_layers = 0 is out of range (1..256)");
-    expect_refused("llama2-7b,layers=257", "n_layers = 257 is out of range (1..256)");
-    expect_refused("llama2-7b,heads=0", "n_heads = 0 is out of range");
+    expect_refused("llama2-7b,layers=0", "--shape: layers = 0 is out of range (1..256)");
+    expect_refused("llama2-7b,layers=257", "--shape: layers = 257 is out of range (1..256)");
+    expect_refused("llama2-7b,heads=0", "--shape: heads = 0 is out of range");
     expect_refused("llama2-7b,dim=70000", "dim = 70000 is out of range (1..65536)");
-    expect_refused("llama2-7b,ctx=131073", "max_seq_len = 131073 is out of range (1..131072)");
-    expect_refused("llama2-7b,vocab=300000", "vocab_size = 300000 is out of range (1..262144)");
+    expect_refused("llama2-7b,ctx=131073", "--shape: ctx = 131073 is out of range (1..131072)");
+    expect_refused("llama2-7b,vocab=300000", "--shape: vocab = 300000 is out of range (1..262144)");
     expect_refused("llama2-7b,vocab=2", "eos_id"); /* BOS 1 and EOS 2 need three tokens */
     expect_refused("llama2-7b,kv_heads=5", "kv_heads = 5 does not divide heads = 32");
     expect_refused("llama2-7b,kv_heads=64", "kv_heads = 64 is more than heads = 32");
-    expect_refused("llama2-7b,kv_heads=0", "GQA"); /* 0 KV heads without a latent */
+    expect_refused("llama2-7b,kv_heads=0", "a GQA model needs 1 < kv_heads < heads"); /* 0 KV heads without a latent */
+    expect_refused("layers=2,dim=30000,heads=2", "--shape: ffn = 80000 is out of range"); /* the default from dim */
     expect_refused("tinyllama-1.1b,latent=256,kv_heads=4", "MLA, which has no KV heads");
     expect_refused("llama2-7b,rope_dim=64", "rope_dim is MLA's");
     expect_refused("tinyllama-1.1b,latent=256,rope_dim=15", "even rope_dim");
@@ -167,7 +168,7 @@ static void test_bad_specs(void **state) {
     expect_refused("llama2-7b,rope_theta=abc", "rope_theta needs a number");
     expect_refused("llama2-7b,window=5000", "window = 5000 is out of range (0..4096");
     expect_refused("llama2-7b,ctx=131072,head_dim=256", "RoPE tables");
-    expect_refused("llama2-7b,heads=1024", "n_heads * (head_dim + rope_dim) = 131072 is over 65536");
+    expect_refused("llama2-7b,heads=1024", "--shape: heads * (head_dim + rope_dim) = 131072 is over 65536");
     expect_refused("layers=2,dim=256", "heads is not given");
     expect_refused("layers=2,dim=250,heads=8", "heads = 8 does not divide dim = 250");
 }
