@@ -22,7 +22,7 @@ filled to count the full-context sequences they hold. --quick measures the C eng
 
 Results go to DIR/<machine>.md, DIR/<machine>.csv, DIR/<machine>-steps.csv and four plots
 (--quick: <machine>-quick.* in bench/results/tmp/quick), where <machine> is e.g.
-amd-epyc-2c-2t-avx512 (CPU model, physical cores, threads used, the engine's kernels).
+amd-epyc-zen5-2c-2t-avx512 (CPU model, physical cores, threads used, the engine's kernels).
 
 Nothing is lost to a failure or Ctrl-C: a checkpoint that fails is left out of the rest of
 the bench, PyTorch that is missing or crashes leaves the C results, and an interrupt stops

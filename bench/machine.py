@@ -46,13 +46,42 @@ def logical_cpus():
         return os.cpu_count() or 1
 
 
-def machine_slug(model, cores, threads):
+def cpu_generation(family, model):
+    """A short name for the core generation ("zen5", "icelake"), or "f<family>m<model>" for one
+    not in this table; family and model are lscpu's numbers."""
+    amd = {23: "zen2" if model >= 0x30 else "zen", 26: "zen5"}
+    if family == 25:  # Zen 3 and Zen 4 share the family: Zen 4 in these model ranges
+        return "zen4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "zen3"
+    intel = {85: "skylake", 106: "icelake", 108: "icelake", 143: "sapphirerapids", 207: "emeraldrapids",
+             173: "graniterapids"}
+    name = amd.get(family) if family in amd else intel.get(model) if family == 6 else None
+    return name or f"f{family}m{model}"
+
+
+def cpu_numbers():
+    """(family, model) from lscpu, or None."""
+    vals = {}
+    for line in sh(["lscpu"]).splitlines():
+        k, _, v = line.partition(":")
+        vals[k.strip()] = v.strip()
+    try:
+        return int(vals["CPU family"]), int(vals["Model"])
+    except (KeyError, ValueError):
+        return None
+
+
+def machine_slug(model, cores, threads, numbers=None):
+    """The machine's name in report files: the CPU model, and where the model name carries no
+    number (a VM's "AMD EPYC"), the core generation from (family, model), so that two
+    generations behind one name never write the same report."""
     s = model.lower()
     s = re.sub(r"\((r|tm)\)", "", s)
     s = re.sub(r"@.*$", "", s)                                # "@ 2.10GHz"
     s = re.sub(r"\b(\d+|[a-z]+)-cores?\b", "", s)             # "24-Cores", "eight-core"
     s = re.sub(r"\b(cpu|processor|with radeon graphics)\b", "", s)
     s = re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "cpu"
+    if numbers and not re.search(r"\d", s):
+        s += "-" + cpu_generation(*numbers)
     return f"{s}-{cores}c-{threads}t"
 
 
@@ -108,7 +137,7 @@ def mem_available():
 
 def machine_name_for_scale(threads):
     """The report's machine name, as the latency tables name it (without the kernels' suffix)."""
-    return machine_slug(cpu_model(), physical_cores(), threads)
+    return machine_slug(cpu_model(), physical_cores(), threads, cpu_numbers())
 
 
 def write_machine_report(out, threads, suffix, lines):

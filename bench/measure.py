@@ -7,7 +7,7 @@ import os
 from bench.common import (BATCH_CONFIGS, BenchError, MAX_BATCH, MODES, MODE_LABEL, ORDER, PROMPT, batch_reps,
                           cell_mode, cell_stats, kind_values, label, log, log_rep, median, rel, summarize_run, warn)
 from bench.engine import check_kv, engine_info, engine_json, parse_step_log, pool_of, run_engine
-from bench.machine import machine_slug
+from bench.machine import cpu_numbers, machine_slug
 from bench.pytorch_ref import pytorch_part
 from bench.roofline import roofline, ws_probe_part
 
@@ -322,7 +322,7 @@ def measure(b):
     args, ok, m = b.args, b.ok(), b.machine
     # the same CPU model can come with or without AVX-512 (virtual machines mask it), so the
     # engine's kernels are part of the name
-    m["slug"] = f"{machine_slug(m['cpu'], m['cores'], args.threads)}-{ok[0].info['kernels']}"
+    m["slug"] = f"{machine_slug(m['cpu'], m['cores'], args.threads, cpu_numbers())}-{ok[0].info['kernels']}"
     b.base = m["slug"] + ("-quick" if args.quick else "")
     b.tmpdir = os.path.join(args.out, "tmp", b.base)
     os.makedirs(b.tmpdir, exist_ok=True)

@@ -291,3 +291,18 @@ def test_busy_machine_refused(tmp_path):
     assert re.search(r"bench: other processes keep \d+% of one CPU busy, so the timings would be disturbed: stop them, "
                      r"or pass --allow-disturbed", p.stderr), p.stderr[-2000:]
     assert not out.exists() or not any(f.endswith(".md") for f in os.listdir(out))
+
+
+def test_machine_names_tell_generations_apart():
+    """A VM's CPU model name without a number ("AMD EPYC") gets the core generation from
+    lscpu's family and model, so a Zen 4 and a Zen 5 never write one report; a model name
+    with its number is the name alone."""
+    sys.path.insert(0, ROOT)
+    from bench.machine import machine_slug
+    assert machine_slug("AMD EPYC", 2, 2, (25, 17)) == "amd-epyc-zen4-2c-2t"
+    assert machine_slug("AMD EPYC", 2, 2, (26, 2)) == "amd-epyc-zen5-2c-2t"
+    assert machine_slug("AMD EPYC", 2, 2, (25, 1)) == "amd-epyc-zen3-2c-2t"
+    assert machine_slug("Intel(R) Xeon(R) Processor @ 2.80GHz", 2, 2, (6, 106)) == "intel-xeon-icelake-2c-2t"
+    assert machine_slug("Intel Xeon", 16, 16, (6, 999)) == "intel-xeon-f6m999-16c-16t"
+    assert machine_slug("AMD EPYC 9654 96-Core Processor", 96, 4, (25, 17)) == "amd-epyc-9654-96c-4t"
+    assert machine_slug("AMD EPYC", 2, 2, None) == "amd-epyc-2c-2t"

@@ -2,7 +2,7 @@
 variants trained under one protocol, side by side.
 
     /usr/bin/python3 train/capability.py --valid ../shared/tinystories/valid.txt \\
-        --bench bench/results/intel-xeon-2c-2t-avx512.csv weights/mha.bin weights/gqa.bin ...
+        --bench bench/results/intel-xeon-icelake-2c-2t-avx512.csv weights/mha.bin weights/gqa.bin ...
 
 For each checkpoint: ./run --info (KV cache bytes per token, parameters), ./run --ppl
 (validation NLL and perplexity, C engine), the validation loss every 2M tokens from the
