@@ -63,6 +63,21 @@ def test_speculation_in_a_batch_of_prompts(tmp_path, k):
     assert summary["tokens_per_verify_pass"] >= 1.0
 
 
+@pytest.mark.parametrize("drafter", ["ngram", DRAFT])
+def test_sampled_speculation_in_a_batch_is_each_sequence_alone(drafter):
+    """Sampled (-k 40), a batch of 3 with --draft: sequence i is its run alone with seed s+i,
+    while the pool holds every sequence (README's promise; a preemption changes when a
+    sequence drafts, and sampled speculation's draws follow its drafts)."""
+    base = [weights("mha"), "-p", REPEATING, "-k", 40, "-n", 60, "--kv", "-q", "--ignore-eos",
+            "--draft", drafter, "--draft-k", 4]
+    _, batch, summary = generate_json(base + ["--batch", 3, "-s", 11])
+    assert summary["draft_accepted"] > 0 and summary["preemptions"] == 0
+    for i, seq in enumerate(batch):
+        _, alone, _ = generate_json(base + ["-s", 11 + i])
+        assert seq["tokens"] == alone[0]["tokens"], i
+    assert len({tuple(s["tokens"]) for s in batch}) == 3
+
+
 def test_a_tight_pool_rolls_back_and_still_matches(tmp_path):
     """A pool of few blocks: drafts that find no room decode plainly, preemption and the
     rollback leave the tokens as they were."""
