@@ -492,7 +492,7 @@ static void check_step(const Scheduler *sch, int rc) {
 }
 
 /* Warm-up, as llama.cpp does after loading: one untimed forward of the first prompt (what
- * a window takes in one pass), on a cache emptied after. A process's first forward runs
+ * a window or one pass takes), on a cache emptied after. A process's first forward runs
  * cold (its weights come from DRAM); that is a cost of loading, so the timed prefill runs
  * warm, like every decode step. It runs on the run's own scheduler, whose buffers are then
  * warm too, and which holds the only scratch --info counts. The arithmetic is
@@ -502,7 +502,8 @@ static void warm_up(Scheduler *sch, const Request *first, Generation *g) {
     const KVPool *pool = sch->pool;
     const int fill = sch->fill;
     sch->fill = 0; /* the generated entries are the timed run's: the warm-up computes the prompt */
-    const int n = pool->window && first->n_prompt > pool->window ? pool->window : first->n_prompt;
+    int n = pool->window && first->n_prompt > pool->window ? pool->window : first->n_prompt;
+    if (n > SCHEDULER_PASS_TOKENS) n = SCHEDULER_PASS_TOKENS; /* a scored request's rows fit one pass */
     Request r = {.tokens = first->tokens, .n_prompt = n, .cap_tokens = first->cap_tokens, .score = 1};
     if (scheduler_add(sch, &r) != 0) die(1, "out of memory");
     StepResult st;

@@ -794,6 +794,7 @@ static int prepend_fill(Request *r, int fill) {
 }
 
 int scheduler_add(Scheduler *sch, Request *r) {
+    if (r->score && !sch->kv && r->n_prompt > SCHEDULER_PASS_TOKENS) return -1; /* its rows would overrun a step's */
     if (sch->fill && prepend_fill(r, sch->fill) != 0) return -1;
     r->n_tokens = r->n_prompt;
     r->generated = 0;

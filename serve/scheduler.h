@@ -79,7 +79,8 @@ struct Request {
     int n_prompt;
     uint64_t seed;
     int score; /* compute the prompt and report the logits of each of its positions,
-                           * sampling nothing (--ppl, the warm-up) */
+                * sampling nothing (--ppl, the warm-up); without the cache, at most
+                * SCHEDULER_PASS_TOKENS positions, as a step holds the rows of one pass */
     /* its state */
     int n_tokens;  /* tokens[0 .. n_tokens) known; the cache holds all but the last */
     int generated; /* tokens sampled (an EOS that ends it included) */

@@ -254,3 +254,19 @@ def test_a_run_holds_what_info_counts():
 ])
 def test_bad_input(args, code, needle):
     one_line_error(args, code, needle)
+
+
+def test_a_prompt_longer_than_a_pass_without_the_cache(tmp_path):
+    """Without the cache a prompt past SCHEDULER_PASS_TOKENS (2048) takes two passes in one
+    step; the warm-up's scored forward of it overran the step's rows (a heap overflow: exit
+    134 or 139). It runs now, and its logits are bitwise those of the cached run."""
+    prompt = " ".join(str(3 + (i * 7) % 500) for i in range(2100))
+    logits = {}
+    for mode in ([], ["--kv"]):
+        dump = tmp_path / f"logits{len(mode)}.bin"
+        p = subprocess.run([RUN, "--shape", "layers=1,dim=64,heads=2,vocab=512", "-c", "3000", "-n", "2", "-k", "1",
+                            "-s", "1", "-q", "-p", prompt, "--dump-logits", str(dump)] + mode,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+        assert p.returncode == 0, p.stderr
+        logits[len(mode)] = dump.read_bytes()
+    assert len(logits[0]) == 2 * 512 * 4 and logits[0] == logits[1]
