@@ -226,6 +226,14 @@ int main(int argc, char **argv) {
     /* the model's own sliding window, where a run with a cache would take --window */
     if (!o.window && cfg.window && (o.kv || o.ppl_path || o.info || o.check_kv))
         o.window = cfg.window, o.window_sinks = 0, o.window_from_model = 1;
+    /* what --window refuses (serve/cli.c), the model's own window refuses too */
+    if (o.window_from_model && (o.draft || o.fill || dtype_packed(o.kv_dtype) || o.kv_offload))
+        die(EXIT_USAGE, "%s takes no window, and this model has its own sliding window of %d positions",
+            o.draft ? "--draft (a ring cannot be rolled back)"
+            : o.fill ? "--fill"
+            : o.kv_offload ? "--kv-offload"
+                           : "--kv-dtype int4 or int2 (whole blocks)",
+            cfg.window);
     if (!o.top_k_given && o.top_k > cfg.vocab_size) o.top_k = cfg.vocab_size; /* the default keeps them all */
     check_limits(&cfg, &o);
     const int blocks = pool_blocks(&cfg, &o);
