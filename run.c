@@ -229,8 +229,8 @@ int main(int argc, char **argv) {
     /* what --window refuses (serve/cli.c), the model's own window refuses too */
     if (o.window_from_model && (o.draft || o.fill || dtype_packed(o.kv_dtype) || o.kv_offload))
         die(EXIT_USAGE, "%s takes no window, and this model has its own sliding window of %d positions",
-            o.draft ? "--draft (a ring cannot be rolled back)"
-            : o.fill ? "--fill"
+            o.draft        ? "--draft (a ring cannot be rolled back)"
+            : o.fill       ? "--fill"
             : o.kv_offload ? "--kv-offload"
                            : "--kv-dtype int4 or int2 (whole blocks)",
             cfg.window);
