@@ -61,16 +61,19 @@ QUALITY_VALID ?= ../shared/tinystories/valid.txt
 quality: run
 	$(PYTHON) bench/quality.py --valid $(QUALITY_VALID) $(BENCH_CHECKPOINTS)
 
+# what the bench tools link of the engine: the kernels, the thread team and its messages' UTF-8
+BENCH_KERNEL_OBJS = $(B)/kernels/kernels.o $(B)/kernels/threads.o $(B)/kernels/utf8.o
+
 # the matmul kernel alone on the model's shapes (bench/matmul.c); not part of `make bench`
-build/matmul_bench: bench/matmul.c $(B)/kernels/kernels.o $(B)/kernels/threads.o $(B)/kernels/utf8.o kernels/kernels.h kernels/threads.h
-	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o $(B)/kernels/utf8.o -o $@ -lm -pthread
+build/matmul_bench: bench/matmul.c $(BENCH_KERNEL_OBJS) kernels/kernels.h kernels/threads.h
+	$(CC) $(CFLAGS) $< $(BENCH_KERNEL_OBJS) -o $@ -lm -pthread
 
 # the attention kernels alone on one item of a long-context step (bench/attention.c); not part of `make bench`
-build/attention_bench: bench/attention.c $(B)/kernels/kernels.o $(B)/kernels/threads.o $(B)/kernels/utf8.o kernels/kernels.h kernels/simd.h kernels/threads.h
-	$(CC) $(CFLAGS) $< $(B)/kernels/kernels.o $(B)/kernels/threads.o $(B)/kernels/utf8.o -o $@ -lm -pthread
+build/attention_bench: bench/attention.c $(BENCH_KERNEL_OBJS) kernels/kernels.h kernels/simd.h kernels/threads.h
+	$(CC) $(CFLAGS) $< $(BENCH_KERNEL_OBJS) -o $@ -lm -pthread
 
-build/roofline: bench/roofline.c $(B)/kernels/kernels.o $(B)/kernels/threads.o $(B)/kernels/utf8.o kernels/kernels.h
-	$(CC) -O3 -march=native -fopenmp -std=c11 -I. $< $(B)/kernels/kernels.o $(B)/kernels/threads.o $(B)/kernels/utf8.o -o $@ -lm -pthread
+build/roofline: bench/roofline.c $(BENCH_KERNEL_OBJS) kernels/kernels.h
+	$(CC) -O3 -march=native -fopenmp -std=c11 -I. $< $(BENCH_KERNEL_OBJS) -o $@ -lm -pthread
 
 .DEFAULT_GOAL := $(_bench_default_goal)
 

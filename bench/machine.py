@@ -58,12 +58,18 @@ def cpu_generation(family, model):
     return name or f"f{family}m{model}"
 
 
-def cpu_numbers():
-    """(family, model) from lscpu, or None."""
+def lscpu_fields():
+    """lscpu's "Key: value" lines as a dict (empty where lscpu is missing)."""
     vals = {}
     for line in sh(["lscpu"]).splitlines():
         k, _, v = line.partition(":")
         vals[k.strip()] = v.strip()
+    return vals
+
+
+def cpu_numbers():
+    """(family, model) from lscpu, or None."""
+    vals = lscpu_fields()
     try:
         return int(vals["CPU family"]), int(vals["Model"])
     except (KeyError, ValueError):
@@ -87,11 +93,7 @@ def machine_slug(model, cores, threads, numbers=None):
 
 def cpu_detail():
     """ "family F, model M, stepping S" from lscpu, to tell CPU generations apart."""
-    vals = {}
-    for line in sh(["lscpu"]).splitlines():
-        k, _, v = line.partition(":")
-        if k.strip() in ("CPU family", "Model", "Stepping", "Hypervisor vendor"):
-            vals[k.strip()] = v.strip()
+    vals = lscpu_fields()
     parts = [f"{k.lower()} {vals[k]}" for k in ("CPU family", "Model", "Stepping") if k in vals]
     if "Hypervisor vendor" in vals:
         parts.append(f"virtual machine ({vals['Hypervisor vendor']})")
