@@ -223,9 +223,9 @@ int main(int argc, char **argv) {
 
     Checkpoint ck = {.fd = -1};
     const Config cfg = model_config(&o, &ck);
-    /* the model's own sliding window, where a run with a cache would take --window */
-    if (!o.window && cfg.window && (o.kv || o.ppl_path || o.info || o.check_kv))
-        o.window = cfg.window, o.window_sinks = 0, o.window_from_model = 1;
+    /* the model's own sliding window, the default of --window; part of the model, so a run
+     * without the cache keeps it too (its recompute passes go through the window) */
+    if (!o.window && cfg.window) o.window = cfg.window, o.window_sinks = 0, o.window_from_model = 1;
     /* what --window refuses (serve/cli.c), the model's own window refuses too */
     if (o.window_from_model && (o.draft || o.fill || dtype_packed(o.kv_dtype) || o.kv_offload))
         die(EXIT_USAGE, "%s takes no window, and this model has its own sliding window of %d positions",

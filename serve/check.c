@@ -211,9 +211,10 @@ static void print_check_kv(const Model *m, const KVPool *pool, const Options *o,
 
 /* One line for people, then the machine-readable key=value lines (or one JSON object).
  * For MLA two comparisons: absorbed with the cache against expanded without it (the
- * KV-cache post's setup), and against absorbed without it (the same arithmetic). With a
- * window the cached run keeps only the window and the uncached one recomputes the whole
- * sequence: they agree until the window is full. Returns 1 when a comparison fails. */
+ * KV-cache post's setup), and against absorbed without it (the same arithmetic). With
+ * --window the cached run keeps only the window and the uncached one recomputes the whole
+ * sequence: they agree until the window is full. A model's own window is part of the model,
+ * so both runs keep it (and agree throughout without --window). Returns 1 when a comparison fails. */
 int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     const int V = m->cfg.vocab_size, is_mla = m->cfg.variant == VARIANT_MLA;
     int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));
@@ -222,8 +223,9 @@ int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     const int steps = o->steps ? o->steps : m->cfg.max_seq_len;
     Options run = *o;
     run.steps = steps;
-    KVPool whole; /* without the window */
+    KVPool whole; /* without --window, with the model's own window */
     if (kv_pool_init(&whole, &m->cfg, pool->dtype, kv_blocks_for(m->cfg.max_seq_len)) != 0) die(1, "out of memory");
+    if (m->cfg.window) kv_pool_set_window(&whole, m->cfg.window, 0, KV_EVICT_OLDEST);
     const MlaForm uncached_forms[2] = {MLA_EXPANDED, MLA_ABSORBED};
     const int n_pairs = is_mla ? 2 : 1;
     KvComparison c[2];

@@ -37,13 +37,12 @@ def reference_probs(model, tokens, absorb):
     reference's own causal_attention inputs."""
     captured, plain = [], reference.causal_attention
 
-    def spy(q, k, v, scale, start_pos):
+    def spy(q, k, v, scale, start_pos, window=0):
         scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-        T = q.shape[-2]
-        scores.masked_fill_(torch.arange(k.shape[-2])[None, :] > torch.arange(start_pos, start_pos + T)[:, None],
-                            float("-inf"))
+        qpos, kpos = torch.arange(start_pos, start_pos + q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        scores.masked_fill_((kpos > qpos) | ((kpos <= qpos - window) if window else False), float("-inf"))
         captured.append(F.softmax(scores, dim=-1)[0].numpy())
-        return plain(q, k, v, scale, start_pos)
+        return plain(q, k, v, scale, start_pos, window)
 
     reference.causal_attention = spy
     try:

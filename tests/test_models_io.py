@@ -520,6 +520,15 @@ def test_hf_import_greedy(tmp_path, kind):
     seq = greedy_tokens(str(out), n=n)
     want = greedy(lambda ids: hf_llama_logits(cfg, T, ids)[-1], prompt_ids(), n)
     assert seq["tokens"] == want
+    if config.get("sliding_window"):
+        # the window is the model's: the run without the cache and train/model.py keep it too
+        _, objs = run_json([out, "-p", PROMPT, "-k", 1, "-n", n, "--ignore-eos", "-q", "-s", 1])
+        assert [o for o in objs if o["type"] == "sequence"][0]["tokens"] == want
+        ids = prompt_ids() + want
+        with torch.no_grad():
+            ours = export.load_engine_checkpoint(str(out))(torch.tensor([ids]))[0].double()
+        theirs = hf_llama_logits(cfg, T, ids)
+        assert (ours - theirs).abs().max() <= 1e-4 * max(1.0, float(theirs.abs().max()))
 
 
 @pytest.mark.parametrize("variant, dtype", [("mha", "bf16"), ("gqa", "fp32"), ("mqa", "bf16"), ("mla64", "bf16"),

@@ -151,6 +151,38 @@ def test_model_window_is_the_default():
     assert info["window"] == 64
 
 
+WINDOWED = "layers=2,dim=64,heads=4,kv_heads=2,vocab=512,window=32"
+
+
+def test_model_window_holds_without_the_cache(tmp_path):
+    """A model's own window is part of the model: without the cache a step recomputes each
+    position through the window as the cached run keeps it, so the two give bitwise the same
+    logits from a prompt past the window on, and past the context. An uncached run that saw
+    the whole sequence (the old behaviour) differs from the first step; so does the model
+    without its window."""
+    prompt = " ".join(str(5 + (i * 11) % 500) for i in range(40))
+    dumps = {}
+    for name, shape, n, mode in (("kv", WINDOWED, 60, ["--kv"]), ("no-kv", WINDOWED, 60, []),
+                                 ("unwindowed", WINDOWED.replace("32", "0"), 20, [])):
+        out = tmp_path / f"{name}.f32"
+        generate_json(["--shape", shape, "-c", 64, "-s", 5, "-k", 1, "-n", n, "-p", prompt, "--ignore-eos",
+                       "--dump-logits", out] + mode)
+        dumps[name] = read_logits(out, 512)
+    assert dumps["kv"].shape == (60, 512)  # 41 prompt positions and 60 more: past the 64 of the context
+    assert dumps["kv"].tobytes() == dumps["no-kv"].tobytes()
+    assert (dumps["kv"][0] != dumps["unwindowed"][0]).any()
+    code, check = json_one(["--shape", WINDOWED, "-c", 64, "-s", 5, "-n", 20, "-p", prompt, "--check-kv"],
+                           check=False)
+    assert code == 0 and check["comparisons"][0]["bitwise_identical"] is True, check
+    # --window on such a model is the lever: against the model (its own window), the cached
+    # run agrees until its shorter window is full, then differs
+    code, check = json_one(["--shape", WINDOWED, "-s", 5, "-n", 30, "-p", "5 6 7", "--check-kv", "--window", 16],
+                           check=False)
+    # (step s's logits come from position 3 + s, after BOS and three prompt tokens; the
+    # query at position 16 is the first whose window of 16 leaves a position out)
+    assert code == 1 and check["comparisons"][0]["first_bitwise_difference"] == 16 - 3, check
+
+
 # ---- generated weights ----
 
 SMALL = "gqa,layers=2,vocab=512"

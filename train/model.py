@@ -99,17 +99,22 @@ def _cpu_autocast_check():
 cpu_autocast_enabled = _cpu_autocast_check()
 
 
-def causal_attention(q, k, v, scale, start_pos):
-    """q: (B, H, Tq, d); k: (B, H, Tk, d); v: (B, H, Tk, dv). Query i sits at position start_pos+i.
+def causal_attention(q, k, v, scale, start_pos, window=0):
+    """q: (B, H, Tq, d); k: (B, H, Tk, d); v: (B, H, Tk, dv). Query i sits at position start_pos+i and
+    sees the keys up to its own, with a sliding window (Config.window) only the last `window` of them.
     Under autocast (training) the two products run in bf16 and the softmax in fp32; otherwise all fp32."""
     Tq, Tk = q.shape[-2], k.shape[-2]
     dtype = torch.bfloat16 if cpu_autocast_enabled() else torch.float32
     with torch.autocast("cpu", enabled=False):
         scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))    # (B, H, Tq, Tk)
         scores.mul_(scale)
-        if Tq > 1:
+        if Tq > 1 or 0 < window < Tk:
             qpos = torch.arange(start_pos, start_pos + Tq, device=scores.device)[:, None]
-            scores.masked_fill_(torch.arange(Tk, device=scores.device)[None, :] > qpos, float("-inf"))
+            kpos = torch.arange(Tk, device=scores.device)[None, :]
+            hidden = kpos > qpos
+            if window:
+                hidden |= kpos <= qpos - window
+            scores.masked_fill_(hidden, float("-inf"))
         probs = F.softmax(scores, dim=-1)       # bf16 in and out under autocast, fp32 inside
         return torch.matmul(probs, v.to(dtype))                              # (B, H, Tq, dv)
 
@@ -143,7 +148,7 @@ class KVHeadAttention(nn.Module):
         if Hkv < H:  # each KV head serves H/Hkv consecutive query heads
             k = k.repeat_interleave(H // Hkv, dim=1)                               # (B, H, Tk, hd)
             v = v.repeat_interleave(H // Hkv, dim=1)
-        o = causal_attention(q, k, v, 1.0 / math.sqrt(hd), start_pos)
+        o = causal_attention(q, k, v, 1.0 / math.sqrt(hd), start_pos, cfg.window)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * hd))
 
 
@@ -191,14 +196,14 @@ class LatentAttention(nn.Module):
             q_cat = torch.cat([q_lat, q_r], dim=-1)                              # (B, H, T, dc+rd)
             k_cat = torch.cat([c, k_r], dim=-1).float()[:, None]                 # (B, 1, Tk, dc+rd)
             ctx_lat = causal_attention(q_cat, k_cat.expand(B, H, Tk, dc + rd), c.float()[:, None].expand(B, H, Tk, dc),
-                                       scale, start_pos)                         # (B, H, T, dc)
+                                       scale, start_pos, cfg.window)             # (B, H, T, dc)
             o = torch.einsum("bhtc,hdc->bhtd", ctx_lat, w_uv.float())            # (B, H, T, hd)
         else:
             k_c = self.wuk(c).view(B, Tk, H, hd).transpose(1, 2)                 # (B, H, Tk, hd)
             v = self.wuv(c).view(B, Tk, H, hd).transpose(1, 2)                   # (B, H, Tk, hd)
             k = torch.cat([k_c.float(), k_r[:, None].expand(B, H, Tk, rd)], dim=-1)
             q_full = torch.cat([q_c.float(), q_r], dim=-1)
-            o = causal_attention(q_full, k, v, scale, start_pos)
+            o = causal_attention(q_full, k, v, scale, start_pos, cfg.window)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * hd))
 
 
