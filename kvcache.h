@@ -28,8 +28,8 @@
  * count, and a sequence about to write into a shared block first copies it (copy on
  * write), so sharing never changes what another sequence reads. The cache owns its
  * positions: it has seen [0, len), a forward pass appends at len and advances it
- * (model.h); kv_reserve provides the blocks beforehand. A run without the cache resets it
- * before every pass, so both modes share every line of attention code.
+ * (model.h); kv_reserve provides the blocks beforehand. A run without the cache empties it
+ * before each step's passes, so both modes share every line of attention code.
  *
  * A window (kv_pool_set_window) bounds what a sequence keeps: W slots, the first `sinks`
  * positions forever and the most recent W - sinks in a ring, where the oldest position

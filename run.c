@@ -136,13 +136,14 @@ static int pool_blocks(const Config *c, const Options *o) {
                               (double)block_bytes))
             : (double)(o->kv ? o->batch : 1) * one_sequence;
     if (run_streams(o) && blocks < 2)
-        die(EXIT_USAGE, "--kv-mem %g MB holds %.0f blocks of %zu bytes beside the tier's staging area (%.0f bytes); "
-                        "streaming needs 2 at least",
-            (double)o->kv_mem_mb, blocks, block_bytes, (double)stream_stage_bytes(c, o));
+        die(EXIT_USAGE,
+            "--kv-mem %g MB holds %.0f block%s of %zu bytes beside the tier's staging area (%.0f bytes); "
+            "streaming needs 2 at least",
+            (double)o->kv_mem_mb, blocks, blocks == 1 ? "" : "s", block_bytes, (double)stream_stage_bytes(c, o));
     if (blocks < one_sequence && !run_streams(o))
         die(EXIT_USAGE,
-            "--kv-mem %g MB holds %.0f blocks of %zu bytes; one sequence of the full %s (%d tokens) needs %d%s",
-            (double)o->kv_mem_mb, blocks, block_bytes, o->window ? "window" : "context",
+            "--kv-mem %g MB holds %.0f block%s of %zu bytes; one sequence of the full %s (%d tokens) needs %d%s",
+            (double)o->kv_mem_mb, blocks, blocks == 1 ? "" : "s", block_bytes, o->window ? "window" : "context",
             o->window ? o->window : c->max_seq_len, one_sequence,
             o->kv_offload ? " (--kv-offload streams the rest from disk at --batch 1 alone: no --window, --prompts "
                             "or checks)"

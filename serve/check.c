@@ -213,8 +213,10 @@ static void print_check_kv(const Model *m, const KVPool *pool, const Options *o,
  * For MLA two comparisons: absorbed with the cache against expanded without it (the
  * KV-cache post's setup), and against absorbed without it (the same arithmetic). With
  * --window the cached run keeps only the window and the uncached one recomputes the whole
- * sequence: they agree until the window is full. A model's own window is part of the model,
- * so both runs keep it (and agree throughout without --window). Returns 1 when a comparison fails. */
+ * sequence: they agree until the window is full (for a ring or sinks in fp32 only: they
+ * store keys before RoPE, so a lossy --kv-dtype rounds other numbers from the start). A
+ * model's own window is part of the model, so both runs keep it (and agree throughout
+ * without --window). Returns 1 when a comparison fails. */
 int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     const int V = m->cfg.vocab_size, is_mla = m->cfg.variant == VARIANT_MLA;
     int *prompt = malloc((size_t)(m->cfg.max_seq_len + 1) * sizeof(int));

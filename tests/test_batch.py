@@ -166,3 +166,7 @@ def test_kv_mem_too_small(small_checkpoints):
     assert p.returncode == 2 and p.stdout == b""
     assert re.fullmatch(r"run: --kv-mem 0\.001 MB holds 0 blocks of \d+ bytes; one sequence of the full context "
                         r"\(64 tokens\) needs 4\n", p.stderr.decode())
+    # one block is one block
+    block = int(re.search(r"blocks of (\d+) bytes", p.stderr.decode()).group(1))
+    p = run([path, "--kv", "--kv-mem", f"{1.5 * block / 1048576:.6f}"], check=False)
+    assert p.returncode == 2 and re.match(r"run: --kv-mem \S+ MB holds 1 block of \d+ bytes;", p.stderr.decode())
