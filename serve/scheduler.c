@@ -609,8 +609,8 @@ static int retire(SchedulerRun *run, StepResult *out, double step_ms) {
         if (append_token(r, next) != 0) return -1;
         if (sch->max_new && r->generated >= sch->max_new)
             r->stop = STOP_STEPS;
-        else if (!kv_rotates_by_place(sch->pool) && r->n_tokens > c->max_seq_len)
-            r->stop = STOP_CONTEXT; /* no position left for it */
+        else if (r->n_tokens > c->max_seq_len && (!kv_rotates_by_place(sch->pool) || !sch->max_new))
+            r->stop = STOP_CONTEXT; /* no position left for it; a ring goes past only as far as -n says */
         /* the next row was computed on this row's draft: kept only if the target sampled it
          * and the sequence goes on (an EOS above ended it, and its later rows with it) */
         if (run->rows[k].draft >= 0) {

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import RUN, json_one, generate_json, run, read_logits, sanitized
+from conftest import RUN, json_one, generate_json, run, run_json, read_logits, sanitized
 
 GIB = 1 << 30
 
@@ -181,6 +181,21 @@ def test_model_window_holds_without_the_cache(tmp_path):
     # (step s's logits come from position 3 + s, after BOS and three prompt tokens; the
     # query at position 16 is the first whose window of 16 leaves a position out)
     assert code == 1 and check["comparisons"][0]["first_bitwise_difference"] == 16 - 3, check
+
+
+def test_a_ring_without_n_ends_at_the_context():
+    """A ring could go on forever (generated weights need never sample EOS, and the old runs
+    went on until interrupted): without -n a run ends when the context is full, as any run
+    does, with the model's window or --window; -n takes it past; --check-batch needs no -n."""
+    for args in (["--shape", WINDOWED], ["--shape", WINDOWED.replace("32", "0"), "--kv", "--window", 16]):
+        _, objs = run_json(args + ["-c", 64, "-k", 1, "-s", 1, "-p", "5 6", "--ignore-eos"], timeout=60)
+        (seq,) = [o for o in objs if o["type"] == "sequence"]
+        assert seq["stop"] == "context full" and seq["generated"] == 64 - 3 + 1, seq  # BOS, 5, 6, then 62
+        _, objs = run_json(args + ["-c", 64, "-k", 1, "-s", 1, "-p", "5 6", "--ignore-eos", "-n", 100], timeout=60)
+        (seq,) = [o for o in objs if o["type"] == "sequence"]
+        assert seq["stop"] == "steps" and seq["generated"] == 100, seq
+        code, check = json_one(args + ["-c", 64, "-p", "5 6", "--check-batch", "--batch", 2], check=False)
+        assert code == 0 and check["identical"] is True, check
 
 
 # ---- generated weights ----
