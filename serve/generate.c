@@ -344,8 +344,8 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
                 f->slow_steps, f->decode_steps);
     if (sch->short_team_steps)
         fprintf(out,
-                "busy machine: %ld of %d steps ran on fewer threads than the %d asked for, after a thread lost "
-                "its core for over 1 ms (to another process, the kernel or the host)\n",
+                "busy machine: %ld of %d steps ran on fewer threads than the %d asked for, after a thread came "
+                "over 1 ms late to a barrier (its core taken by another process, the kernel or the host)\n",
                 sch->short_team_steps, sch->steps, threads_count());
     const KVStream *st = sch->pool->stream;
     if (st && st->blocks_written)
