@@ -149,8 +149,8 @@ typedef struct {
     int kv; /* keep the cache between steps */
     MlaForm form;
     int max_batch; /* slots */
-    int max_new;   /* tokens to sample per sequence; 0 = until EOS or the context is full (or
-                           * with a window, until EOS) */
+    int max_new;   /* tokens to sample per sequence; 0 = until EOS or the context is full (a
+                    * ring goes past the context only this far) */
     int ignore_eos;
     int top_k;
     float top_p;
