@@ -244,6 +244,20 @@ def test_products_that_take_over_keep_the_one_thread_bits(tmp_path):
     assert dumps[0] == dumps[1] == dumps[2]
 
 
+def test_many_threads_on_few_heads(tmp_path):
+    """A long chunked query's per-thread scratch was laid out for 32 heads an item: with 4
+    heads, threads from 32 on wrote past it (ASan: heap-buffer-overflow in kv_heads_mix).
+    40 threads give the one-thread bits over 300 keys."""
+    prompt = " ".join(str(5 + (i * 13) % 500) for i in range(300))
+    dumps = []
+    for threads in (1, 40):
+        out = tmp_path / f"t{threads}.f32"
+        generate_json(["--shape", "layers=1,dim=64,heads=4,ctx=1024,vocab=512,ffn=128", "--kv", "-p", prompt, "-n", 2,
+                       "-k", 1, "-s", 1, "--threads", threads, "--dump-logits", out])
+        dumps.append(out.read_bytes())
+    assert len(dumps[0]) == 2 * 512 * 4 and dumps[0] == dumps[1]
+
+
 def test_generated_weights_refuse_text():
     one_line_error(["--shape", SMALL, "-p", "Once upon a time", "-n", 2], 1,
                    "the prompt is not token ids: generated weights (--shape) have no tokenizer")
