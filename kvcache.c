@@ -326,10 +326,11 @@ void kv_load(const KVPool *p, KVRow row, float *dst) {
 /* splitmix64's step: the golden-ratio increment, then kernels.h's finalizer */
 static uint64_t splitmix64(uint64_t x) { return mix64(x + 0x9e3779b97f4a7c15ull); }
 
-void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
+int kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
     const KVPool *p = cache->pool;
     const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1, w = p->row_width, packed = dtype_packed(p->dtype);
-    float row[w];
+    float *row = malloc((size_t)w * sizeof *row); /* on the heap: a row may be wider than a small stack */
+    if (!row) return -1;
     for (int pos = cache->len; pos < n; pos++)
         for (int l = 0; l < p->n_layers; l++)
             for (int r = 0; r < rows; r++) {
@@ -348,4 +349,6 @@ void kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
                     kv_store_block(cache, l, r, pos, kv_tail_row(cache, l, r, pos - (KV_BLOCK_TOKENS - 1)), (size_t)w);
             }
     cache->len = n;
+    free(row);
+    return 0;
 }

@@ -209,8 +209,8 @@ void kv_attend(KVCache *c, int pos, const float *probs, int n);
 /* Fills positions [len, n) of every layer with entries generated from seed (uniform in
  * [-1, 1), the same for a given seed, position and row), as if a prefill had computed
  * them: decoding at a long context without computing it (--fill). Reserved beforehand;
- * no window. */
-void kv_fill_generated(KVCache *cache, int n, uint64_t seed);
+ * no window. Returns 0, or -1 when out of memory. */
+int kv_fill_generated(KVCache *cache, int n, uint64_t seed);
 
 /* One stored row: its elements (pool dtype) and, for int8, its scales. */
 typedef struct {

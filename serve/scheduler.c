@@ -224,7 +224,7 @@ static int admit(SchedulerRun *run) {
                 to = min_int(sch->fill, to + KV_BLOCK_TOKENS);
                 const int rc = reserve_streaming(sch, r, to); /* counted in the blocks needed */
                 if (rc != 0) return rc;
-                kv_fill_generated(&r->live->cache, to, r->seed);
+                if (kv_fill_generated(&r->live->cache, to, r->seed) != 0) return -1;
             }
             run->fill_ms += now_ms() - t0;
         }

@@ -360,6 +360,18 @@ def test_small_stacks(small_checkpoints, variant):
         assert p.returncode == 0 and p.stdout == want, p.stderr.decode()
 
 
+def test_small_stack_and_a_wide_filled_row():
+    """--fill generated a cache row in a stack array of the row's width: a head of 32,768
+    (128 KB of floats) under a 64 KB stack ended in SIGSEGV. The row is on the heap now."""
+    if sanitized():
+        pytest.skip("ASan's frames and fake stacks need far more stack")
+    args = ["--shape", "layers=1,dim=64,heads=1,head_dim=32768,vocab=256,ffn=64,ctx=64", "--kv", "--fill", 16, "-n", 2,
+            "-k", 1, "-s", 1, "-q"]
+    want = run(args).stdout
+    p = run_with_stack(args, 64)
+    assert p.returncode == 0 and p.stdout == want and want, p.stderr.decode()
+
+
 def test_too_small_a_stack_is_refused(ckpt):
     if sanitized():
         pytest.skip("ASan's frames and fake stacks need far more stack")
