@@ -267,7 +267,7 @@ void attn_record_finish(AttnRecord *r) {
 /* ---- the fast path ---- */
 
 /* Row stride of k_exp and v_exp: n_heads*head_dim and 16 floats more. A head reads its
- * slice of every row; at a stride of 2 KB those slices would all fall in the same few L1
+ * slice of every row; at a power-of-two stride those slices would all fall in the same few L1
  * sets and evict each other before the next query reads them again. */
 static int mla_exp_stride(const Config *c) { return c->n_heads * c->head_dim + 16; }
 
@@ -644,7 +644,7 @@ typedef struct {
     int slot; /* t's place among the tokens of run_queries */
 } Unit;
 
-/* The first unit of item i, and the unit after u within items [.., hi); 0 when none. */
+/* The first unit of item i, of the items before hi; 0 when none. */
 static int first_unit(const AttnPass *p, long i, long hi, int t0, Unit *u) {
     if (i >= hi) return 0;
     const int *item = p->a->items + 3 * i;

@@ -1,10 +1,11 @@
 /* config.h: the model's shape and its weights: the types the model's files share
  * (model.h has the loaded model). Needs only the kernels' matrix type.
  *
- * d_model 512, 4 layers, 16 query heads of dim 32, context 256, vocabulary 4096,
- * tied embedding/head, RMSNorm (eps 1e-5), SwiGLU FFN (hidden 1344), no biases,
- * interleaved RoPE (theta 10000). Five attention variants: mha, gqa, mqa (16, 4
- * and 1 KV heads) and mla64, mla128 (DeepSeek-V2 latent attention, d_c 64/128).
+ * The shipped checkpoints: d_model 512, 4 layers, 16 query heads of dim 32, context 256,
+ * vocabulary 4096, tied embedding/head, RMSNorm (eps 1e-5), SwiGLU FFN (hidden 1344), no
+ * biases, interleaved RoPE (theta 10000). Five attention variants: mha, gqa, mqa (16, 4
+ * and 1 KV heads) and mla64, mla128 (DeepSeek-V2 latent attention, d_c 64/128). --shape
+ * and imported models take other shapes, an untied head and a sliding window (Config).
  * train/model.py computes the same function. */
 #ifndef CONFIG_H
 #define CONFIG_H

@@ -33,7 +33,7 @@
  *
  * A window (kv_pool_set_window) bounds what a sequence keeps: W slots, the first `sinks`
  * positions forever and the most recent W - sinks in a ring, where the oldest position
- * is overwritten (sinks = 0: seed 000's ring buffer; sinks > 0: StreamingLLM). Or a
+ * is overwritten (sinks = 0: a plain ring buffer; sinks > 0: StreamingLLM). Or a
  * full window gives up what has been attended to least (kv_attend): one position (H2O,
  * keeping the most recent half of the window besides), or a whole block of 16 slots
  * (block-wise, as PagedEviction), which the next 16 positions then fill, so no block is

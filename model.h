@@ -3,7 +3,7 @@
  *   x = embedding(tokens)
  *   for each layer:  x += W_O attention(RMSNorm(x))      (attention.h)
  *                    x += W_2 (silu(W_1 xn) * W_3 xn),   xn = RMSNorm(x)
- *   logits = embedding^T RMSNorm(x)                       (the tied head)
+ *   logits = W_head RMSNorm(x)          (W_head: the embedding, tied, or an untied head)
  *
  * config.h has the shapes and weights; loader.h reads them from a checkpoint. */
 #ifndef MODEL_H

@@ -267,7 +267,8 @@ int main(int argc, char **argv) {
     KVStream stream = {0};
     if (o.kv_offload) {
         if (kv_tier_open(&tier, o.kv_offload, kv_block_bytes(&pool)) != 0)
-            die(EXIT_USAGE, "--kv-offload %s: cannot create the tier file: %s", o.kv_offload, strerror(errno));
+            die(EXIT_USAGE, "--kv-offload %s: cannot create the tier file: %s", msg_path(o.kv_offload).s,
+                strerror(errno));
         if (o.preempt_swap) pool.tier = &tier;
         if (run_streams(&o)) {
             if (kv_stream_open(&stream, &tier, &pool, kv_blocks_for(m.cfg.max_seq_len)) != 0)
@@ -310,6 +311,6 @@ int main(int argc, char **argv) {
     kv_tier_close(&tier);
     model_free(&m);
     free(prompt_text);
-    close_written(stdout, "standard output"); /* --info, --ppl and --check-kv print only at the end */
+    close_written(stdout, "standard output"); /* --ppl and --check-kv print only at the end */
     return status;
 }

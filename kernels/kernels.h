@@ -216,9 +216,8 @@ static inline uint64_t mix64(uint64_t z) {
 /* n zeroed floats, 64-byte aligned (on huge pages from 2 MB: alloc_huge), every page
  * already written. Aligned: malloc puts a large block 16 bytes past a page start, so every
  * 16-float load of an activation row would straddle two cache lines.
- * Written: a fresh allocation is only mapped on first write, and ~3,000 such page faults
- * (~12 MB of scratch and cache) would otherwise land in the first timed step. NULL when
- * out of memory. */
+ * Written: a fresh allocation is only mapped on first write, and its page faults would
+ * otherwise land in the first timed step. NULL when out of memory. */
 float *alloc_floats_touched(size_t n);
 /* The same for bytes (the KV pool). */
 void *alloc_touched(size_t bytes);

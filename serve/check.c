@@ -40,7 +40,8 @@ static void run_hashed(const Model *m, KVPool *pool, const Drafter *draft, const
                        int max_batch, uint64_t *hashes, int stride) {
     Scheduler sch;
     scheduler_open(&sch, m, pool, draft, o, max_batch);
-    for (int i = 0; i < n; i++) scheduler_add(&sch, &requests[i]);
+    for (int i = 0; i < n; i++)
+        if (scheduler_add(&sch, &requests[i]) != 0) die(1, "out of memory");
     StepResult st;
     int rc;
     while ((rc = scheduler_step(&sch, &st)) > 0)
@@ -123,7 +124,7 @@ static GreedyRun greedy_run(const Model *m, KVPool *pool, const Options *o, cons
     memcpy(r.tokens, prompt, (size_t)n_prompt * sizeof(int));
     Scheduler sch;
     scheduler_open(&sch, m, pool, NULL, &greedy, 1);
-    scheduler_add(&sch, &r);
+    if (scheduler_add(&sch, &r) != 0) die(1, "out of memory");
     StepResult st;
     int rc;
     while ((rc = scheduler_step(&sch, &st)) > 0)

@@ -333,7 +333,7 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
         fprintf(out,
                 "speculation: %s, k %d | %ld draft tokens, %ld accepted (%.1f%%) | %.2f tokens a verifying pass | "
                 "drafting %.3f ms, %.1f%% of the steps' time\n",
-                g->o->draft_path ? g->o->draft_path : "ngram", sch->draft_k, sch->drafted, sch->accepted,
+                g->o->draft_path ? msg_path(g->o->draft_path).s : "ngram", sch->draft_k, sch->drafted, sch->accepted,
                 sch->drafted ? 100.0 * sch->accepted / sch->drafted : 0.0,
                 sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0,
                 sch->draft_ms, f->steps_ms > 0 ? 100.0 * sch->draft_ms / f->steps_ms : 0.0);

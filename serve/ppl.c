@@ -55,7 +55,7 @@ static void score_story(Scheduler *sch, const int *ids, int n, NllSum *sum) {
     for (int start = 0; start < n - 1; start += span) {
         const int len = n - 1 - start < span ? n - 1 - start : span;
         Request r = {.tokens = (int *)ids + start, .n_prompt = len, .cap_tokens = len + 1, .score = 1};
-        scheduler_add(sch, &r);
+        if (scheduler_add(sch, &r) != 0) die(1, "out of memory");
         StepResult st;
         int rc;
         while ((rc = scheduler_step(sch, &st)) > 0)

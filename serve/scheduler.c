@@ -12,7 +12,7 @@
 
 struct SchedulerRun {
     Scheduler *sch;
-    RunState state;   /* the model's scratch: max_tokens = prompt_budget + slots */
+    RunState state;    /* the model's scratch: scheduler_max_tokens and each slot's drafts */
     int prompt_budget; /* prompt tokens a pass computes: the context, at most SCHEDULER_PASS_TOKENS */
     Team *team;
     Request *queue, *queue_tail; /* waiting, in order; a preempted one goes back to the front */
@@ -254,7 +254,8 @@ static int swap_pays(const Scheduler *sch, const Request *r) {
 }
 
 /* Reserves every running sequence's positions, preempting the latest admitted while the
- * pool is short. Returns -1 when even one sequence alone does not fit. */
+ * pool is short. Returns 0, -1 when even one sequence alone does not fit, or with a
+ * streamed cache reserve_streaming's error. */
 static int reserve_or_preempt(SchedulerRun *run) {
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
