@@ -680,7 +680,8 @@ static void finish_unit(const AttnPass *p, const Unit *u, int nh, int thread, fl
     for (int h = 0; h < nh; h++) softmax_stats(att + (size_t)h * p->a->scores_stride, keys, &chunk_max[h], &chunk_sum[h]);
     if (p->a->record && p->a->record->active) record_chunk(p, u, nh, att, chunk_max, chunk_sum);
     float *out = item_out(p, u->t, u->h0);
-    float *chunk = u->n_chunks > 1 ? p->a->chunk_out + (size_t)thread * p->a->heads_an_item * p->a->partial_width : NULL;
+    float *chunk =
+        u->n_chunks > 1 ? p->a->chunk_out + (size_t)thread * p->a->heads_an_item * p->a->partial_width : NULL;
     if (u->n_chunks == 1) {
         chunk_mix(p, u->h0, nh, u->t, u->k, thread, att, out);
     } else if (u->split) {
