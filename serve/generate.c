@@ -35,7 +35,8 @@ typedef struct {
     double *step_ms;   /* (steps so far) */
     int *step_tokens;  /* (steps so far): the tokens each step sampled */
     int n_steps, cap_steps;
-    int first_step_tokens;
+    int prefill_steps, prefill_tokens; /* the steps up to the first that samples, and their tokens */
+    int prefill_done;
     int step_lines;   /* the warm-up and each step on stderr */
     int one_terminal; /* stdout and stderr are the same terminal */
     int mid_line;     /* the text on stdout does not end with a newline */
@@ -158,7 +159,8 @@ static void report_step(Generation *g, const StepResult *st) {
     }
     g->step_tokens[g->n_steps] = st->n_rows;
     g->step_ms[g->n_steps++] = st->ms;
-    if (st->step == 0) g->first_step_tokens = st->n_tokens;
+    /* a prompt past one pass, or with the cache past a window, takes several steps */
+    if (!g->prefill_done) g->prefill_steps++, g->prefill_tokens += st->n_tokens, g->prefill_done = st->n_rows > 0;
     /* a lone sequence's line names its position and token */
     const StepRow *only = st->running == 1 && st->n_rows == 1 ? &st->rows[0] : NULL;
     if (g->step_lines) {
@@ -209,8 +211,8 @@ static double percentile(double *v, int n, double q) {
     return lo + 1 < n ? v[lo] + (rank - lo) * (v[lo + 1] - v[lo]) : v[lo];
 }
 
-/* A run's figures, for the summary and its JSON form. The first step is the prefill,
- * every later step decodes; with --prompts, latencies are per request, over the requests
+/* A run's figures, for the summary and its JSON form. The prefill is the steps up to the
+ * first that samples, every later step decodes; with --prompts, latencies are per request, over the requests
  * that got a token. After an interruption, requests are served (ended), cut (begun) or
  * not started. tokens/s: the mean is the tokens over their time (decode steps; with
  * --prompts every step, over the run's time); the median is that of each such step's
@@ -249,10 +251,10 @@ static double median_step_tokens_per_s(const Generation *g, int first) {
 static Figures figures_of(const Generation *g) {
     const Scheduler *sch = g->sch;
     const int n = g->list->n;
+    const int P = g->prefill_steps;
     Figures f = {.sequences = n,
-                 .prefill_tokens = g->first_step_tokens,
-                 .decode_steps = g->n_steps > 0 ? g->n_steps - 1 : 0,
-                 .prefill_ms = g->n_steps ? g->step_ms[0] : 0.0,
+                 .prefill_tokens = g->prefill_tokens,
+                 .decode_steps = g->n_steps - P,
                  .kv_bytes = sch->kv ? kv_block_bytes(sch->pool) * (size_t)sch->pool->n_blocks : 0};
     double *ttft = malloc((size_t)n * sizeof *ttft), *per_token = malloc((size_t)n * sizeof *per_token);
     double *steps = malloc((size_t)(f.decode_steps + 1) * sizeof *steps);
@@ -278,15 +280,16 @@ static Figures figures_of(const Generation *g) {
     }
     f.stops[STOP_NONE] = f.cut; /* interrupted: begun and cut short */
     f.per_sequence_ms_per_token_mean = n_decoding ? f.per_sequence_ms_per_token_mean / n_decoding : 0.0;
-    for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[i + 1];
+    for (int i = 0; i < P; i++) f.prefill_ms += g->step_ms[i];
+    for (int i = 0; i < f.decode_steps; i++) f.decode_ms += steps[i] = g->step_ms[P + i];
     f.steps_ms = f.prefill_ms + f.decode_ms;
     f.step_median_ms = percentile(steps, f.decode_steps, 0.5);
-    for (int i = 0; i < f.decode_steps; i++) f.slow_steps += g->step_ms[i + 1] > 3.0 * f.step_median_ms;
+    for (int i = 0; i < f.decode_steps; i++) f.slow_steps += steps[i] > 3.0 * f.step_median_ms;
     f.step_mean_ms = f.decode_steps ? f.decode_ms / f.decode_steps : 0.0;
     f.ms_per_token = f.decode_tokens ? f.decode_ms / f.decode_tokens : 0.0;
     f.tokens_per_s_mean = g->serving ? (sch->total_ms > 0 ? 1000.0 * f.served_tokens / sch->total_ms : 0.0)
                                      : (f.decode_ms > 0 ? 1000.0 * f.decode_tokens / f.decode_ms : 0.0);
-    f.tokens_per_s_median = median_step_tokens_per_s(g, g->serving ? 0 : 1);
+    f.tokens_per_s_median = median_step_tokens_per_s(g, g->serving ? 0 : P);
     f.ttft50 = percentile(ttft, n_ttft, 0.5), f.ttft95 = percentile(ttft, n_ttft, 0.95);
     f.token50 = percentile(per_token, n_per_token, 0.5), f.token95 = percentile(per_token, n_per_token, 0.95);
     free(ttft);

@@ -323,6 +323,26 @@ def test_bad_input(args, code, needle):
     one_line_error(args, code, needle)
 
 
+def test_a_prefill_of_several_steps_is_counted_as_prefill(tmp_path):
+    """A 3,001-id prompt takes two steps (a pass holds 2,048), and a prompt past a window
+    with the cache one step a position past it: the summary counted only the first step as
+    the prefill and the rest as decode steps (a 3,001-id prompt: 'prefill 2048 tokens |
+    decode 2 steps' for -n 2). The prefill is the steps up to the first token; --log's rows
+    say which steps those are, and the summary's sums are theirs."""
+    cases = (("layers=1,dim=64,heads=2,vocab=512", 4096, 3001), ("layers=1,dim=64,heads=2,vocab=512,window=16", 64, 40))
+    for shape, ctx, n_prompt in cases:
+        log = tmp_path / "steps.csv"
+        prompt = " ".join(str(5 + (i * 7) % 500) for i in range(n_prompt))
+        _, seqs, s = generate_json(["--shape", shape, "-c", ctx, "--kv", "-p", prompt, "-n", 5, "-k", 1, "-s", 1,
+                                    "--ignore-eos", "--log", log])
+        assert seqs[0]["prompt_tokens"] == n_prompt + 1
+        rows = [line.split(",") for line in log.read_text().splitlines()[1:]]
+        prefill_steps = next(i for i, r in enumerate(rows) if r[1] != "prefill")  # the last samples the first token
+        assert prefill_steps >= 2  # the prompt took more than one step
+        assert s["prefill_tokens"] == n_prompt + 1 and s["decode_steps"] == 4 == len(rows) - prefill_steps
+        assert s["steps"] == len(rows)
+
+
 def test_a_prompt_longer_than_a_pass_without_the_cache(tmp_path):
     """Without the cache a prompt past SCHEDULER_PASS_TOKENS (2048) takes two passes in one
     step; the warm-up's scored forward of it overran the step's rows (a heap overflow: exit
