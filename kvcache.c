@@ -20,13 +20,19 @@ static size_t group_bytes(const Config *c, DType dtype, int keys) {
     return packed_group_bytes(width, dtype, keys || c->variant == VARIANT_MLA);
 }
 
+/* Bytes of one layer's packed groups in one block (int4, int2): MLA's one row group, or
+ * each KV head's keys and values. */
+static size_t packed_layer_groups(const Config *c, DType dtype) {
+    return c->variant == VARIANT_MLA ? group_bytes(c, dtype, 1)
+                                     : (size_t)c->n_kv_heads * (group_bytes(c, dtype, 1) + group_bytes(c, dtype, 0));
+}
+
 /* Bytes of one layer of one block; *scales_offset: where its scales start. */
 static size_t layer_bytes(const Config *c, DType dtype, size_t *scales_offset) {
     int rows, width, split, n_scales;
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
     if (dtype_packed(dtype)) {
-        const size_t groups = c->variant == VARIANT_MLA ? group_bytes(c, dtype, 1)
-                                                        : (size_t)c->n_kv_heads * (group_bytes(c, dtype, 1) + group_bytes(c, dtype, 0));
+        const size_t groups = packed_layer_groups(c, dtype);
         *scales_offset = 0;
         return (groups + 63) / 64 * 64;
     }
@@ -50,8 +56,7 @@ size_t kv_bytes_per_token_for(const Config *c, DType dtype) {
     int rows, width, split, n_scales;
     row_shape(c, dtype, &rows, &width, &split, &n_scales);
     if (dtype_packed(dtype)) {
-        const size_t groups = c->variant == VARIANT_MLA ? group_bytes(c, dtype, 1)
-                                                        : (size_t)c->n_kv_heads * (group_bytes(c, dtype, 1) + group_bytes(c, dtype, 0));
+        const size_t groups = packed_layer_groups(c, dtype);
         const size_t seq = (size_t)(c->max_seq_len > 0 ? c->max_seq_len : 1);
         return (size_t)c->n_layers * groups / KV_BLOCK_TOKENS + (kv_tail_bytes_for(c, dtype) + seq - 1) / seq;
     }
