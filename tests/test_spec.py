@@ -78,6 +78,16 @@ def test_sampled_speculation_in_a_batch_is_each_sequence_alone(drafter):
     assert len({tuple(s["tokens"]) for s in batch}) == 3
 
 
+def test_the_draft_path_is_masked_in_the_summary(tmp_path):
+    """The speculation line printed --draft's path raw: a name holding an escape sequence
+    reached the terminal. It goes through msg_path now, as every other path does."""
+    named = tmp_path / "draft\x1b[2J.bin"
+    os.symlink(DRAFT, named)
+    p = run([weights("gqa"), "--kv", "--draft", named, "-n", 8, "-k", 1, "-q"])
+    err = p.stderr.decode()
+    assert "speculation: " in err and "\x1b" not in err, err
+
+
 def test_a_tight_pool_rolls_back_and_still_matches(tmp_path):
     """A pool of few blocks: drafts that find no room decode plainly, preemption and the
     rollback leave the tokens as they were."""
