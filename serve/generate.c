@@ -36,7 +36,6 @@ typedef struct {
     int *step_tokens;  /* (steps so far): the tokens each step sampled */
     int n_steps, cap_steps;
     int prefill_steps, prefill_tokens; /* the steps up to the first that samples, and their tokens */
-    int prefill_done;
     int step_lines;   /* the warm-up and each step on stderr */
     int one_terminal; /* stdout and stderr are the same terminal */
     int mid_line;     /* the text on stdout does not end with a newline */
@@ -160,7 +159,8 @@ static void report_step(Generation *g, const StepResult *st) {
     g->step_tokens[g->n_steps] = st->n_rows;
     g->step_ms[g->n_steps++] = st->ms;
     /* a prompt past one pass, or with the cache past a window, takes several steps */
-    if (!g->prefill_done) g->prefill_steps++, g->prefill_tokens += st->n_tokens, g->prefill_done = st->n_rows > 0;
+    if (g->prefill_steps == 0 || g->step_tokens[g->prefill_steps - 1] == 0)
+        g->prefill_steps++, g->prefill_tokens += st->n_tokens;
     /* a lone sequence's line names its position and token */
     const StepRow *only = st->running == 1 && st->n_rows == 1 ? &st->rows[0] : NULL;
     if (g->step_lines) {
@@ -212,11 +212,11 @@ static double percentile(double *v, int n, double q) {
 }
 
 /* A run's figures, for the summary and its JSON form. The prefill is the steps up to the
- * first that samples, every later step decodes; with --prompts, latencies are per request, over the requests
- * that got a token. After an interruption, requests are served (ended), cut (begun) or
- * not started. tokens/s: the mean is the tokens over their time (decode steps; with
- * --prompts every step, over the run's time); the median is that of each such step's
- * tokens over its time, as bench reports steps. */
+ * first that samples, every later step decodes; with --prompts, latencies are per request,
+ * over the requests that got a token. After an interruption, requests are served (ended),
+ * cut (begun) or not started. tokens/s: the mean is the tokens over their time (decode
+ * steps; with --prompts every step, over the run's time); the median is that of each such
+ * step's tokens over its time, as bench reports steps. */
 typedef struct {
     int sequences, served, cut, not_started;
     int prefill_tokens, decode_steps, decode_tokens, stops[4]; /* stops by StopReason; NONE: interrupted */

@@ -151,7 +151,13 @@ def test_model_window_is_the_default():
     assert info["window"] == 64
 
 
-WINDOWED = "layers=2,dim=64,heads=4,kv_heads=2,vocab=512,window=32"
+UNWINDOWED = "layers=2,dim=64,heads=4,kv_heads=2,vocab=512"
+WINDOWED = UNWINDOWED + ",window=32"
+
+
+def id_prompt(n, stride, first=5):
+    """A prompt of n token ids for generated weights, first + (i * stride) % 500."""
+    return " ".join(str(first + (i * stride) % 500) for i in range(n))
 
 
 def test_model_window_holds_without_the_cache(tmp_path):
@@ -160,10 +166,10 @@ def test_model_window_holds_without_the_cache(tmp_path):
     logits from a prompt past the window on, and past the context. An uncached run that saw
     the whole sequence (the old behaviour) differs from the first step; so does the model
     without its window."""
-    prompt = " ".join(str(5 + (i * 11) % 500) for i in range(40))
+    prompt = id_prompt(40, 11)
     dumps = {}
     for name, shape, n, mode in (("kv", WINDOWED, 60, ["--kv"]), ("no-kv", WINDOWED, 60, []),
-                                 ("unwindowed", WINDOWED.replace("32", "0"), 20, [])):
+                                 ("unwindowed", UNWINDOWED, 20, [])):
         out = tmp_path / f"{name}.f32"
         generate_json(["--shape", shape, "-c", 64, "-s", 5, "-k", 1, "-n", n, "-p", prompt, "--ignore-eos",
                        "--dump-logits", out] + mode)
@@ -187,7 +193,7 @@ def test_a_ring_without_n_ends_at_the_context():
     """A ring could go on forever (generated weights need never sample EOS, and the old runs
     went on until interrupted): without -n a run ends when the context is full, as any run
     does, with the model's window or --window; -n takes it past; --check-batch needs no -n."""
-    for args in (["--shape", WINDOWED], ["--shape", WINDOWED.replace("32", "0"), "--kv", "--window", 16]):
+    for args in (["--shape", WINDOWED], ["--shape", UNWINDOWED, "--kv", "--window", 16]):
         _, objs = run_json(args + ["-c", 64, "-k", 1, "-s", 1, "-p", "5 6", "--ignore-eos"], timeout=60)
         (seq,) = [o for o in objs if o["type"] == "sequence"]
         assert seq["stop"] == "context full" and seq["generated"] == 64 - 3 + 1, seq  # BOS, 5, 6, then 62
@@ -248,7 +254,7 @@ def test_many_threads_on_few_heads(tmp_path):
     """A long chunked query's per-thread scratch was laid out for 32 heads an item: with 4
     heads, threads from 32 on wrote past it (ASan: heap-buffer-overflow in kv_heads_mix).
     40 threads give the one-thread bits over 300 keys."""
-    prompt = " ".join(str(5 + (i * 13) % 500) for i in range(300))
+    prompt = id_prompt(300, 13)
     dumps = []
     for threads in (1, 40):
         out = tmp_path / f"t{threads}.f32"
@@ -332,7 +338,7 @@ def test_a_prefill_of_several_steps_is_counted_as_prefill(tmp_path):
     cases = (("layers=1,dim=64,heads=2,vocab=512", 4096, 3001), ("layers=1,dim=64,heads=2,vocab=512,window=16", 64, 40))
     for shape, ctx, n_prompt in cases:
         log = tmp_path / "steps.csv"
-        prompt = " ".join(str(5 + (i * 7) % 500) for i in range(n_prompt))
+        prompt = id_prompt(n_prompt, 7)
         _, seqs, s = generate_json(["--shape", shape, "-c", ctx, "--kv", "-p", prompt, "-n", 5, "-k", 1, "-s", 1,
                                     "--ignore-eos", "--log", log])
         assert seqs[0]["prompt_tokens"] == n_prompt + 1
@@ -347,7 +353,7 @@ def test_a_prompt_longer_than_a_pass_without_the_cache(tmp_path):
     """Without the cache a prompt past SCHEDULER_PASS_TOKENS (2048) takes two passes in one
     step; the warm-up's scored forward of it overran the step's rows (a heap overflow: exit
     134 or 139). It runs now, and its logits are bitwise those of the cached run."""
-    prompt = " ".join(str(3 + (i * 7) % 500) for i in range(2100))
+    prompt = id_prompt(2100, 7, first=3)
     logits = {}
     for mode in ([], ["--kv"]):
         dump = tmp_path / f"logits{len(mode)}.bin"
