@@ -796,6 +796,51 @@ static void kv_heads_store(const AttnPass *p, int t, int g) {
     kv_store(cache->pool, kv_value(cache, p->L->index, g, pos), v);
 }
 
+/* Token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R rotated
+ * unless a window rotates keys when read. */
+static void mla_store(const AttnPass *p, int t) {
+    const Config *c = p->L->cfg;
+    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
+    const KVCache *cache = p->slots->cache[t];
+    const int pos = p->slots->pos[t];
+    for (int h = 0; h < H; h++)
+        rope(p->L->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache, pos));
+    float *row = p->a->rows + (size_t)t * (dc + rd);
+    rmsnorm(row, p->a->latent + (size_t)t * dc, p->L->w->kv_norm, dc, c->norm_eps);
+    memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
+    if (!kv_rotates_by_place(cache->pool)) rope(p->L->rope, c, row + dc, pos);
+    if (packed(p))
+        open_store(p, t, 0, row);
+    else
+        kv_store(cache->pool, kv_latent(cache, p->L->index, pos), row);
+}
+
+/* The pass's three projections, then its cache writes, `stores` a token (a KV head's key
+ * and value, or MLA's row), `store_work` floats in all; with int4 or int2 every open row
+ * then closed. */
+static void project_and_store(const AttnPass *p, const MatmulJob projections[3], int stores, long store_work) {
+    const int T = p->slots->T, mla = p->L->cfg->variant == VARIANT_MLA;
+    matmul_jobs(p->wk, projections, 3);
+    stage_end(p->a->clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
+    if (packed(p)) open_layout(p);
+    Share sh = share_begin(p->wk, (long)T * stores, SHARE_SPLIT, parallel_mode(store_work));
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long i = lo; i < hi; i++) {
+            if (mla)
+                mla_store(p, (int)i);
+            else
+                kv_heads_store(p, (int)(i / stores), (int)(i % stores));
+        }
+    share_end(&sh);
+    if (!packed(p)) return;
+    const KVPool *pool = p->slots->cache[0]->pool;
+    const int rows = kv_row_groups(pool);
+    sh = share_begin(p->wk, (long)T * rows, SHARE_SPLIT, parallel_mode((long)T * rows * pool->row_width));
+    for (long lo, hi; share_next(&sh, &lo, &hi);)
+        for (long i = lo; i < hi; i++) open_close(p, (int)(i / rows), (int)(i % rows));
+    share_end(&sh);
+}
+
 /* With a window, one sequence (tokens [t0, t1)): its keys and values gathered as its last
  * token sees them (its earlier tokens in the pass see a prefix of them: a window only
  * slides once it is full, one token a pass), a row (a KV head's keys or values) an item;
@@ -824,22 +869,7 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
         {a->k, Hkv * hd, xb, c->dim, w->wk, T}, /* k: (T, Hkv*hd) */
         {a->v, Hkv * hd, xb, c->dim, w->wv, T}, /* v: (T, Hkv*hd) */
     };
-    matmul_jobs(p->wk, qkv, 3);
-    stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
-    if (packed(p)) open_layout(p);
-    Share sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * (Hkv + H) * hd));
-    for (long lo, hi; share_next(&sh, &lo, &hi);)
-        for (long tg = lo; tg < hi; tg++) kv_heads_store(p, (int)(tg / Hkv), (int)(tg % Hkv));
-    share_end(&sh);
-    if (packed(p)) {
-        sh = share_begin(p->wk, (long)T * Hkv, SHARE_SPLIT, parallel_mode((long)T * Hkv * hd));
-        for (long lo, hi; share_next(&sh, &lo, &hi);)
-            for (long tg = lo; tg < hi; tg++) {
-                open_close(p, (int)(tg / Hkv), (int)(tg % Hkv));
-                open_close(p, (int)(tg / Hkv), Hkv + (int)(tg % Hkv));
-            }
-        share_end(&sh);
-    }
+    project_and_store(p, qkv, Hkv, (long)T * (Hkv + H) * hd);
     if (!p->windowed)
         run_queries(p, 0, T, kv_group_size(c));
     else
@@ -848,50 +878,6 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
             kv_heads_window_sequence(p, t0, t1);
         }
     stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_ATTENTION));
-}
-
-/* Token t's queries get q_R rotated; [RMSNorm(c) ; k_R] goes into the cache, k_R rotated
- * unless a window rotates keys when read. */
-static void mla_store(const AttnPass *p, int t) {
-    const Config *c = p->L->cfg;
-    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim;
-    const KVCache *cache = p->slots->cache[t];
-    const int pos = p->slots->pos[t];
-    for (int h = 0; h < H; h++)
-        rope(p->L->rope, c, p->a->q + ((size_t)t * H + h) * qw + c->head_dim, query_place(cache, pos));
-    float *row = p->a->rows + (size_t)t * (dc + rd);
-    rmsnorm(row, p->a->latent + (size_t)t * dc, p->L->w->kv_norm, dc, c->norm_eps);
-    memcpy(row + dc, p->a->k_rope + (size_t)t * rd, (size_t)rd * sizeof(float));
-    if (!kv_rotates_by_place(cache->pool)) rope(p->L->rope, c, row + dc, pos);
-    if (packed(p))
-        open_store(p, t, 0, row);
-    else
-        kv_store(cache->pool, kv_latent(cache, p->L->index, pos), row);
-}
-
-static void mla_project_and_store(const AttnPass *p, const float *xb) {
-    const Config *c = p->L->cfg;
-    const LayerWeights *w = p->L->w;
-    AttnScratch *a = p->a;
-    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim, T = p->slots->T;
-    const MatmulJob projections[] = {
-        {a->q, H * qw, xb, c->dim, w->wq, T},    /* q: (T, H*(hd+rd)) */
-        {a->latent, dc, xb, c->dim, w->wdkv, T}, /* c: (T, dc) */
-        {a->k_rope, rd, xb, c->dim, w->wkr, T},  /* k_R: (T, rd) */
-    };
-    matmul_jobs(p->wk, projections, 3);
-    stage_end(a->clock, p->wk, stage_slot(p->L->index, STAGE_PROJECTIONS));
-    if (packed(p)) open_layout(p);
-    Share sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (H * rd + dc + rd)));
-    for (long lo, hi; share_next(&sh, &lo, &hi);)
-        for (long t = lo; t < hi; t++) mla_store(p, (int)t);
-    share_end(&sh);
-    if (packed(p)) {
-        sh = share_begin(p->wk, T, SHARE_SPLIT, parallel_mode((long)T * (dc + rd)));
-        for (long lo, hi; share_next(&sh, &lo, &hi);)
-            for (long t = lo; t < hi; t++) open_close(p, (int)t, 0);
-        share_end(&sh);
-    }
 }
 
 /* One sequence's latents as its last token in the pass sees them, into a->latents, by
@@ -956,9 +942,17 @@ static void mla_expand_contexts(const AttnPass *p) {
 
 /* MLA: heads (T, H*hd) from xb (T, dim), in the form asked for. */
 static void attention_mla(const AttnPass *p, const float *xb) {
-    const int T = p->slots->T, H = p->L->cfg->n_heads;
-    StageClock *clock = p->a->clock;
-    mla_project_and_store(p, xb);
+    const Config *c = p->L->cfg;
+    const LayerWeights *w = p->L->w;
+    AttnScratch *a = p->a;
+    const int H = c->n_heads, qw = c->head_dim + c->rope_dim, dc = c->kv_latent, rd = c->rope_dim, T = p->slots->T;
+    StageClock *clock = a->clock;
+    const MatmulJob projections[] = {
+        {a->q, H * qw, xb, c->dim, w->wq, T},    /* q: (T, H*(hd+rd)) */
+        {a->latent, dc, xb, c->dim, w->wdkv, T}, /* c: (T, dc) */
+        {a->k_rope, rd, xb, c->dim, w->wkr, T},  /* k_R: (T, rd) */
+    };
+    project_and_store(p, projections, 1, (long)T * (H * rd + dc + rd));
     if (p->form == MLA_EXPANDED) {
         for (int t0 = 0, t1; t0 < T; t0 = t1) {
             t1 = sequence_end(p->slots, t0, T);

@@ -158,7 +158,7 @@ int kv_init(KVCache *cache, KVPool *pool, int max_len) {
     cache->blocks = malloc((size_t)(cache->max_blocks ? cache->max_blocks : 1) * sizeof(int));
     if (!cache->blocks) return -1;
     if (dtype_packed(pool->dtype)) {
-        const size_t rows = pool->n_kv_heads ? 2 * (size_t)pool->n_kv_heads : 1;
+        const size_t rows = (size_t)kv_row_groups(pool);
         cache->tail = calloc((size_t)pool->n_layers * rows * pool->tail_positions * pool->row_width, sizeof(float));
         if (!cache->tail) {
             free(cache->blocks);
@@ -333,7 +333,7 @@ static uint64_t splitmix64(uint64_t x) { return mix64(x + 0x9e3779b97f4a7c15ull)
 
 int kv_fill_generated(KVCache *cache, int n, uint64_t seed) {
     const KVPool *p = cache->pool;
-    const int rows = p->n_kv_heads ? 2 * p->n_kv_heads : 1, w = p->row_width, packed = dtype_packed(p->dtype);
+    const int rows = kv_row_groups(p), w = p->row_width, packed = dtype_packed(p->dtype);
     float *row = malloc((size_t)w * sizeof *row); /* on the heap: a row may be wider than a small stack */
     if (!row) return -1;
     for (int pos = cache->len; pos < n; pos++)

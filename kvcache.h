@@ -138,6 +138,8 @@ size_t kv_block_bytes(const KVPool *pool);
 size_t kv_bytes_per_token(const KVPool *pool);
 static inline int kv_blocks_for(int positions) { return (positions + KV_BLOCK_TOKENS - 1) / KV_BLOCK_TOKENS; }
 static inline int kv_blocks_in_use(const KVPool *pool) { return pool->n_blocks - pool->n_free; }
+/* Row groups a layer: each KV head's keys, then its values; MLA's one row of latents. */
+static inline int kv_row_groups(const KVPool *pool) { return pool->n_kv_heads ? 2 * pool->n_kv_heads : 1; }
 /* Blocks one sequence of `positions` positions holds at most. */
 int kv_blocks_per_sequence(const KVPool *pool, int positions);
 
