@@ -53,7 +53,9 @@ static int kv_group_size(const Config *c) { return c->n_heads / c->n_kv_heads; }
 static int kv_head_of(const Config *c, int h) { return h / kv_group_size(c); }
 
 /* Where a query at pos stands for RoPE: its position, or with a window its place in it. */
-static int query_place(const KVCache *c, int pos) { return kv_rotates_by_place(c->pool) ? kv_keys_seen(c, pos) - 1 : pos; }
+static int query_place(const KVCache *c, int pos) {
+    return kv_rotates_by_place(c->pool) ? kv_keys_seen(c, pos) - 1 : pos;
+}
 
 /* The rows a query at pos reads (KV head row `row` of layer l, oldest first) into dst as
  * floats, one row of row_width after another: dequantized and, with a window, whose keys
@@ -122,29 +124,30 @@ static void attend_reference(float *out, float *scores, int n, const float *rows
 }
 
 /* MHA, GQA, MQA: score_j = q . k_j / sqrt(d); p = softmax(scores); out = sum_j p_j v_j. */
-static void kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos, float *out) {
+static int kv_heads_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos, float *out) {
     const Config *c = L->cfg;
-    const int g = kv_head_of(c, h), hd = c->head_dim, Hkv = c->n_kv_heads;
-    float *keys = malloc((size_t)kv_keys_seen(cache, pos) * hd * 2 * sizeof(float)), *p = NULL;
+    const int g = kv_head_of(c, h), hd = c->head_dim, Hkv = c->n_kv_heads, most = kv_keys_seen(cache, pos);
+    float *keys = malloc((size_t)most * (2 * hd + 1) * sizeof(float)); /* keys, values, scores */
+    if (!keys) return -1;
     const int n = gather_rows(L, cache, g, pos, 0, NULL, keys);
-    float *values = keys + (size_t)n * hd;
+    float *values = keys + (size_t)n * hd, *p = values + (size_t)n * hd;
     gather_rows(L, cache, Hkv + g, pos, -1, NULL, values);
-    p = malloc((size_t)n * sizeof(float));
     for (int j = 0; j < n; j++) p[j] = dot(q, keys + (size_t)j * hd, hd) * score_scale(c);
     attend_reference(out, p, n, values, (size_t)hd, hd);
-    free(p);
     free(keys);
+    return 0;
 }
 
 /* MLA, expanded: head h's key of position j is [W_UK,h c_j ; k_R,j], its value W_UV,h c_j. */
-static void mla_expanded_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
-                                         float *out) {
+static int mla_expanded_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
+                                        float *out) {
     const Config *c = L->cfg;
     const LayerWeights *w = L->w;
-    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
-    float *latents = malloc((size_t)kv_keys_seen(cache, pos) * lw * sizeof(float));
+    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd, most = kv_keys_seen(cache, pos);
+    float *latents = malloc((size_t)most * (lw + hd + 1) * sizeof(float)); /* latents, values, scores */
+    if (!latents) return -1;
     const int n = gather_rows(L, cache, 0, pos, dc, NULL, latents);
-    float *p = malloc((size_t)n * sizeof(float)), *values = malloc((size_t)n * hd * sizeof(float));
+    float *values = latents + (size_t)n * lw, *p = values + (size_t)n * hd;
     float key[hd];
     for (int j = 0; j < n; j++) {
         const float *latent = latents + (size_t)j * lw, *k_rope = latent + dc;
@@ -153,39 +156,36 @@ static void mla_expanded_query_reference(const Layer *L, const KVCache *cache, i
         p[j] = dot_cat(q, key, hd, q + hd, k_rope, rd) * score_scale(c);       /* [q_C ; q_R] . [k_C ; k_R] */
     }
     attend_reference(out, p, n, values, (size_t)hd, hd);
-    free(p);
-    free(values);
     free(latents);
+    return 0;
 }
 
 /* MLA, absorbed: q_lat = W_UK,h^T q_C; score_j = [q_lat ; q_R] . [c_j ; k_R,j];
  * out = W_UV,h (sum_j p_j c_j). Cached latents are never expanded. */
-static void mla_absorbed_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
-                                         float *out) {
+static int mla_absorbed_query_reference(const Layer *L, const KVCache *cache, int h, const float *q, int pos,
+                                        float *out) {
     const Config *c = L->cfg;
     const LayerWeights *w = L->w;
-    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd;
+    const int hd = c->head_dim, dc = c->kv_latent, rd = c->rope_dim, lw = dc + rd, most = kv_keys_seen(cache, pos);
     float q_abs[lw], ctx_lat[dc];
-    float *latents = malloc((size_t)kv_keys_seen(cache, pos) * lw * sizeof(float));
+    float *latents = malloc((size_t)most * (lw + 1) * sizeof(float)); /* latents, scores */
+    if (!latents) return -1;
     const int n = gather_rows(L, cache, 0, pos, dc, NULL, latents);
-    float *p = malloc((size_t)n * sizeof(float));
+    float *p = latents + (size_t)n * lw;
     matvec_reference(q_abs, mat_block(w->wuk_t, h, dc), 0, dc, q); /* q_lat = W_UK,h^T q_C */
     memcpy(q_abs + dc, q + hd, (size_t)rd * sizeof(float));        /* q_R */
     for (int j = 0; j < n; j++) p[j] = dot(q_abs, latents + (size_t)j * lw, lw) * score_scale(c);
     attend_reference(ctx_lat, p, n, latents, (size_t)lw, dc); /* sum_j p_j c_j */
     matvec_reference(out, mat_block(w->wuv_heads, h, hd), 0, hd, ctx_lat);
-    free(p);
     free(latents);
+    return 0;
 }
 
-void attention_query_reference(const Layer *L, const KVCache *cache, int head, const float *q, int pos, MlaForm form,
-                               float *out) {
-    if (L->cfg->variant != VARIANT_MLA)
-        kv_heads_query_reference(L, cache, head, q, pos, out);
-    else if (form == MLA_ABSORBED)
-        mla_absorbed_query_reference(L, cache, head, q, pos, out);
-    else
-        mla_expanded_query_reference(L, cache, head, q, pos, out);
+int attention_query_reference(const Layer *L, const KVCache *cache, int head, const float *q, int pos, MlaForm form,
+                              float *out) {
+    if (L->cfg->variant != VARIANT_MLA) return kv_heads_query_reference(L, cache, head, q, pos, out);
+    if (form == MLA_ABSORBED) return mla_absorbed_query_reference(L, cache, head, q, pos, out);
+    return mla_expanded_query_reference(L, cache, head, q, pos, out);
 }
 
 /* ---- the record of attention weights (--dump-attn) ---- */
@@ -339,9 +339,9 @@ int attn_scratch_init(AttnScratch *a, const Config *c, int max_tokens, int max_k
 }
 
 void attn_scratch_free(AttnScratch *a) {
-    float *bufs[] = {a->q,       a->k,     a->v,     a->latent,      a->k_rope, a->rows,      a->q_abs,    a->ctx_lat,
-                     a->latents, a->k_exp, a->v_exp, a->window_rows, a->scores, a->chunk_out, a->partials, a->partial_stats,
-                     a->open};
+    float *bufs[] = {a->q,      a->k,         a->v,        a->latent,        a->k_rope, a->rows,
+                     a->q_abs,  a->ctx_lat,   a->latents,  a->k_exp,         a->v_exp,  a->window_rows,
+                     a->scores, a->chunk_out, a->partials, a->partial_stats, a->open};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->items);
     free(a->row_blocks);
@@ -677,7 +677,8 @@ static void record_chunk(const AttnPass *p, const Unit *u, int nh, const float *
 static void finish_unit(const AttnPass *p, const Unit *u, int nh, int thread, float *att, float *max, float *sum) {
     const int keys = chunk_keys(p, u->t, u->k), w = p->out_width;
     float chunk_max[ATTN_MAX_HEADS_PER_ITEM], chunk_sum[ATTN_MAX_HEADS_PER_ITEM];
-    for (int h = 0; h < nh; h++) softmax_stats(att + (size_t)h * p->a->scores_stride, keys, &chunk_max[h], &chunk_sum[h]);
+    for (int h = 0; h < nh; h++)
+        softmax_stats(att + (size_t)h * p->a->scores_stride, keys, &chunk_max[h], &chunk_sum[h]);
     if (p->a->record && p->a->record->active) record_chunk(p, u, nh, att, chunk_max, chunk_sum);
     float *out = item_out(p, u->t, u->h0);
     float *chunk =
@@ -885,7 +886,8 @@ static void attention_kv_heads(const AttnPass *p, const float *xb) {
 static void mla_gather(const AttnPass *p, int t_last) {
     if (team_alone(p->wk))
         gather_rows(p->L, p->slots->cache[t_last], 0, p->slots->pos[t_last], p->L->cfg->kv_latent,
-                    packed(p) ? open_row(p, 0, t_last, p->slots->pos[t_last] / KV_BLOCK_TOKENS * KV_BLOCK_TOKENS) : NULL,
+                    packed(p) ? open_row(p, 0, t_last, p->slots->pos[t_last] / KV_BLOCK_TOKENS * KV_BLOCK_TOKENS)
+                              : NULL,
                     p->a->latents);
 }
 

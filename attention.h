@@ -107,7 +107,7 @@ typedef struct {
     float *open;
     int *open_at, *open_end;
     size_t open_rows;
-    int *items;           /* (max_items, 3) the (first head, token, chunk) order of the queries */
+    int *items; /* (max_items, 3) the (first head, token, chunk) order of the queries */
     int max_keys, max_chunks;
     /* a pass of few tokens over long contexts runs each chunk as an item of its own, on
      * every thread, then merges the chunks (ATTN_SPLIT_TOKENS tokens at most): */
@@ -150,9 +150,9 @@ void attention(const Layer *L, AttnScratch *a, const TokenSlots *slots, const fl
  * 0 .. pos of layer L in the cache, written plainly (scores, softmax, weighted sum).
  * q is the query as attention() leaves it in a->q: rotated; MLA's [q_C ; q_R].
  * out: (head_dim). The same arithmetic in the same order as the fast path, so equal bit
- * for bit. */
-void attention_query_reference(const Layer *L, const KVCache *cache, int head, const float *q, int pos, MlaForm form,
-                               float *out);
+ * for bit. Returns 0, or -1 when out of memory. */
+int attention_query_reference(const Layer *L, const KVCache *cache, int head, const float *q, int pos, MlaForm form,
+                              float *out);
 
 /* RoPE's tables for model c, and the rotation of interleaved pairs (v[2i], v[2i+1]) of v
  * (config_rope_width floats) for position pos. */

@@ -222,8 +222,9 @@ static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_
     float *one = malloc(sizeof(float) * c->head_dim);
     for (int t = 0; t < T; t++)
         for (int h = 0; h < c->n_heads; h++) {
-            attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)t * c->n_heads + h) * qw, t, form,
-                                      one);
+            assert_int_equal(0,
+                             attention_query_reference(&layer0, &f->cache, h,
+                                                       f->s.attn.q + ((size_t)t * c->n_heads + h) * qw, t, form, one));
             if (memcmp(one, whole + ((size_t)t * c->n_heads + h) * c->head_dim, sizeof(float) * c->head_dim) != 0)
                 fail_msg("%s (absorb %d): query %d head %d differs from attention_query_reference", variant_name(c),
                          absorb, t, h);
@@ -272,8 +273,9 @@ static void check_shape(Variant v, int latent, MlaForm form, int n_heads, int n_
             attention_pass(f, xb + (size_t)t * D, n, form);
             for (int u = 0; u < n; u++)
                 for (int h = 0; h < c->n_heads; h++) {
-                    attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)u * c->n_heads + h) * qw,
-                                              t + u, form, one);
+                    assert_int_equal(0, attention_query_reference(&layer0, &f->cache, h,
+                                                                  f->s.attn.q + ((size_t)u * c->n_heads + h) * qw,
+                                                                  t + u, form, one));
                     if (memcmp(one, f->s.heads + ((size_t)u * c->n_heads + h) * c->head_dim,
                                sizeof(float) * c->head_dim))
                         fail_msg("%s (absorb %d, dtype %d, window %d, sinks %d): query %d head %d differs from "
@@ -341,14 +343,14 @@ static void check_long_context(Variant v, int latent, MlaForm form, DType dtype,
         attention_pass_on(teams[passes % 4], f, xb + (size_t)t * D, n, form);
         for (int u = 0; u < n; u++)
             for (int h = 0; h < H; h++) {
-                attention_query_reference(&layer0, &f->cache, h, f->s.attn.q + ((size_t)u * H + h) * qw, t + u, form,
-                                          one);
+                assert_int_equal(0,
+                                 attention_query_reference(&layer0, &f->cache, h,
+                                                           f->s.attn.q + ((size_t)u * H + h) * qw, t + u, form, one));
                 const float *got = f->s.heads + ((size_t)u * H + h) * hd;
                 if (memcmp(one, got, sizeof(float) * hd) != 0)
                     fail_msg("%s (absorb %d, dtype %d, window %d): position %d head %d (a pass of %d on %d threads) "
                              "differs from attention_query_reference",
-                             variant_name(c), form == MLA_ABSORBED, (int)dtype, window, t + u, h, n,
-                             teams[passes % 4]);
+                             variant_name(c), form == MLA_ABSORBED, (int)dtype, window, t + u, h, n, teams[passes % 4]);
                 for (int e = 0; ref && e < hd; e++)
                     if (fabs(got[e] - ref[((size_t)(t + u) * H + h) * hd + e]) > 1e-4)
                         fail_msg("%s (window %d): position %d head %d: |C - reference| = %g", variant_name(c), window,
