@@ -61,6 +61,8 @@ def test_check_batch_with_swaps_is_bitwise(small_checkpoints, variant, tmp_path)
 
 
 def test_existing_path_is_refused(small_checkpoints, tmp_path):
+    """An existing path is left as it was; a path the tier cannot be created at is named as every
+    message names a path: a long one by its tail, control characters masked."""
     path, _ = small_checkpoints["mqa"]
     tier = tmp_path / "tier"
     tier.write_bytes(b"keep me")
@@ -69,6 +71,12 @@ def test_existing_path_is_refused(small_checkpoints, tmp_path):
     err = p.stderr.decode().strip().splitlines()
     assert err == [f"run: --kv-offload {tier}: cannot create the tier file: File exists"], err
     assert tier.read_bytes() == b"keep me"
+    evil = tmp_path / ("d" * 200) / "a\x1b[2Jb\x07"  # in a directory that does not exist
+    p = run(small_pool_args(path) + ["--kv-offload", evil, "-q"], check=False)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and "\x1b" not in err and "\x07" not in err, err
+    shown = "..." + str(evil)[-157:].replace("\x1b", "?").replace("\x07", "?")  # a long path's tail: the reason stays
+    assert err == f"run: --kv-offload {shown}: cannot create the tier file: No such file or directory\n", err
 
 
 @pytest.mark.parametrize("flags,says", [

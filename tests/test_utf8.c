@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/errmsg.h"
 #include "kernels/utf8.h"
 
 #define R "\xEF\xBF\xBD" /* U+FFFD */
@@ -277,6 +278,33 @@ static void test_sanitize_random_bytes(void **state) {
     }
 }
 
+/* msg_path: a path whole up to MSG_PATH_BYTES, else "..." and its tail from a character's
+ * start, so an errno text after it is never cut; controls masked either way. */
+static void test_msg_path(void **state) {
+    (void)state;
+    assert_string_equal(msg_path("dir/a\x1b[2Jb\x07.bin").s, "dir/a?[2Jb?.bin");
+    char path[2 * MSG_PATH_BYTES + 1];
+    memset(path, 'x', MSG_PATH_BYTES);
+    path[MSG_PATH_BYTES] = '\0';
+    assert_string_equal(msg_path(path).s, path); /* at the limit: whole */
+    path[MSG_PATH_BYTES] = 'y', path[MSG_PATH_BYTES + 1] = '\0';
+    assert_int_equal(strlen(msg_path(path).s), MSG_PATH_BYTES); /* a byte over: "..." and the last 157 */
+    assert_memory_equal(msg_path(path).s, "...xxx", 6);
+    memset(path, 'x', sizeof path - 1);
+    path[sizeof path - 1] = '\0';
+    memcpy(path + sizeof path - 10, "/tier\x1b.kv", 9);
+    MsgPath m = msg_path(path);
+    assert_int_equal(strlen(m.s), MSG_PATH_BYTES);
+    assert_memory_equal(m.s, "...xxx", 6);
+    assert_string_equal(m.s + MSG_PATH_BYTES - 9, "/tier?.kv");
+    for (int i = 0; i < MSG_PATH_BYTES; i++) memcpy(path + 2 * i, "\xC3\xA9", 2); /* e-acute, two bytes */
+    path[2 * MSG_PATH_BYTES] = '\0';
+    m = msg_path(path); /* the cut falls inside a character: the tail starts at the next one */
+    assert_int_equal(strlen(m.s), MSG_PATH_BYTES - 1);
+    assert_memory_equal(m.s, "...\xC3\xA9", 5);
+    assert_true(utf8_valid(m.s, strlen(m.s)));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_char_len_matches_every_encoding),
@@ -288,6 +316,7 @@ int main(void) {
         cmocka_unit_test(test_sanitize_buffer_like_snprintf),
         cmocka_unit_test(test_sanitize_random_bytes),
         cmocka_unit_test(test_mask_controls),
+        cmocka_unit_test(test_msg_path),
     };
     return cmocka_run_group_tests_name("utf8", tests, NULL, NULL);
 }
