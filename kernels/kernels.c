@@ -10,7 +10,9 @@
 #include "kernels/threads.h"
 #include "kernels/simd.h"
 
-size_t dtype_size(DType dt) { return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1; } /* int4, int2: see packed_group_bytes */
+size_t dtype_size(DType dt) {
+    return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1;
+} /* int4, int2: see packed_group_bytes */
 
 const char *kernels_simd_name(void) { return SIMD_NAME; }
 
@@ -59,7 +61,9 @@ void mat_pack_rows(void *dst, const void *src_rows, int rows, int cols, DType dt
     }
 }
 
-void mat_pack(void *dst, const void *src, int rows, int cols, DType dt) { mat_pack_rows(dst, src, rows, cols, dt, 0, rows); }
+void mat_pack(void *dst, const void *src, int rows, int cols, DType dt) {
+    mat_pack_rows(dst, src, rows, cols, dt, 0, rows);
+}
 
 void mat_pack_blocks(void *dst, const void *src, int blocks, int n, int cols, DType dt) {
     size_t block_bytes = (size_t)n * (size_t)cols * dtype_size(dt);
@@ -178,6 +182,11 @@ void dot_rows(float *out, const float *q, const float *rows, size_t stride, int 
     dot_rows_cat(out, n, scale, q, rows, stride, width, q, rows, stride, 0);
 }
 
+/* Requests bytes [lo, hi) of a run into L1, from the line lo falls in. */
+static inline __attribute__((always_inline)) void prefetch_lines(const char *run, size_t lo, size_t hi) {
+    for (size_t i = lo / 64 * 64; i < hi; i += 64) __builtin_prefetch(run + i, 0, 3);
+}
+
 /* the columns of a 16-wide slice that lie in [c, width): 0 to 16 */
 static inline int slice_len(int width, int c) { return width - c < 0 ? 0 : width - c < 16 ? width - c : 16; }
 
@@ -188,7 +197,8 @@ static inline __attribute__((always_inline)) v16 row_load(const void *row, const
                                                           DType dt, int split) {
     if (dt == DTYPE_F32) return v16_load_f32((const float *)row + col, n);
     if (dt == DTYPE_BF16) return v16_load_bf16((const bf16 *)row + col, n);
-    const v16 x = dt == DTYPE_F8 ? v16_load_f8((const uint8_t *)row + col, n) : v16_load_i8((const int8_t *)row + col, n);
+    const v16 x =
+        dt == DTYPE_F8 ? v16_load_f8((const uint8_t *)row + col, n) : v16_load_i8((const int8_t *)row + col, n);
     /* col + n, not col + 16: an empty tail past a one-part row (n = 0) must not read a second scale */
     if (split >= col + n || !scales) return v16_mul(x, v16_set1(scales ? scales[0] : 0.0f));
     if (split <= col) return v16_mul(x, v16_set1(scales[1]));
@@ -225,9 +235,10 @@ static inline __attribute__((always_inline)) v16 packed_load(const unsigned char
 }
 
 /* Elements [col, col + n) of row j of block b (at base), as floats, whatever the dtype. */
-static inline __attribute__((always_inline)) v16 block_load(const RowBlocks *r, const char *base, int b, int j,
-                                                            int col, int n, DType dt) {
-    if (dtype_packed(dt)) return packed_load((const unsigned char *)base, j, col, n, dt, (int)r->stride, r->per_channel);
+static inline __attribute__((always_inline)) v16 block_load(const RowBlocks *r, const char *base, int b, int j, int col,
+                                                            int n, DType dt) {
+    if (dtype_packed(dt))
+        return packed_load((const unsigned char *)base, j, col, n, dt, (int)r->stride, r->per_channel);
     return row_load(base + (size_t)j * r->stride * dtype_size(dt), row_scales(r, b, j), col, n, dt, r->split);
 }
 
@@ -281,11 +292,13 @@ enum { WIDE_COLS = 320, WIDE_HEADS = 16 };
  * dot_block_rows computes, in the same order, so the bits are its bits. */
 static inline __attribute__((always_inline)) void dot_block_rows_shared(float *out, size_t ld_out, const float *q,
                                                                         size_t ld_q, int nh, const RowBlocks *r, int b,
-                                                                        int m, int width, float scale, DType dt) {
+                                                                        int m, int width, float scale, DType dt,
+                                                                        const char *next, size_t next_bytes) {
     const char *base = r->block[b];
     float wide[16 * WIDE_COLS] __attribute__((aligned(64))); /* (WIDE_COLS / 16 slices, 8 pairs, 2 halves, 16) */
     v16 spill[WIDE_HEADS][16];
     const int batch = width <= WIDE_COLS ? nh : WIDE_HEADS; /* one slab: no chains wait, so no bound */
+    if (m < 16) prefetch_lines(next, 0, next_bytes);        /* no head loop below to spread them over */
     int j = 0;
     for (; j + 16 <= m; j += 16)
         for (int h0 = 0; h0 < nh; h0 += batch) {
@@ -301,6 +314,8 @@ static inline __attribute__((always_inline)) void dot_block_rows_shared(float *o
                         v16_store(wide + 16 * (k + i + 1), v16_high_halves(first, second), 16);
                     }
                 for (int h = 0; h < hn; h++) {
+                    if (j == 0 && h0 == 0 && c0 == 0)
+                        prefetch_lines(next, next_bytes * h / hn, next_bytes * (h + 1) / hn);
                     const float *qh = q + (size_t)(h0 + h) * ld_q + c0;
                     v16 acc[16]; /* pair i/2 of rows: columns 0-7 of each 16 (i even), 8-15 (i odd) */
 #pragma GCC unroll 16
@@ -336,11 +351,12 @@ static inline __attribute__((always_inline)) void dot_block_rows_shared(float *o
  * it reads them; several share one widening. */
 static inline __attribute__((always_inline)) void dot_block_heads(float *out, size_t ld_out, const float *q,
                                                                   size_t ld_q, int n_heads, const RowBlocks *r, int b,
-                                                                  int m, int width, float scale, DType dt) {
+                                                                  int m, int width, float scale, DType dt,
+                                                                  const char *next, size_t next_bytes) {
     if (n_heads == 1)
         dot_block_rows(out, q, r, b, m, width, scale, dt);
     else
-        dot_block_rows_shared(out, ld_out, q, ld_q, n_heads, r, b, m, width, scale, dt);
+        dot_block_rows_shared(out, ld_out, q, ld_q, n_heads, r, b, m, width, scale, dt, next, next_bytes);
 }
 
 /* The blocks the n rows span. */
@@ -395,19 +411,30 @@ static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *
     }
 }
 
-/* Requests the run read after group g's block b (of the nb blocks of the n rows): taking a
- * block's groups in turn, the next group's in the same block, which the pool keeps next to
- * it, then the first group's in the next block; taking a group's blocks in turn, its next
- * block. Streamed rows only: rows other queries read are in cache, where requests only
- * cost time. */
-static inline __attribute__((always_inline)) void prefetch_next(const RowBlocks *r, int g, int b, int nb, int n,
-                                                                int block_major) {
-    if (!r->streamed) return;
+/* The run read after group g's block b (of the nb blocks of the n rows): taking a block's
+ * groups in turn, the next group's in the same block, which the pool keeps next to it,
+ * then the first group's in the next block; taking a group's blocks in turn, its next
+ * block. Its bytes, its start at *run; 0 when there is none, or the rows are not streamed
+ * (rows other queries read are in cache, where requests only cost time). */
+static inline size_t next_run(const RowBlocks *r, int g, int b, int nb, int n, int block_major, const char **run) {
+    int at = -1;
     if (block_major && g + 1 < r->groups)
-        prefetch_run(r, (g + 1) * nb + b, rows_in_block(r, b, n), 0);
+        at = (g + 1) * nb + b;
     else if (b + 1 < nb)
-        prefetch_run(r, (block_major ? 0 : g) * nb + b + 1, rows_in_block(r, b + 1, n), 0);
-    if (run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, nb, n, block_major);
+        at = (block_major ? 0 : g) * nb + b + 1;
+    if (!r->streamed || at < 0) return 0;
+    *run = r->block[at];
+    return run_bytes(r, rows_in_block(r, at % nb, n));
+}
+
+/* Requests what is read after group g's block b: the next run (next_run) into L1 unless
+ * the caller spreads those requests itself (`near` 0), and small runs' far ones. */
+static inline __attribute__((always_inline)) void prefetch_next(const RowBlocks *r, int g, int b, int nb, int n,
+                                                                int block_major, int near) {
+    const char *run = NULL;
+    const size_t bytes = near ? next_run(r, g, b, nb, n, block_major, &run) : 0;
+    prefetch_lines(run, 0, bytes);
+    if (r->streamed && run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, nb, n, block_major);
 }
 
 void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int n_heads, RowBlocks rows, int n,
@@ -418,7 +445,12 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
         const DType dt = rows.last_f32 && j0 + m == n ? DTYPE_F32 : rows.dtype;
         for (int g = 0; g < groups; g++) {
             const int at = g * nb + b; /* group g's block b in the tables */
-            prefetch_next(&rows, g, b, nb, n, 1);
+            /* heads that share the rows request the next run a slice a head: a burst of
+             * requests for a whole run at once stalls the core while they are sent */
+            const int spread = gh > 1 && dt != DTYPE_F32;
+            const char *next = NULL;
+            const size_t next_bytes = spread ? next_run(&rows, g, b, nb, n, 1, &next) : 0;
+            prefetch_next(&rows, g, b, nb, n, 1, !spread);
             float *o = out + (size_t)g * gh * ld_out + j0;
             const float *qg = q + (size_t)g * gh * ld_q;
             switch (dt) {
@@ -427,11 +459,21 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
                     dot_rows(o + (size_t)h * ld_out, qg + (size_t)h * ld_q, rows.block[at], rows.stride, m, width,
                              scale);
                 break;
-            case DTYPE_BF16: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_BF16); break;
-            case DTYPE_I8: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I8); break;
-            case DTYPE_F8: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_F8); break;
-            case DTYPE_I4: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I4); break;
-            case DTYPE_I2: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I2); break;
+            case DTYPE_BF16:
+                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_BF16, next, next_bytes);
+                break;
+            case DTYPE_I8:
+                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I8, next, next_bytes);
+                break;
+            case DTYPE_F8:
+                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_F8, next, next_bytes);
+                break;
+            case DTYPE_I4:
+                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I4, next, next_bytes);
+                break;
+            case DTYPE_I2:
+                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I2, next, next_bytes);
+                break;
             }
         }
     }
@@ -487,7 +529,7 @@ static inline __attribute__((always_inline)) void weighted_sum_pass(float *out, 
     }
     for (int b = b0; b < b1; b++) { /* blocks start at even j */
         const int j0 = b * rows->block_rows, m = rows_in_block(rows, b, n);
-        if (prefetch) prefetch_next(rows, g, b, nb, n, b1 - b0 == 1);
+        if (prefetch) prefetch_next(rows, g, b, nb, n, b1 - b0 == 1, 1);
         if (dt != DTYPE_F32 && rows->last_f32 && j0 + m == n)
             weighted_sum_block(even0, odd0, even1, odd1, p, ld_p, nh, rows, g * nb + b, j0, m, c, len0, len1,
                                DTYPE_F32);
@@ -596,7 +638,8 @@ static void quantize_group(unsigned char *codes, const size_t *at, int shift_of[
     *scale = s;
     const float sf = bf16_to_f32(s);
     for (int i = 0; i < n; i++) {
-        const float v = sf > 0.0f ? fminf((float)levels, fmaxf(0.0f, nearbyintf((x[(size_t)i * step] - m) / sf))) : 0.0f;
+        const float v =
+            sf > 0.0f ? fminf((float)levels, fmaxf(0.0f, nearbyintf((x[(size_t)i * step] - m) / sf))) : 0.0f;
         codes[at[i]] = (unsigned char)((codes[at[i]] & ~(levels << shift_of[i])) | ((unsigned)v << shift_of[i]));
     }
 }
@@ -642,7 +685,8 @@ void block_dequantize_row(float *dst, const void *group, int j, int width, DType
         code_place(j, c, width, bits, &byte, &shift);
         const float code = (float)((codes[byte] >> shift) & levels);
         const int k = j * groups + c / PACK_VALUE_GROUP;
-        const bf16 scale = per_channel ? params[c] : params[k], min = per_channel ? params[width + c] : params[PACK_ROWS * groups + k];
+        const bf16 scale = per_channel ? params[c] : params[k],
+                   min = per_channel ? params[width + c] : params[PACK_ROWS * groups + k];
         dst[c] = fmaf(code, bf16_to_f32(scale), bf16_to_f32(min));
     }
 }
