@@ -101,3 +101,24 @@ def test_converted_checkpoint_parity(variant, tmp_path):
     path = str(tmp_path / f"{variant}.bin")
     export.export(child, path, TOKENIZER, dtype="bf16")
     check_parity(path, export.load_engine_checkpoint(path), tmp_path)
+
+
+def test_cli_refusals_are_one_line(tmp_path):
+    """convert.py onto its own parent, or of a parent holding a NaN: one line, the parent as it
+    was, nothing written (the first replaced the parent; the second was a traceback)."""
+    parent = tmp_path / "mha.bin"
+    export.export(small_mha(), str(parent), TOKENIZER, dtype="bf16")
+    before = parent.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        convert.main([str(parent), "mqa", str(parent)])
+    assert e.value.code == f"convert.py: cannot write {parent}: it is the input {parent}"
+    assert parent.read_bytes() == before
+    broken = small_mha()
+    with torch.no_grad():
+        broken.tok_embeddings.weight[0, 0] = float("nan")
+    torch.save({"model": broken.state_dict(), "config": broken.cfg.__dict__, "step": 1, "tokens": 1,
+                "elapsed": 0.0, "best_val": 9.9, "kind": "best"}, tmp_path / "nan.pt")
+    with pytest.raises(SystemExit) as e:
+        convert.main([str(tmp_path / "nan.pt"), "mqa", str(tmp_path / "out.bin")])
+    assert e.value.code == "convert.py: tok_embeddings.weight holds NaN or inf"
+    assert sorted(os.listdir(tmp_path)) == ["mha.bin", "nan.pt"]

@@ -607,3 +607,80 @@ def test_llama2c_computes_our_model(tmp_path, variant):
     with torch.no_grad():
         want = model(torch.tensor([tokens]))[0].double().numpy()
     assert np.allclose(llama2c_logits(path, tokens), want, atol=1e-4, rtol=1e-4)
+
+
+def test_outputs_never_replace_inputs(tmp_path, capsys):
+    """An output that is an input (by its name, a hard link or a symbolic link) or a directory is
+    refused before anything is written, the input as it was; a FIFO is written through, not
+    replaced by a file; files beside the outputs named like temporaries are left alone."""
+    import stat
+    import threading
+    src = tmp_path / "in.bin"
+    src.write_bytes(open(os.path.join(ROOT, "weights", "gqa.bin"), "rb").read())
+    before = src.read_bytes()
+    os.link(src, tmp_path / "hard.bin")
+    (tmp_path / "soft.bin").symlink_to(src)
+    (tmp_path / "dir").mkdir()
+    tok = tmp_path / "tok.model"
+    tok.write_bytes(open(TOKENIZER, "rb").read())
+    cases = [((src, src), f"cannot write {src}: it is the input {src}"),
+             ((src, tmp_path / "hard.bin"), f"cannot write {tmp_path / 'hard.bin'}: it is the input {src}"),
+             ((src, tmp_path / "soft.bin"), f"cannot write {tmp_path / 'soft.bin'}: it is the input {src}"),
+             ((src, tmp_path / "dir"), f"cannot write {tmp_path / 'dir'}: it is a directory"),
+             (("--random", "gqa", "--small", tok, "--tokenizer", tok), f"cannot write {tok}: it is the input {tok}")]
+    for args, says in cases:
+        status, err = cli(capsys, *args)
+        assert status == 1 and err == f"export.py: {says}\n", err
+    assert src.read_bytes() == before and tok.read_bytes() == open(TOKENIZER, "rb").read()
+
+    fifo, got = tmp_path / "pipe", []
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    status, err = cli(capsys, src, fifo)
+    reader.join(timeout=60)
+    assert status == 0 and stat.S_ISFIFO(os.stat(fifo).st_mode), err
+    assert got and got[0] == before  # an engine checkpoint in, the same bytes out
+
+    (tmp_path / "out.bin.tmp").write_bytes(b"mine")
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.tmp" / "notes.txt").write_bytes(b"mine too")
+    status, err = cli(capsys, src, tmp_path / "out.bin", "--hf", tmp_path / "hf")
+    assert status == 0, err
+    assert (tmp_path / "out.bin").read_bytes() == before and (tmp_path / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "out.bin.tmp").read_bytes() == b"mine"
+    assert (tmp_path / "hf.tmp" / "notes.txt").read_bytes() == b"mine too"
+    assert sorted(os.listdir(tmp_path)) == sorted(["in.bin", "hard.bin", "soft.bin", "dir", "tok.model", "pipe",
+                                                   "out.bin", "out.bin.tmp", "hf", "hf.tmp"])
+
+
+def test_bad_headers_and_tokenizers_are_one_line(tmp_path, capsys):
+    """A header's unknown variant, an embedded tokenizer of 0 bytes, a NaN weight on the way to
+    Hugging Face, an empty tokenizer file: one line each, exit status 1, nothing written (the
+    empty tokenizer crashed SentencePiece; the NaN went into the safetensors)."""
+    raw = open(os.path.join(ROOT, "weights", "gqa.bin"), "rb").read()
+
+    def damaged(name, patch):
+        b = bytearray(raw)
+        patch(b)
+        (tmp_path / name).write_bytes(b)
+        return tmp_path / name
+
+    def nan_weight(b):
+        at = struct.unpack_from("<Q", b, 88)[0]  # weights_offset: the first weight, a bf16
+        b[at:at + 2] = b"\xc0\x7f"
+
+    empty = tmp_path / "empty.model"
+    empty.write_bytes(b"")
+    out, hf_dir = tmp_path / "out.bin", tmp_path / "hf"
+    cases = [
+        ((damaged("variant7.bin", lambda b: struct.pack_into("<I", b, 8, 7)), out), "unknown variant code 7"),
+        ((damaged("notok.bin", lambda b: struct.pack_into("<Q", b, 80, 0)), out), "the embedded tokenizer 0 bytes"),
+        ((damaged("nan.bin", nan_weight), "--hf", hf_dir), "tok_embeddings.weight holds NaN or inf"),
+        (("--random", "gqa", "--small", out, "--tokenizer", empty), f"{empty} is empty, not a SentencePiece model"),
+    ]
+    for args, needle in cases:
+        status, err = cli(capsys, *args)
+        assert status == 1 and err.startswith("export.py: ") and err.count("\n") == 1 and needle in err, err
+    assert not out.exists() and not hf_dir.exists()
+    assert sorted(os.listdir(tmp_path)) == ["empty.model", "nan.bin", "notok.bin", "variant7.bin"]

@@ -142,12 +142,12 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     args = ap.parse_args(argv)
     try:
+        export.check_outputs([args.out], [args.parent])
         parent, tok, _ = export.load_input(args.parent)
         model = convert(parent, args.variant, args.data if args.variant.startswith("mla") else None)
+        export.export(model, args.out, tok if tok is not None else export.DEFAULT_TOKENIZER, args.dtype)
     except (OSError, ValueError) as e:
         sys.exit(f"convert.py: {e}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    export.export(model, args.out, tok if tok is not None else export.DEFAULT_TOKENIZER, args.dtype)
     print(f"{args.out}: {args.variant} from {args.parent}")
 
 

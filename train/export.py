@@ -32,9 +32,11 @@ read_header, read_tensors, export_llama2c, tensor_layout.
 """
 import argparse
 import os
+import stat
 import struct
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -177,10 +179,15 @@ def _numpy_tensors(model):
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
         a = np.ascontiguousarray(t.detach().cpu().float().numpy(), dtype=np.float32)
-        if not np.isfinite(a).all():
-            raise ValueError(f"{name} holds NaN or inf")
+        check_finite(name, a)
         out.append((name, a))
     return out
+
+
+def check_finite(name, a):
+    """Raises ValueError when tensor a (floats, or bf16 bits as uint16) holds NaN or inf."""
+    if ((a & 0x7F80) == 0x7F80).any() if a.dtype == np.uint16 else not np.isfinite(a).all():
+        raise ValueError(f"{name} holds NaN or inf")
 
 
 def tokenizer_bytes(tokenizer):
@@ -198,8 +205,11 @@ def _tokenizer_name(tokenizer):
 def tokenizer_info(tokenizer):
     """(piece count, bos id, eos id, SentencePieceProcessor) of a SentencePiece model (a path or its bytes)."""
     import sentencepiece as spm
+    proto = tokenizer_bytes(tokenizer)
+    if not proto:  # SentencePiece takes an empty model without a word, then crashes on its first call
+        raise ValueError(f"{_tokenizer_name(tokenizer)} is empty, not a SentencePiece model")
     try:
-        sp = spm.SentencePieceProcessor(model_proto=tokenizer_bytes(tokenizer))
+        sp = spm.SentencePieceProcessor(model_proto=proto)
     except RuntimeError as e:  # SentencePiece's message ends with the failed check, on its last line
         raise ValueError(f"{_tokenizer_name(tokenizer)} is not a SentencePiece model "
                          f"({str(e).strip().splitlines()[-1]})") from None
@@ -221,18 +231,56 @@ def _align(n, a=ALIGN):
 
 
 def _write_atomic(path, write):
-    """Calls write(file) on path + '.tmp', then renames it to path."""
+    """Calls write(file) on a new file beside path, then renames it to path, so that path is
+    either as it was or whole. A character device or a FIFO (/dev/null, a pipe) is written in
+    place: a rename would put a file where it was."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        with open(path, "wb") as f:
+            write(f)
+        return
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    tmp = path + ".tmp"
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_outputs(outputs, inputs):
+    """Raises ValueError, before anything is written, when an output is one of the inputs (the
+    same file, whatever the name; an input directory stands for the files in it), or a
+    directory, socket or block device where a file goes."""
+    seen = {}
+    for p in inputs:
+        if not p or not os.path.exists(p):
+            continue
+        for f in ([os.path.join(p, n) for n in os.listdir(p)] if os.path.isdir(p) else [p]):
+            st = os.stat(f)
+            if stat.S_ISREG(st.st_mode):
+                seen[(st.st_dev, st.st_ino)] = f
+    for out in outputs:
+        try:
+            st = os.stat(out)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in seen and stat.S_ISREG(st.st_mode):
+            raise ValueError(f"cannot write {out}: it is the input {seen[(st.st_dev, st.st_ino)]}")
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "a block device" if stat.S_ISBLK(st.st_mode) else None)
+        if kind:
+            raise ValueError(f"cannot write {out}: it is {kind}")
 
 
 # ---------------------------------------------------------------- export
@@ -262,13 +310,11 @@ def write_checkpoint(cfg, tensors, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf1
         if a.dtype == np.uint16:
             if dtype != "bf16":
                 raise ValueError(f"{name}: bf16 bits given for an {dtype} file")
-            if ((a & 0x7F80) == 0x7F80).any():
-                raise ValueError(f"{name} holds NaN or inf")
+            check_finite(name, a)
             blobs.append(np.ascontiguousarray(a, dtype="<u2"))
             continue
         a = np.asarray(a, dtype=np.float32)
-        if not np.isfinite(a).all():
-            raise ValueError(f"{name} holds NaN or inf")
+        check_finite(name, a)
         blobs.append(bf16_bits(a).astype("<u2") if dtype == "bf16" else np.ascontiguousarray(a, dtype="<f4"))
     weights_size = sum(b.nbytes for b in blobs)
     n_params = sum(int(np.prod(shape)) for _, shape in layout)
@@ -287,14 +333,14 @@ def write_checkpoint(cfg, tensors, path, tokenizer=DEFAULT_TOKENIZER, dtype="bf1
                flags=FLAG_UNTIED_HEAD if cfg.untied_head else 0, window=int(cfg.window))
     header = HEADER_STRUCT.pack(*(hdr[k] for k in HEADER_FIELDS))
 
-    def write(f):
+    assert len(header) == tok_off and w_off - tok_off >= len(tok_bytes)
+
+    def write(f):  # in order, without tell(): a pipe cannot say where it is
         f.write(header)
         f.write(tok_bytes)
         f.write(b"\0" * (w_off - tok_off - len(tok_bytes)))
-        assert f.tell() == w_off
         for b in blobs:
             f.write(b.tobytes())
-        assert f.tell() == w_off + weights_size
 
     _write_atomic(path, write)
     hdr["magic"] = MAGIC.decode()
@@ -341,6 +387,8 @@ def check_header(hdr, path):
     n_params = sum(int(np.prod(shape)) for _, shape in tensor_layout(header_config(hdr)))
     expected = n_params * (2 if hdr["dtype"] == 1 else 4)
     size = os.path.getsize(path)
+    if hdr["tokenizer_size"] == 0:
+        raise ValueError(f"{path}: its header gives the embedded tokenizer 0 bytes")
     if (hdr["tokenizer_offset"] + hdr["tokenizer_size"] > hdr["weights_offset"]
             or hdr["weights_size"] != expected or hdr["weights_offset"] + expected != size):
         raise ValueError(f"{path}: {size:,} bytes, but its header puts {expected:,} bytes of tensors at "
@@ -380,8 +428,9 @@ def read_tensors(path, bf16_bits_too=False):
 
 def load_engine_checkpoint(path):
     """A Transformer (fp32) holding exactly the values of an engine checkpoint (.bin)."""
+    tensors = read_tensors(path)  # checks the header before a model of its shape is built
     model = Transformer(header_config(read_header(path)))
-    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in read_tensors(path).items()})
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()})
     model.eval()
     return model
 
@@ -594,13 +643,14 @@ def main(argv=None):
             model = random_model(args.random, small=args.small, seed=args.seed, vocab_size=n_pieces)
         else:
             model, embedded, in_dtype = load_input(src)
-        tokenizer = args.tokenizer or embedded or DEFAULT_TOKENIZER
+        tokenizer = args.tokenizer or (embedded if embedded is not None else DEFAULT_TOKENIZER)
         dtype = args.dtype or in_dtype or "bf16"
         targets = [out] if out else []
         if args.llama2c:
             check_llama2c(model.cfg)  # before anything is written
             targets += [os.path.join(args.llama2c, f"{model.cfg.variant}_llama2c.bin"),
                         os.path.join(args.llama2c, "tokenizer.bin")]
+        check_outputs(targets, [src, args.tokenizer])
         for t in targets:
             if not args.force and shipped(t):
                 stem = os.path.splitext(os.path.basename(t))[0]
@@ -616,7 +666,6 @@ def main(argv=None):
                 print(f"{p}: {os.path.getsize(p):,} bytes")
         if args.hf:
             import hf
-            import tempfile
             if os.path.exists(args.hf) and not args.force:
                 raise ValueError(f"{args.hf} exists; choose a new directory or pass --force to replace it")
             with tempfile.TemporaryDirectory() as tmp:

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import numpy as np
 
@@ -491,7 +492,11 @@ def export_hf(src, out_dir, force=False):
     dtype = {0: "fp32", 1: "bf16"}[hdr["dtype"]]
     if os.path.exists(out_dir) and not force:
         raise HFError(f"{out_dir} exists; choose a new directory or pass --force to replace it")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise HFError(f"{out_dir} is not a directory; --force replaces a model directory only")
     tensors = export.read_tensors(src, bf16_bits_too=True)
+    for name, a in tensors.items():
+        export.check_finite(name, a)
     tok = export.read_embedded_tokenizer(src)
     _, bos, eos, sp = export.tokenizer_info(tok)
     config = hf_config(cfg, bos, eos, dtype)
@@ -502,10 +507,9 @@ def export_hf(src, out_dir, force=False):
                   "pad_token": None, "model_max_length": cfg.max_seq_len, "legacy": False,
                   "clean_up_tokenization_spaces": False, "sp_model_kwargs": {}}
     gen_config = {"bos_token_id": bos, "eos_token_id": eos, "max_length": cfg.max_seq_len, "do_sample": False}
-    tmp = out_dir.rstrip("/") + ".tmp"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(os.path.abspath(out_dir)) + ".", suffix=".tmp")
     try:
         files = [("config.json", config), ("tokenizer_config.json", tok_config),
                  ("generation_config.json", gen_config)]

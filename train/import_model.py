@@ -131,6 +131,7 @@ def main(argv=None):
     ap.add_argument("--force", action="store_true", help="replace a checkpoint the project ships")
     args = ap.parse_args(argv)
     try:
+        export.check_outputs([args.out], [args.src, args.tokenizer])
         if not args.force and export.shipped(args.out):
             raise ValueError(f"{args.out} is a checkpoint the project ships (git tracks it); write a new file")
         if os.path.isdir(args.src):
