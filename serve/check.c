@@ -210,8 +210,9 @@ static void print_check_kv(const Model *m, const KVPool *pool, const Options *o,
 }
 
 /* One line for people, then the machine-readable key=value lines (or one JSON object).
- * For MLA two comparisons: absorbed with the cache against expanded without it (the
- * KV-cache post's setup), and against absorbed without it (the same arithmetic). With
+ * For MLA two comparisons: the cached run in --mla's form (absorbed unless given) against
+ * expanded without the cache (the KV-cache post's setup) and against absorbed without it;
+ * the one in its own form is the same arithmetic. With
  * --window the cached run keeps only the window and the uncached one recomputes the whole
  * sequence: they agree until the window is full (for a ring or sinks in fp32 only: they
  * store keys before RoPE, so a lossy --kv-dtype rounds other numbers from the start). A
@@ -232,12 +233,13 @@ int mode_check_kv(const Model *m, KVPool *pool, const Options *o) {
     const int n_pairs = is_mla ? 2 : 1;
     KvComparison c[2];
     int fails = 0;
-    GreedyRun cached = greedy_run(m, pool, &run, prompt, n, 1, MLA_ABSORBED);
+    const MlaForm cached_form = o->mla_given ? o->mla_form : MLA_ABSORBED;
+    GreedyRun cached = greedy_run(m, pool, &run, prompt, n, 1, cached_form);
     for (int i = 0; i < n_pairs; i++) {
         GreedyRun uncached = greedy_run(m, &whole, &run, prompt, n, 0, uncached_forms[i]);
         c[i] = compare_greedy_runs(&cached, &uncached, V);
-        c[i].same_form = !is_mla || uncached_forms[i] == MLA_ABSORBED;
-        snprintf(c[i].a, sizeof c[i].a, is_mla ? "kv-%s" : "kv", mla_form_name(MLA_ABSORBED));
+        c[i].same_form = !is_mla || uncached_forms[i] == cached_form;
+        snprintf(c[i].a, sizeof c[i].a, is_mla ? "kv-%s" : "kv", mla_form_name(cached_form));
         snprintf(c[i].b, sizeof c[i].b, is_mla ? "no-kv-%s" : "no-kv", mla_form_name(uncached_forms[i]));
         fails |= comparison_fails(&c[i]);
         free(uncached.logits);

@@ -104,6 +104,18 @@ def test_check_kv(small_checkpoints, variant):
         assert pairs[0]["identical_tokens"] == 30 and pairs[0]["first_divergent_step"] is None
 
 
+@pytest.mark.parametrize("variant", ["mla64", "mla128"])
+def test_check_kv_checks_the_form_asked_for(small_checkpoints, variant):
+    """--mla expand checks the expanded form with the cache (it was ignored: absorbed was checked)."""
+    path, _ = small_checkpoints[variant]
+    code, check = json_one([path, "--check-kv", "--mla", "expand", "-p", PROMPT, "-n", 30, "--ignore-eos"])
+    assert code == 0 and check["identical"] is True, check
+    pairs = check["comparisons"]
+    assert [(c["a"], c["b"], c["same_form"]) for c in pairs] == [("kv-expand", "no-kv-expand", True),
+                                                                  ("kv-expand", "no-kv-absorb", False)]
+    assert pairs[0]["bitwise_identical"] is True and pairs[0]["identical_tokens"] == 30
+
+
 def same_form(check):
     """The --check-kv comparisons of a run with and without the cache in the same form."""
     pairs = [c for c in check["comparisons"] if c["a"].replace("kv", "no-kv") == c["b"]]
