@@ -112,9 +112,12 @@ static void print_sequence(const Generation *g, const Request *r) {
         json_string(stdout, text, len);
         printf(", \"prompt_tokens\": %d, \"fill\": %d, \"tokens\": [", r->n_prompt - g->o->fill, g->o->fill);
         for (int i = r->n_prompt; i < r->n_tokens; i++) printf(i > r->n_prompt ? ", %d" : "%d", r->tokens[i]);
-        printf("], \"generated\": %d, \"stop\": \"%s\", \"first_token_ms\": %.3f, \"prefill_ms\": %.3f, "
-               "\"decode_ms_per_token_mean\": %.4f, \"preemptions\": %d}\n",
-               r->generated, stop_name(r->stop), r->first_token_ms, r->prefill_ms,
+        printf("], \"generated\": %d, \"stop\": \"%s\", \"first_token_ms\": ", r->generated, stop_name(r->stop));
+        if (r->generated > 0) /* no token, no time to it */
+            printf("%.3f", r->first_token_ms);
+        else
+            printf("null");
+        printf(", \"prefill_ms\": %.3f, \"decode_ms_per_token_mean\": %.4f, \"preemptions\": %d}\n", r->prefill_ms,
                r->decode_steps ? r->decode_ms / r->decode_steps : 0.0, r->preemptions);
     } else {
         printf("[sequence %d seed %llu stop %s]\n%s\n\n", r->index, (unsigned long long)r->seed, stop_name(r->stop),
@@ -530,15 +533,17 @@ static volatile sig_atomic_t interrupted_by;
 static void on_interrupt(int sig) { interrupted_by = sig; }
 
 /* SIGINT and SIGTERM end a generation at the next step boundary, so the outputs are whole;
- * a second one acts at once (SA_RESETHAND). */
+ * a second one acts at once (SA_RESETHAND). One the run was started with ignored stays
+ * ignored, as a shell's background job is kept from the terminal's Ctrl-C. */
 static void catch_interrupts(void) {
-    struct sigaction sa;
+    struct sigaction sa, was;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_interrupt;
     sa.sa_flags = SA_RESETHAND | SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    const int signals[] = {SIGINT, SIGTERM};
+    for (int i = 0; i < 2; i++)
+        if (sigaction(signals[i], NULL, &was) == 0 && was.sa_handler != SIG_IGN) sigaction(signals[i], &sa, NULL);
 }
 
 /* --log, --dump-logits and --dump-attn, refused when they name one of the run's inputs or

@@ -106,6 +106,30 @@ def test_signal_leaves_whole_csv_lines(ckpt, tmp_path, sig, code, form):
     assert summary["stops"]["interrupted"] == 1, summary
 
 
+def test_a_signal_ignored_at_start_stays_ignored(ckpt, tmp_path):
+    """A run started with SIGINT ignored, as a shell starts a background job, goes on through
+    SIGINT (the terminal's Ctrl-C meant the foreground); SIGTERM still ends it."""
+    log = tmp_path / "steps.csv"
+
+    def lines():
+        return log.read_text().count("\n") if log.exists() else 0
+
+    def wait_for(n):
+        deadline = time.monotonic() + 120
+        while lines() < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    p = subprocess.Popen(args_of([ckpt, "-p", PROMPT, "--log", log] + ENDLESS), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    wait_for(20)
+    p.send_signal(signal.SIGINT)
+    wait_for(lines() + 20)
+    assert p.poll() is None, p.stderr.read().decode()
+    p.send_signal(signal.SIGTERM)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 143, err
+
+
 # ---- an output that is an input, or a file that is no file ----
 
 def digest(path):

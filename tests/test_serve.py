@@ -173,5 +173,6 @@ def test_interrupted_summary_counts_what_ran(small_checkpoints, tmp_path):
     assert summary["requests_not_started"] == len(never) > 100
     assert len(ended) + len(cut) + len(never) == 300 and summary["stops"]["interrupted"] == len(cut)
     assert summary["tokens_generated"] == sum(s["generated"] for s in sequences)
+    assert all(s["first_token_ms"] is None for s in never)  # no token, no time to it (it printed 0.0)
     firsts = sorted(s["first_token_ms"] for s in ended + cut)
     assert summary["first_token_ms_median"] > 0 and firsts[0] <= summary["first_token_ms_median"] <= firsts[-1]
