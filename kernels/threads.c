@@ -29,7 +29,7 @@ typedef struct {
 
 struct Team {
     int threads;
-    int spin_ns; /* how long a wait spins before it yields its core */
+    int spin_ns;        /* how long a wait spins before it yields its core */
     atomic_int closing; /* read by the members after a post, or while left out of one */
     /* the threads that take part in this step, 1..threads, and the leader's barrier count
      * when it posted the step: both set by team_post, read by the members after it */
@@ -38,9 +38,9 @@ struct Team {
     /* the leader's policy (team_post): late_step says a barrier of the last step waited past
      * the spin */
     TeamSize size;
-    int cpus;     /* team_adapt's: CPUs the team may use; 0, no limit */
-    int adaptive; /* team_adapt: the size follows the machine's load */
-    long short_steps; /* steps posted with fewer threads than the team's */
+    int cpus;              /* team_adapt's: CPUs the team may use; 0, no limit */
+    int adaptive;          /* team_adapt: the size follows the machine's load */
+    long short_steps;      /* steps posted with fewer threads than the team's */
     atomic_uint join_post; /* the post a member let back in takes first */
     _Alignas(64) atomic_int late_step;
     _Alignas(64) atomic_uint roster; /* changes when the team grows or closes: left-out members sleep on it */
@@ -54,7 +54,7 @@ struct Team {
     int timed;
     _Alignas(64) atomic_long waited_ns;
     long arrival_ns[TEAM_MAX_THREADS];
-    Claim claims[TEAM_MAX_THREADS];   /* one per part (share_next) */
+    Claim claims[TEAM_MAX_THREADS]; /* one per part (share_next) */
     pthread_t ids[TEAM_MAX_THREADS];
     Worker workers[TEAM_MAX_THREADS];
 };
@@ -157,7 +157,6 @@ static void *member_main(void *arg) {
     return NULL;
 }
 
-
 /* The CPUs the process may run on, as it started: binding the leader narrows the main
  * thread's own mask, which later teams and threads_count must not take for the process's. */
 static cpu_set_t process_cpus;
@@ -248,7 +247,8 @@ int team_size_may_grow(const TeamSize *z, long now) { return z->size < z->max &&
 
 void team_size_next(TeamSize *z, int late, long now, int room) {
     if (late && z->size > 1) {
-        z->calm_ns = z->grown ? (z->calm_ns * 2 < TEAM_CALM_NS_MAX ? z->calm_ns * 2 : TEAM_CALM_NS_MAX) : TEAM_CALM_NS_FIRST;
+        z->calm_ns =
+            z->grown ? (z->calm_ns * 2 < TEAM_CALM_NS_MAX ? z->calm_ns * 2 : TEAM_CALM_NS_MAX) : TEAM_CALM_NS_FIRST;
         z->size--;
         z->grown = 0;
         z->calm_since_ns = now;
@@ -256,7 +256,7 @@ void team_size_next(TeamSize *z, int late, long now, int room) {
         z->calm_since_ns = now;
     } else if (team_size_may_grow(z, now)) {
         if (z->grown) z->calm_ns = TEAM_CALM_NS_FIRST; /* the last growth held a whole spell */
-        if (!room) /* no CPU free for one more: look again after a longer spell */
+        if (!room)                                     /* no CPU free for one more: look again after a longer spell */
             z->calm_ns = z->calm_ns * 2 < TEAM_CALM_NS_MAX ? z->calm_ns * 2 : TEAM_CALM_NS_MAX;
         z->size += room;
         z->grown = room;
@@ -473,18 +473,27 @@ int threads_count(void) {
 }
 
 int threads_check_env(char *err, size_t errlen) {
-    const char *env = getenv("OMP_NUM_THREADS");
-    if (!env) return 0;
+    const char *env = getenv("OMP_NUM_THREADS"), *limit = getenv("OMP_THREAD_LIMIT");
     char shown[64]; /* cut to fit; no control sequence reaches the terminal */
-    snprintf(shown, sizeof shown, "%s", env);
-    utf8_mask_controls(shown);
     int first;
-    switch (env_threads_verdict(env, &first)) {
-    case ENV_THREADS_OUT_OF_RANGE:
-        return errmsg(err, errlen, -1, "OMP_NUM_THREADS=%s is out of range (1..%d)", shown, TEAM_MAX_THREADS);
-    case ENV_THREADS_NOT_A_COUNT:
-        return errmsg(err, errlen, -1, "OMP_NUM_THREADS needs a thread count (1..%d), got '%s'", TEAM_MAX_THREADS,
-                      shown);
-    default: return 0;
+    if (env) {
+        snprintf(shown, sizeof shown, "%s", env);
+        utf8_mask_controls(shown);
+        switch (env_threads_verdict(env, &first)) {
+        case ENV_THREADS_OUT_OF_RANGE:
+            return errmsg(err, errlen, -1, "OMP_NUM_THREADS=%s is out of range (1..%d)", shown, TEAM_MAX_THREADS);
+        case ENV_THREADS_NOT_A_COUNT:
+            return errmsg(err, errlen, -1, "OMP_NUM_THREADS needs a thread count (1..%d), got '%s'", TEAM_MAX_THREADS,
+                          shown);
+        default: break;
+        }
     }
+    if (limit) { /* a limit past the team's most is no limit; one below 1 or not a count is refused */
+        snprintf(shown, sizeof shown, "%s", limit);
+        utf8_mask_controls(shown);
+        const int verdict = env_threads_verdict(limit, &first);
+        if (verdict == ENV_THREADS_NOT_A_COUNT || (verdict == ENV_THREADS_OUT_OF_RANGE && first < 1))
+            return errmsg(err, errlen, -1, "OMP_THREAD_LIMIT needs a positive thread count, got '%s'", shown);
+    }
+    return 0;
 }

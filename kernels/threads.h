@@ -164,7 +164,8 @@ int threads_count(void);
 int threads_chosen(void);
 
 /* OMP_NUM_THREADS: 0 when unset or a list of thread counts 1..TEAM_MAX_THREADS (OpenMP's
- * syntax: one count a nesting level), else -1 and one sentence in err. */
+ * syntax: one count a nesting level), and OMP_THREAD_LIMIT unset or a positive count; else
+ * -1 and one sentence in err. */
 int threads_check_env(char *err, size_t errlen);
 
 #endif /* THREADS_H */

@@ -302,6 +302,24 @@ def test_omp_num_threads_refused(ckpt, value, message):
     assert p.stderr.decode() == f"run: {message}\n" and p.returncode == 2 and p.stdout == b""  # no libgomp line either
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "", "-2"])
+def test_omp_thread_limit_refused(ckpt, value):
+    """A thread limit that is no positive count is refused as OMP_NUM_THREADS is (it was ignored)."""
+    env = dict(os.environ, OMP_THREAD_LIMIT=value)
+    p = subprocess.run([RUN, ckpt, "-n", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=120)
+    assert p.stderr.decode() == f"run: OMP_THREAD_LIMIT needs a positive thread count, got '{value}'\n"
+    assert p.returncode == 2 and p.stdout == b""
+
+
+def test_omp_thread_limit_caps_the_team(ckpt):
+    """A limit caps the threads; one past the team's most is no limit."""
+    for value, threads in [("1", 1), ("1000", 3)]:
+        env = dict(os.environ, OMP_THREAD_LIMIT=value)
+        p = subprocess.run([RUN, ckpt, "-n", "2", "--threads", "3", "--json", "-q"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env=env, timeout=120)
+        assert p.returncode == 0 and json.loads(p.stdout.decode().splitlines()[-1])["threads"] == threads, p.stderr
+
+
 def test_omp_num_threads_in_range(ckpt):
     outs = set()
     for value in ["1", "256", " 2 ", "2,2"]:
