@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -122,6 +123,9 @@ RequestList requests_of(const Model *m, const Options *o) {
         if (!(l.texts = malloc((size_t)l.n * sizeof *l.texts))) die(1, "out of memory");
         for (int i = 0; i < l.n; i++) l.texts[i] = o->prompt;
     }
+    if (o->seed > (uint64_t)INT64_MAX - (uint64_t)(l.n - 1)) /* each printed seed must be one -s takes */
+        die(EXIT_USAGE, "-s %llu with %d sequences: the last one's seed, s+%d, passes the largest seed, %lld",
+            (unsigned long long)o->seed, l.n, l.n - 1, (long long)INT64_MAX);
     if (!(l.requests = calloc((size_t)l.n, sizeof *l.requests))) die(1, "out of memory");
     for (int i = 0; i < l.n; i++) {
         char where[320] = "";

@@ -89,6 +89,20 @@ def test_seeded_sampling_repeats(small_checkpoints):
     assert a != c
 
 
+def test_every_printed_seed_is_one_s_takes(small_checkpoints):
+    """A batch's sequence i samples with seed s+i: the largest seed at s+i is taken, one past it
+    is refused (it was printed, then refused by -s when given back)."""
+    import json
+    path, _ = small_checkpoints["mqa"]
+    top = 2**63 - 1
+    p = run([path, "-p", PROMPT, "-n", 2, "--kv", "--batch", 3, "-s", top - 2, "-q", "--json"])
+    assert [json.loads(line)["seed"] for line in p.stdout.decode().splitlines()[:3]] == [top - 2, top - 1, top]
+    p = run([path, "-p", PROMPT, "-n", 2, "--kv", "--batch", 3, "-s", top - 1, "-q"], check=False)
+    assert p.returncode == 2 and p.stdout == b"", p.stderr
+    assert p.stderr.decode() == (f"run: -s {top - 1} with 3 sequences: the last one's seed, s+2, passes the largest "
+                                 f"seed, {top}\n")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_check_kv(small_checkpoints, variant):
     path, _ = small_checkpoints[variant]
