@@ -47,12 +47,16 @@ static void check_standard_streams(const Options *o) {
     if (fcntl(STDERR_FILENO, F_GETFD) < 0 && open("/dev/null", O_WRONLY) != STDERR_FILENO) exit(1);
 }
 
-/* The prompt of -f FILE or -p - (standard input), without its trailing line breaks. */
+/* The prompt of -f FILE or -p - (standard input), its CRLF line breaks read as LF (as
+ * --prompts reads them), without its trailing line breaks. */
 static char *read_prompt(const char *path) {
     char err[512], *text;
     if (textfile_read_text(path, &text, err, sizeof err) != 0) die(1, "%s", err);
-    size_t n = strlen(text);
-    while (n > 0 && (text[n - 1] == '\n' || text[n - 1] == '\r')) text[--n] = '\0';
+    size_t n = 0;
+    for (const char *c = text; *c; c++)
+        if (!(c[0] == '\r' && c[1] == '\n')) text[n++] = *c;
+    while (n > 0 && (text[n - 1] == '\n' || text[n - 1] == '\r')) n--;
+    text[n] = '\0';
     return text;
 }
 

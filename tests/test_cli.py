@@ -435,6 +435,12 @@ def test_prompt_from_a_file_and_from_stdin(small_checkpoints, tmp_path):
     p = subprocess.run([RUN, path, "-p", "-"] + [str(a) for a in args], input=(PROMPT + "\r\n").encode(),
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
     assert p.returncode == 0 and p.stdout == want, p.stderr
+    # a text of two lines: CRLF breaks read as LF, as --prompts reads them (the CR went to the model)
+    unix, dos = tmp_path / "unix.txt", tmp_path / "dos.txt"
+    unix.write_bytes(PROMPT.encode() + b"\nand then\n")
+    dos.write_bytes(PROMPT.encode() + b"\r\nand then\r\n")
+    lf, crlf = (generate_json([path, "-f", f] + args)[1][0] for f in (unix, dos))
+    assert (crlf["prompt_tokens"], crlf["tokens"]) == (lf["prompt_tokens"], lf["tokens"]), (lf, crlf)
     (tmp_path / "bad.txt").write_bytes(b"Once \xff upon")
     expect_error([path, "-f", tmp_path / "bad.txt"], 1, f"{tmp_path / 'bad.txt'} is not valid UTF-8 text")
     (tmp_path / "nul.txt").write_bytes(b"Once\0upon")
