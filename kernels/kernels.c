@@ -182,9 +182,15 @@ void dot_rows(float *out, const float *q, const float *rows, size_t stride, int 
     dot_rows_cat(out, n, scale, q, rows, stride, width, q, rows, stride, 0);
 }
 
+/* A run of rows to request: its start and bytes (none: NULL, 0). */
+typedef struct {
+    const char *at;
+    size_t bytes;
+} Run;
+
 /* Requests bytes [lo, hi) of a run into L1, from the line lo falls in. */
-static inline __attribute__((always_inline)) void prefetch_lines(const char *run, size_t lo, size_t hi) {
-    for (size_t i = lo / 64 * 64; i < hi; i += 64) __builtin_prefetch(run + i, 0, 3);
+static inline __attribute__((always_inline)) void prefetch_lines(Run run, size_t lo, size_t hi) {
+    for (size_t i = lo / 64 * 64; i < hi; i += 64) __builtin_prefetch(run.at + i, 0, 3);
 }
 
 /* the columns of a 16-wide slice that lie in [c, width): 0 to 16 */
@@ -293,12 +299,12 @@ enum { WIDE_COLS = 320, WIDE_HEADS = 16 };
 static inline __attribute__((always_inline)) void dot_block_rows_shared(float *out, size_t ld_out, const float *q,
                                                                         size_t ld_q, int nh, const RowBlocks *r, int b,
                                                                         int m, int width, float scale, DType dt,
-                                                                        const char *next, size_t next_bytes) {
+                                                                        Run next) {
     const char *base = r->block[b];
     float wide[16 * WIDE_COLS] __attribute__((aligned(64))); /* (WIDE_COLS / 16 slices, 8 pairs, 2 halves, 16) */
     v16 spill[WIDE_HEADS][16];
     const int batch = width <= WIDE_COLS ? nh : WIDE_HEADS; /* one slab: no chains wait, so no bound */
-    if (m < 16) prefetch_lines(next, 0, next_bytes);        /* no head loop below to spread them over */
+    if (m < 16) prefetch_lines(next, 0, next.bytes);        /* no head loop below to spread them over */
     int j = 0;
     for (; j + 16 <= m; j += 16)
         for (int h0 = 0; h0 < nh; h0 += batch) {
@@ -315,7 +321,7 @@ static inline __attribute__((always_inline)) void dot_block_rows_shared(float *o
                     }
                 for (int h = 0; h < hn; h++) {
                     if (j == 0 && h0 == 0 && c0 == 0)
-                        prefetch_lines(next, next_bytes * h / hn, next_bytes * (h + 1) / hn);
+                        prefetch_lines(next, next.bytes * h / hn, next.bytes * (h + 1) / hn);
                     const float *qh = q + (size_t)(h0 + h) * ld_q + c0;
                     v16 acc[16]; /* pair i/2 of rows: columns 0-7 of each 16 (i even), 8-15 (i odd) */
 #pragma GCC unroll 16
@@ -351,12 +357,11 @@ static inline __attribute__((always_inline)) void dot_block_rows_shared(float *o
  * it reads them; several share one widening. */
 static inline __attribute__((always_inline)) void dot_block_heads(float *out, size_t ld_out, const float *q,
                                                                   size_t ld_q, int n_heads, const RowBlocks *r, int b,
-                                                                  int m, int width, float scale, DType dt,
-                                                                  const char *next, size_t next_bytes) {
+                                                                  int m, int width, float scale, DType dt, Run next) {
     if (n_heads == 1)
         dot_block_rows(out, q, r, b, m, width, scale, dt);
     else
-        dot_block_rows_shared(out, ld_out, q, ld_q, n_heads, r, b, m, width, scale, dt, next, next_bytes);
+        dot_block_rows_shared(out, ld_out, q, ld_q, n_heads, r, b, m, width, scale, dt, next);
 }
 
 /* The blocks the n rows span. */
@@ -414,26 +419,26 @@ static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *
 /* The run read after group g's block b (of the nb blocks of the n rows): taking a block's
  * groups in turn, the next group's in the same block, which the pool keeps next to it,
  * then the first group's in the next block; taking a group's blocks in turn, its next
- * block. Its bytes, its start at *run; 0 when there is none, or the rows are not streamed
- * (rows other queries read are in cache, where requests only cost time). */
-static inline size_t next_run(const RowBlocks *r, int g, int b, int nb, int n, int block_major, const char **run) {
+ * block. None when there is none, or the rows are not streamed (rows other queries read
+ * are in cache, where requests only cost time). */
+static inline Run next_run(const RowBlocks *r, int g, int b, int nb, int n, int block_major) {
     int at = -1;
     if (block_major && g + 1 < r->groups)
         at = (g + 1) * nb + b;
     else if (b + 1 < nb)
         at = (block_major ? 0 : g) * nb + b + 1;
-    if (!r->streamed || at < 0) return 0;
-    *run = r->block[at];
-    return run_bytes(r, rows_in_block(r, at % nb, n));
+    if (!r->streamed || at < 0) return (Run){NULL, 0};
+    return (Run){r->block[at], run_bytes(r, rows_in_block(r, at % nb, n))};
 }
 
 /* Requests what is read after group g's block b: the next run (next_run) into L1 unless
  * the caller spreads those requests itself (`near` 0), and small runs' far ones. */
 static inline __attribute__((always_inline)) void prefetch_next(const RowBlocks *r, int g, int b, int nb, int n,
                                                                 int block_major, int near) {
-    const char *run = NULL;
-    const size_t bytes = near ? next_run(r, g, b, nb, n, block_major, &run) : 0;
-    prefetch_lines(run, 0, bytes);
+    if (near) {
+        const Run run = next_run(r, g, b, nb, n, block_major);
+        prefetch_lines(run, 0, run.bytes);
+    }
     if (r->streamed && run_bytes(r, r->block_rows) <= PREFETCH_FAR_BYTES) prefetch_far(r, g, b, nb, n, block_major);
 }
 
@@ -448,8 +453,7 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
             /* heads that share the rows request the next run a slice a head: a burst of
              * requests for a whole run at once stalls the core while they are sent */
             const int spread = gh > 1 && dt != DTYPE_F32;
-            const char *next = NULL;
-            const size_t next_bytes = spread ? next_run(&rows, g, b, nb, n, 1, &next) : 0;
+            const Run next = spread ? next_run(&rows, g, b, nb, n, 1) : (Run){NULL, 0};
             prefetch_next(&rows, g, b, nb, n, 1, !spread);
             float *o = out + (size_t)g * gh * ld_out + j0;
             const float *qg = q + (size_t)g * gh * ld_q;
@@ -460,20 +464,12 @@ void dot_row_blocks(float *out, size_t ld_out, const float *q, size_t ld_q, int 
                              scale);
                 break;
             case DTYPE_BF16:
-                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_BF16, next, next_bytes);
+                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_BF16, next);
                 break;
-            case DTYPE_I8:
-                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I8, next, next_bytes);
-                break;
-            case DTYPE_F8:
-                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_F8, next, next_bytes);
-                break;
-            case DTYPE_I4:
-                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I4, next, next_bytes);
-                break;
-            case DTYPE_I2:
-                dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I2, next, next_bytes);
-                break;
+            case DTYPE_I8: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I8, next); break;
+            case DTYPE_F8: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_F8, next); break;
+            case DTYPE_I4: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I4, next); break;
+            case DTYPE_I2: dot_block_heads(o, ld_out, qg, ld_q, gh, &rows, at, m, width, scale, DTYPE_I2, next); break;
             }
         }
     }
