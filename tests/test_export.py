@@ -649,6 +649,10 @@ def test_outputs_never_replace_inputs(tmp_path, capsys):
     assert status == 0, err
     assert (tmp_path / "out.bin").read_bytes() == before and (tmp_path / "hf" / "model.safetensors").exists()
     assert (tmp_path / "out.bin.tmp").read_bytes() == b"mine"
+    mask = os.umask(0)
+    os.umask(mask)  # the outputs have the modes a plain open() and mkdir() give, not the temporaries' 0600/0700
+    assert stat.S_IMODE(os.stat(tmp_path / "out.bin").st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE(os.stat(tmp_path / "hf").st_mode) == 0o777 & ~mask
     assert (tmp_path / "hf.tmp" / "notes.txt").read_bytes() == b"mine too"
     assert sorted(os.listdir(tmp_path)) == sorted(["in.bin", "hard.bin", "soft.bin", "dir", "tok.model", "pipe",
                                                    "out.bin", "out.bin.tmp", "hf", "hf.tmp"])

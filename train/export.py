@@ -244,7 +244,7 @@ def _write_atomic(path, write):
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp's 0600, as open() would have made it
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -252,7 +252,8 @@ def _write_atomic(path, write):
         raise
 
 
-def _umask():
+def umask():
+    """The process's file mode creation mask (reading it means setting it, so it is set back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

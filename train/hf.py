@@ -526,6 +526,7 @@ def export_hf(src, out_dir, force=False):
             st.write_file(f, hf, {"format": "pt"})
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
+        os.chmod(tmp, 0o777 & ~export.umask())  # mkdtemp's 0700 would keep the model from other users
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
