@@ -31,7 +31,7 @@ void cli_usage(FILE *f) {
           "      --kv              decode with a KV cache (default: recompute the whole sequence every step)\n"
           "      --mla absorb|expand  MLA form (default: absorb with --kv, expand without it and for --ppl)\n"
           "      --batch B         decode B sequences of the prompt together, sequence i with seed s+i, 1..256\n"
-          "      --kv-mem MB       the KV cache pool's size in MiB, fractions allowed (default: B full contexts)\n"
+          "      --kv-mem MB       the KV cache's pool in MiB, fractions allowed (default: B full contexts)\n"
           "      --kv-offload PATH  with --kv: a tier file on disk behind the pool, created anew (an\n"
           "                        existing PATH is refused) and removed at once, so never left behind;\n"
           "                        at --batch 1 a cache larger than --kv-mem streams its oldest blocks from it\n"

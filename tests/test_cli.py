@@ -89,6 +89,17 @@ def test_seeded_sampling_repeats(small_checkpoints):
     assert a != c
 
 
+def test_help_names_every_flag_in_lines_of_100():
+    """-h: exit 0, every long flag cli.c parses named, no line over 100 characters (one was 101)."""
+    p = run(["-h"])
+    text = p.stdout.decode() + p.stderr.decode()
+    table = open(os.path.join(ROOT, "serve", "cli.c")).read()
+    flags = re.findall(r'\{"([a-z][a-z-]*)", (?:no|required|optional)_argument', table)
+    assert len(flags) > 40, flags
+    assert [f for f in flags if not re.search(rf"--{f}\b", text)] == []
+    assert [line for line in text.splitlines() if len(line) > 100] == []
+
+
 def test_every_printed_seed_is_one_s_takes(small_checkpoints):
     """A batch's sequence i samples with seed s+i: the largest seed at s+i is taken, one past it
     is refused (it was printed, then refused by -s when given back)."""
