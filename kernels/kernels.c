@@ -10,9 +10,8 @@
 #include "kernels/threads.h"
 #include "kernels/simd.h"
 
-size_t dtype_size(DType dt) {
-    return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1;
-} /* int4, int2: see packed_group_bytes */
+/* int4, int2: 1 here; their packed bytes are packed_group_bytes' */
+size_t dtype_size(DType dt) { return dt == DTYPE_F32 ? 4 : dt == DTYPE_BF16 ? 2 : 1; }
 
 const char *kernels_simd_name(void) { return SIMD_NAME; }
 
@@ -188,7 +187,10 @@ typedef struct {
     size_t bytes;
 } Run;
 
-/* Requests bytes [lo, hi) of a run into L1, from the line lo falls in. */
+/* Requests bytes [lo, hi) of a run into L1, from the line lo falls in: a sequence's blocks
+ * lie anywhere in the pool, so the hardware prefetchers lose the stream at every run's
+ * start. The prefetch helpers are always inlined: GCC takes a call that only prefetches for
+ * one without effect, and drops it. */
 static inline __attribute__((always_inline)) void prefetch_lines(Run run, size_t lo, size_t hi) {
     for (size_t i = lo / 64 * 64; i < hi; i += 64) __builtin_prefetch(run.at + i, 0, 3);
 }
@@ -379,19 +381,11 @@ static inline int rows_in_block(const RowBlocks *r, int b, int n) {
     return n - j0 < r->block_rows ? n - j0 : r->block_rows;
 }
 
-/* Requests the run at table index `at`, of m rows, into L1, or with `far` into L2: a
- * sequence's blocks lie anywhere in the pool, so the hardware prefetchers lose the stream
- * at every run's start. These helpers are always inlined: GCC takes a call that only
- * prefetches for one without effect, and drops it. */
-static inline __attribute__((always_inline)) void prefetch_run(const RowBlocks *r, int at, int m, int far) {
+/* Requests the run at table index `at`, of m rows, into L2 (prefetch_lines: into L1). */
+static inline __attribute__((always_inline)) void prefetch_run_l2(const RowBlocks *r, int at, int m) {
     const char *base = r->block[at];
     const size_t bytes = run_bytes(r, m);
-    for (size_t i = 0; i < bytes; i += 64) {
-        if (far)
-            __builtin_prefetch(base + i, 0, 2);
-        else
-            __builtin_prefetch(base + i, 0, 3);
-    }
+    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + i, 0, 2);
 }
 
 /* Streamed runs of up to a page are read too fast for a request one run ahead to arrive in
@@ -410,7 +404,7 @@ static inline __attribute__((always_inline)) void prefetch_far(const RowBlocks *
         const int k = (block_major ? g : 0) + ahead, to_group = block_major ? k % across : g, to_block = b + k / across;
         if (to_block >= nb) return;
         if (ahead == PREFETCH_FAR)
-            prefetch_run(r, to_group * nb + to_block, rows_in_block(r, to_block, n), 1);
+            prefetch_run_l2(r, to_group * nb + to_block, rows_in_block(r, to_block, n));
         else
             (void)*(const volatile char *)r->block[to_group * nb + to_block];
     }
