@@ -100,6 +100,12 @@ static inline int team_alone(Worker *w) {
     return w->thread == 0;
 }
 
+/* Waits for the others where thread 0 did work alone since the last barrier (pending): they
+ * may still be deciding how to run those operations, from data thread 0 is about to change. */
+static inline void team_settle(Worker *w) {
+    if (w->pending) team_barrier(w);
+}
+
 /* How a piece of work is shared among a team's threads. */
 typedef enum {
     PARALLEL_ALONE,     /* thread 0 does it all */

@@ -452,6 +452,7 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
         const int n = run->n_draft_rows;
         if (n == 0) break;
         model_forward_pass(dm, &run->draft_state, &run->draft_batch, sch->form, run->draft_logits, wk);
+        team_settle(wk); /* thread 0 writes rc, then the next pass's rows */
         if (team_alone(wk)) {
             run->rc = model_finish(dm, &run->draft_state, &run->draft_batch, run->draft_logits);
             run->rc_in_draft = run->rc != 0;
@@ -520,6 +521,9 @@ static int passes_share(SchedulerRun *run, Worker *wk) {
             more = run->more;
             float *logits = run->logits + (size_t)run->row0 * V;
             model_forward_pass(sch->model, &run->state, &run->batch, sch->form, logits, wk);
+            /* thread 0 goes on to write rc, more and the next pass's batch, which a member
+             * still in this pass reads */
+            team_settle(wk);
             if (team_alone(wk)) run->rc = model_finish(sch->model, &run->state, &run->batch, logits);
             if (team_alone(wk) && run->rc == 0 && run->evicts) pay_attention(run);
         }

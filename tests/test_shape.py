@@ -189,6 +189,27 @@ def test_model_window_holds_without_the_cache(tmp_path):
     assert code == 1 and check["comparisons"][0]["first_bitwise_difference"] == 16 - 3, check
 
 
+def test_steps_of_several_passes_on_more_threads_than_cores(tmp_path):
+    """Without the cache a model's window takes a pass a position; thread 0 writes the next
+    pass's count and rows while the others may still be reading this one's (a model this
+    small runs every operation on thread 0 alone, so nothing holds it back). On more threads
+    than cores a member read the next pass's count, left the step a barrier early and the
+    team hung. Such runs end, and with --threads 1's bits, here and in --check-kv."""
+    shape = "layers=1,dim=32,heads=2,head_dim=16,ffn=64,vocab=64,ctx=64,window=16"
+    prompt = " ".join(str(5 + i) for i in range(20))
+    dumps = {}
+    for threads in (1, 32):
+        out = tmp_path / f"{threads}.f32"
+        _, objs = run_json(["--shape", shape, "-p", prompt, "-n", 6, "-k", 1, "-s", 1, "--ignore-eos",
+                            "--threads", threads, "--dump-logits", out], timeout=60)
+        (summary,) = [o for o in objs if o["type"] == "summary"]
+        assert summary["threads"] == threads and summary["steps"] == 6, summary
+        dumps[threads] = read_logits(out, 64)
+    assert dumps[1].shape == (6, 64) and dumps[1].tobytes() == dumps[32].tobytes()
+    code, check = json_one(["--shape", shape, "-p", prompt, "-n", 6, "--threads", 32, "--check-kv"], check=False)
+    assert code == 0 and check["comparisons"][0]["bitwise_identical"] is True, check
+
+
 def test_a_ring_without_n_ends_at_the_context():
     """A ring could go on forever (generated weights need never sample EOS, and the old runs
     went on until interrupted): without -n a run ends when the context is full, as any run
