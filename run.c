@@ -173,10 +173,11 @@ static void check_memory(const Config *c, const Options *o, int blocks) {
 }
 
 /* --draft CKPT: the draft model, cut to the target's context, and a pool of its caches with
- * as many blocks as the target's (the same positions for the run's sequences). A draft
+ * as many blocks as the target's (the same positions for the run's sequences), or where the
+ * target's cache streams (`streams`) its whole context. A draft
  * that cannot be read, or of another vocabulary or tokenizer, is a bad --draft: exit 2.
  * (A file that begins as a corpus table is read as one: ngram_table_load.) */
-static void load_draft(Model *dm, KVPool *dpool, const Model *m, const Options *o, int blocks) {
+static void load_draft(Model *dm, KVPool *dpool, const Model *m, const Options *o, int blocks, int streams) {
     Checkpoint ck = {.fd = -1};
     char err[512];
     if (checkpoint_open(&ck, o->draft_path, err, sizeof err) != 0) die(EXIT_USAGE, "--draft: %s", err);
@@ -184,6 +185,7 @@ static void load_draft(Model *dm, KVPool *dpool, const Model *m, const Options *
     if (checkpoint_load(dm, &ck, ctx, err, sizeof err) != 0) die(EXIT_USAGE, "--draft: %s", err);
     checkpoint_close(&ck);
     if (draft_matches(m, dm, err, sizeof err) != 0) die(EXIT_USAGE, "--draft %s: %s", msg_path(o->draft_path).s, err);
+    if (streams && blocks < kv_blocks_for(dm->cfg.max_seq_len)) blocks = kv_blocks_for(dm->cfg.max_seq_len);
     if (kv_pool_init(dpool, &dm->cfg, o->kv_dtype, blocks) != 0) die(1, "out of memory: the draft model's KV cache pool");
 }
 
@@ -291,7 +293,7 @@ int main(int argc, char **argv) {
     if (table_rc == 0) {
         draft.table = &table;
     } else if (o.draft_path) {
-        load_draft(&draft_model, &draft_pool, &m, &o, blocks);
+        load_draft(&draft_model, &draft_pool, &m, &o, blocks, pool.stream != NULL);
         draft = (Drafter){&draft_model, &draft_pool, NULL};
     }
     int status;

@@ -49,6 +49,7 @@ struct SchedulerRun {
     float *draft_logits; /* (max_batch, vocab_size) a pass's rows, one a drafting sequence */
     int *draft_slots;    /* (max_batch) the slot of each row */
     int n_draft_rows;
+    int draft_catch_up;  /* the pass laid out leaves a sequence's draft cache short of its tokens */
     int *n_drafts;       /* (max_batch) the draft tokens of each slot this step */
     float *q;            /* (max_batch * draft_k, vocab_size) sampling: the distribution each draft
                           * token was drawn from, for the target's acceptance test */
@@ -257,6 +258,17 @@ static int swap_pays(const Scheduler *sch, const Request *r) {
  * pool is short. Returns 0, -1 when even one sequence alone does not fit, or with a
  * streamed cache reserve_streaming's error. */
 static int reserve_or_preempt(SchedulerRun *run) {
+    const Scheduler *sch = run->sch;
+    if (sch->pool->stream && run->n_running == 1 && sch->draft_k) { /* alone, as a streamed sequence is */
+        /* a decoding sequence's drafts need room behind its last token, as lay_out_pass asks:
+         * spilled for as its own tokens are, so that a cache larger than the pool still drafts */
+        Request *r = run->running[0];
+        const int room = min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens);
+        if (r->live->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score && room > 0) {
+            const int rc = reserve_streaming(run->sch, r, r->n_tokens + room);
+            if (rc == MODEL_ERR_TIER) return rc;
+        }
+    }
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
         while (kv_reserve(&r->live->cache, r->n_tokens) != 0) {
@@ -395,33 +407,42 @@ static void plan_passes(SchedulerRun *run) {
     run->pass_first[run->n_passes] = run->n_running;
 }
 
-/* Lays out the draft model's pass j of the step (thread 0): in the first, each decoding
- * sequence's tokens its draft cache has not seen (its last one at least: a preempted
- * sequence's all, within the prompt budget), and in the next ones its draft token of the
- * pass before; a row of logits each. A sequence drafts while its positions fit both
- * contexts and the draft's pool has room for them. Returns the rows (0: nobody drafts). */
-static int lay_out_draft_pass(SchedulerRun *run, int j) {
+/* Lays out the draft model's pass j of the step (thread 0). Pass 0 brings each drafting
+ * sequence's draft cache up to its tokens (its last one at least; after its prompt, or a
+ * preemption, all it has not seen), in as many passes as the tokens take, a pass holding
+ * one token of each sequence and up to the context (at most SCHEDULER_PASS_TOKENS) more,
+ * first come first served: a sequence's row of logits comes in the pass that takes its last
+ * token, so who drafts never depends on the others in the batch. Pass j > 0: each drafting
+ * sequence's draft token j - 1. A sequence drafts while its positions fit both contexts and
+ * the draft's pool has room for them, as the step's first pass (`first`) finds it. Returns
+ * the pass's tokens (0: nothing to run). */
+static int lay_out_draft_pass(SchedulerRun *run, int j, int first) {
     const Scheduler *sch = run->sch;
-    const int K = sch->draft_k, ctx = sch->model->cfg.max_seq_len, draft_ctx = sch->draft_model->cfg.max_seq_len;
-    int T = 0, budget = run->prompt_budget;
+    const Config *c = &sch->model->cfg;
+    const int K = sch->draft_k, ctx = c->max_seq_len, draft_ctx = sch->draft_model->cfg.max_seq_len;
+    int T = 0, budget = min_int(ctx, SCHEDULER_PASS_TOKENS);
     run->n_draft_rows = 0;
+    run->draft_catch_up = 0;
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
         KVCache *dc = &r->live->draft_cache;
-        if (j == 0) {
-            const int unseen = r->n_tokens - dc->len; /* 1 or more: it holds all but the last token, or fewer */
+        if (first) {
             int want = 0;
             if (r->live->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score)
                 want = min_int(K, min_int(ctx - r->n_tokens, draft_ctx + 1 - r->n_tokens));
-            if (want > 0 && unseen > 1 && unseen > budget) want = 0;
             if (want > 0 && kv_reserve(dc, r->n_tokens + want - 1) != 0) want = 0;
             run->n_drafts[i] = want;
-            if (!want) continue;
-            if (unseen > 1) budget -= unseen;
-            for (int pos = dc->len; pos < r->n_tokens; pos++, T++)
+        }
+        if (run->n_drafts[i] <= j) continue;
+        if (j == 0) {
+            const int unseen = r->n_tokens - dc->len; /* 0 once an earlier catch-up pass took them all */
+            const int take = unseen < 1 ? 0 : 1 + min_int(unseen - 1, budget);
+            budget -= take > 0 ? take - 1 : 0;
+            for (int pos = dc->len; pos < dc->len + take; pos++, T++)
                 run->draft_ids[T] = r->tokens[pos], run->draft_caches[T] = dc;
+            if (take < unseen) run->draft_catch_up = 1;
+            if (take == 0 || take < unseen) continue; /* caught up before, or its row comes later */
         } else {
-            if (run->n_drafts[i] <= j) continue;
             run->draft_ids[T] = run->drafts[(size_t)i * K + j - 1], run->draft_caches[T] = dc;
             T++;
         }
@@ -429,7 +450,7 @@ static int lay_out_draft_pass(SchedulerRun *run, int j) {
         run->draft_logit_tokens[run->n_draft_rows++] = T - 1;
     }
     run->draft_batch = (Batch){T, run->draft_ids, run->draft_caches, run->n_draft_rows, run->draft_logit_tokens, NULL};
-    return run->n_draft_rows;
+    return T;
 }
 
 /* The draft model's passes of a step, up to draft_k: after each, every drafting sequence
@@ -440,17 +461,18 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
     const Model *dm = sch->draft_model;
     const int V = dm->cfg.vocab_size, K = sch->draft_k;
     const double t0 = now_ms();
-    for (int j = 0; j < K; j++) {
-        /* an error (of this lay-out, or the last pass's model_finish) lays out no rows: the
+    for (int j = 0, catch_up = 0; j < K;) {
+        /* an error (of this lay-out, or the last pass's model_finish) lays out no tokens: the
          * members stop on the count alone, since thread 0 writes rc again before the next barrier */
         if (team_alone(wk)) {
-            if (run->rc == 0 && lay_out_draft_pass(run, j))
+            if (run->rc == 0 && lay_out_draft_pass(run, j, j == 0 && !catch_up))
                 run->rc = model_prepare(dm, &run->draft_state, &run->draft_batch);
-            if (run->rc != 0) run->n_draft_rows = 0;
+            if (run->rc != 0) run->draft_batch.n_tokens = 0;
         }
         team_barrier(wk);
         const int n = run->n_draft_rows;
-        if (n == 0) break;
+        catch_up = run->draft_catch_up;
+        if (run->draft_batch.n_tokens == 0) break;
         model_forward_pass(dm, &run->draft_state, &run->draft_batch, sch->form, run->draft_logits, wk);
         team_settle(wk); /* thread 0 writes rc, then the next pass's rows */
         if (team_alone(wk)) {
@@ -472,6 +494,7 @@ static void draft_share(SchedulerRun *run, Worker *wk) {
                 }
             }
         share_end(&sh);
+        j += !catch_up;
     }
     if (team_alone(wk)) run->draft_ms += now_ms() - t0;
 }

@@ -78,6 +78,40 @@ def test_sampled_speculation_in_a_batch_is_each_sequence_alone(drafter):
     assert len({tuple(s["tokens"]) for s in batch}) == 3
 
 
+@pytest.mark.parametrize("drafter", ["ngram", DRAFT])
+def test_sampled_speculation_drafts_as_alone_beside_long_prompts_and_streaming(tmp_path, drafter):
+    """A draft model catches up on a sequence's prompt at its first decode step. Two prompts
+    of 128 tokens, prefilled in one step, reached it together, one token more than a pass of
+    the context (256) takes: the second drafted nothing that step (the catch-up shared one budget), so its sampled tokens
+    were not its run alone's (seed s+1). A cache streamed from the tier never drafted: the
+    target's pool had no room behind the last token, the draft's pool (as many blocks as the
+    target's) none for the prompt. Now the catch-up takes the passes it needs, a streamed
+    sequence spills for its drafts as for its tokens, and the draft's pool holds its context:
+    the batch's sequences are each their run alone, the tier's run is the run without it."""
+    words = "once upon a time there was a little girl named lily she loved to play in the sun".split()
+
+    def text(n, step):
+        return " ".join(words[(i * step) % len(words)] for i in range(n))
+
+    prompts = [text(127, 3), text(120, 5)]
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    base = [weights("gqa"), "--kv", "-q", "-n", 12, "-k", 40, "--ignore-eos", "--draft", drafter, "--draft-k", 4]
+    _, batch, summary = generate_json(base + ["--prompts", path, "--batch", 2, "-s", 1])
+    assert [s["prompt_tokens"] for s in batch] == [128, 128] and summary["preemptions"] == 0, batch
+    for i, seq in enumerate(batch):
+        _, alone, _ = generate_json(base + ["-p", prompts[i], "-s", 1 + i])
+        assert seq["tokens"] == alone[0]["tokens"], i
+    # a pool of 0.9 MiB streams a prompt of 230 words through a few blocks
+    long_prompt = text(230, 7)
+    _, plain, without = generate_json(base + ["-p", long_prompt, "-s", 3])
+    _, tiered, tier = generate_json(base + ["-p", long_prompt, "-s", 3, "--kv-mem", 0.9,
+                                            "--kv-offload", tmp_path / "tier"])
+    assert tier["tier_stream_blocks"] > 0 and without["tier_stream_blocks"] == 0, tier
+    assert tier["draft_tokens"] == without["draft_tokens"] > 0
+    assert tiered[0]["tokens"] == plain[0]["tokens"]
+
+
 def test_the_draft_path_is_masked_in_the_summary(tmp_path):
     """The speculation line printed --draft's path raw: a name holding an escape sequence
     reached the terminal. It goes through msg_path now, as every other path does."""
