@@ -449,7 +449,10 @@ static int lay_out_draft_pass(SchedulerRun *run, int j, int first) {
         run->draft_slots[run->n_draft_rows] = i;
         run->draft_logit_tokens[run->n_draft_rows++] = T - 1;
     }
-    run->draft_batch = (Batch){T, run->draft_ids, run->draft_caches, run->n_draft_rows, run->draft_logit_tokens, NULL};
+    /* a catch-up pass with no sequence's last token samples nothing, but computes a row */
+    if (run->n_draft_rows == 0 && T > 0) run->draft_logit_tokens[0] = T - 1;
+    run->draft_batch = (Batch){T, run->draft_ids, run->draft_caches, run->n_draft_rows ? run->n_draft_rows : 1,
+                               run->draft_logit_tokens, NULL};
     return T;
 }
 

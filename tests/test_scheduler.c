@@ -406,6 +406,45 @@ static void test_draft_model_rollback(void **state) {
     model_free(&other);
 }
 
+/* A draft model catches up on a prompt longer than one pass's budget at its first decode
+ * step, in passes of which the first has no row to sample (the target drafting for itself,
+ * so every draft is kept): the step goes on, and the tokens are those of the run without
+ * drafts. */
+static void test_draft_catches_up_on_a_prompt_past_a_pass(void **state) {
+    (void)state;
+    const int context = 2 * SCHEDULER_PASS_TOKENS + 64, n = SCHEDULER_PASS_TOKENS + 100;
+    Model long_model;
+    load_long_model(&long_model, context);
+    int *tokens[2];
+    long drafted = 0;
+    for (int k = 0; k < 2; k++) {
+        KVPool pool, draft_pool;
+        assert_int_equal(kv_pool_init(&pool, &long_model.cfg, DTYPE_F32, kv_blocks_for(context)), 0);
+        assert_int_equal(kv_pool_init(&draft_pool, &long_model.cfg, DTYPE_F32, kv_blocks_for(context)), 0);
+        Request r = request(0, n);
+        for (int i = 1; i < n; i++) r.tokens[i] = 3 + (i * 7) % 300; /* ids in the vocabulary */
+        Scheduler sch = greedy(&pool, 1, 9);
+        sch.model = &long_model;
+        if (k) sch.draft_k = 4, sch.draft_model = &long_model, sch.draft_pool = &draft_pool;
+        assert_int_equal(scheduler_init(&sch), 0);
+        assert_int_equal(scheduler_add(&sch, &r), 0);
+        StepResult st;
+        int rc;
+        while ((rc = scheduler_step(&sch, &st)) > 0) continue;
+        assert_int_equal(rc, 0);
+        assert_int_equal(r.generated, 9);
+        drafted = sch.drafted;
+        tokens[k] = r.tokens;
+        scheduler_free(&sch);
+        kv_pool_free(&draft_pool);
+        kv_pool_free(&pool);
+    }
+    assert_true(drafted > 0);
+    assert_memory_equal(tokens[0], tokens[1], (size_t)(n + 9) * sizeof(int));
+    free(tokens[0]), free(tokens[1]);
+    model_free(&long_model);
+}
+
 int main(int argc, char **argv) {
     g_tokenizer_path = argc > 1 ? argv[1] : NULL;
     const struct CMUnitTest tests[] = {
@@ -417,6 +456,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_long_prompt_in_passes),
         cmocka_unit_test(test_fill_is_regenerated_after_preemption),
         cmocka_unit_test(test_draft_model_rollback),
+        cmocka_unit_test(test_draft_catches_up_on_a_prompt_past_a_pass),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
