@@ -451,8 +451,8 @@ static int lay_out_draft_pass(SchedulerRun *run, int j, int first) {
     }
     /* a catch-up pass with no sequence's last token samples nothing, but computes a row */
     if (run->n_draft_rows == 0 && T > 0) run->draft_logit_tokens[0] = T - 1;
-    run->draft_batch = (Batch){T, run->draft_ids, run->draft_caches, run->n_draft_rows ? run->n_draft_rows : 1,
-                               run->draft_logit_tokens, NULL};
+    run->draft_batch = (Batch){
+        T, run->draft_ids, run->draft_caches, run->n_draft_rows ? run->n_draft_rows : 1, run->draft_logit_tokens, NULL};
     return T;
 }
 
