@@ -338,11 +338,11 @@ static void write_summary(FILE *out, const Generation *g, const Figures *f) {
     if (sch->draft_k)
         fprintf(out,
                 "speculation: %s, k %d | %ld draft tokens, %ld accepted (%.1f%%) | %.2f tokens a verifying pass | "
-                "drafting %.3f ms, %.1f%% of the steps' time\n",
+                "drafting %.3f ms, %.1f%% of the steps' time | %ld sequence steps without room to draft\n",
                 g->o->draft_path ? msg_path(g->o->draft_path).s : "ngram", sch->draft_k, sch->drafted, sch->accepted,
                 sch->drafted ? 100.0 * sch->accepted / sch->drafted : 0.0,
                 sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0,
-                sch->draft_ms, f->steps_ms > 0 ? 100.0 * sch->draft_ms / f->steps_ms : 0.0);
+                sch->draft_ms, f->steps_ms > 0 ? 100.0 * sch->draft_ms / f->steps_ms : 0.0, sch->drafts_without_room);
     if (disturbed(f))
         fprintf(out,
                 "disturbed: %d of %d decode steps took over 3x the median step (another process wanted the "
@@ -479,10 +479,10 @@ static void print_summary_json(const Generation *g, const Figures *f) {
         json_text(stdout, g->o->draft_path ? g->o->draft_path : "ngram");
     printf(", \"draft_k\": %d, \"draft_tokens\": %ld, \"draft_accepted\": %ld, "
            "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f, \"draft_ms_total\": %.3f, "
-           "\"draft_time_share\": %.4f",
+           "\"draft_time_share\": %.4f, \"drafts_without_room\": %ld",
            sch->draft_k, sch->drafted, sch->accepted, sch->drafted ? (double)sch->accepted / sch->drafted : 0.0,
            sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0,
-           sch->draft_ms, f->steps_ms > 0 ? sch->draft_ms / f->steps_ms : 0.0);
+           sch->draft_ms, f->steps_ms > 0 ? sch->draft_ms / f->steps_ms : 0.0, sch->drafts_without_room);
     if (g->profile) profile_json(g->profile);
     json_end();
 }

@@ -321,7 +321,7 @@ static int lay_out_pass(SchedulerRun *run, int p) {
                 : sch->draft_table ? draft_table(sch->draft_table, r->tokens, r->n_tokens, room, draft)
                                    : draft_ngram(r->tokens, r->n_tokens, room, draft);
             if (!sch->draft_model) run->draft_ms += now_ms() - t0;
-            if (d > 0 && kv_reserve(&r->live->cache, r->n_tokens + d) != 0) d = 0;
+            if (d > 0 && kv_reserve(&r->live->cache, r->n_tokens + d) != 0) d = 0, run->sch->drafts_without_room++;
         }
         r->drafted = d;
         if (count > 1) budget -= count;
@@ -430,7 +430,7 @@ static int lay_out_draft_pass(SchedulerRun *run, int j, int first) {
             int want = 0;
             if (r->live->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score)
                 want = min_int(K, min_int(ctx - r->n_tokens, draft_ctx + 1 - r->n_tokens));
-            if (want > 0 && kv_reserve(dc, r->n_tokens + want - 1) != 0) want = 0;
+            if (want > 0 && kv_reserve(dc, r->n_tokens + want - 1) != 0) want = 0, run->sch->drafts_without_room++;
             run->n_drafts[i] = want;
         }
         if (run->n_drafts[i] <= j) continue;
@@ -740,7 +740,7 @@ static void zero_figures(Scheduler *sch) {
     sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = sch->rule_recomputes = 0;
     sch->short_team_steps = 0;
     sch->total_ms = sch->fill_ms = 0.0;
-    sch->drafted = sch->accepted = sch->verify_passes = 0;
+    sch->drafted = sch->accepted = sch->verify_passes = sch->drafts_without_room = 0;
     sch->draft_ms = 0.0;
 }
 

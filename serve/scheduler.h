@@ -194,6 +194,7 @@ typedef struct {
     double fill_ms; /* spent generating --fill entries, left out of every step's time */
     long drafted, accepted; /* speculation: draft tokens verified, and of them accepted */
     long verify_passes;     /* sequences' passes that verified at least one draft token */
+    long drafts_without_room; /* sequences' steps whose drafts found no room in a pool: none drafted */
     double draft_ms;        /* drafting: the draft model's passes and draws, or prompt lookup */
     SchedulerRun *run; /* scheduler.c's own */
 } Scheduler;

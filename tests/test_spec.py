@@ -112,6 +112,23 @@ def test_sampled_speculation_drafts_as_alone_beside_long_prompts_and_streaming(t
     assert tiered[0]["tokens"] == plain[0]["tokens"]
 
 
+def test_drafts_without_room_are_counted():
+    """Three copies of a 125-token prompt in a pool of 16 blocks: the target's caches share
+    the prompt's blocks, the draft model's do not, and its pool (as many blocks as the
+    target's) runs short: those sequences' steps draft nothing, which README's exemption
+    covers and the summary counts (drafts_without_room). Greedy, the tokens stay the plain
+    run's; with room, none is counted."""
+    words = "once upon a time there was a little girl named lily she loved to play in the sun".split()
+    prompt = " ".join(words[(i * 3) % len(words)] for i in range(124))
+    base = [weights("gqa"), "-p", prompt, "-n", 9, "--kv", "-q", "--ignore-eos", "-k", 1, "--batch", 3]
+    _, plain, _ = generate_json(base)
+    _, tight, summary = generate_json(base + ["--draft", DRAFT, "--kv-mem", 1.03])
+    _, roomy, with_room = generate_json(base + ["--draft", DRAFT])
+    assert summary["preemptions"] == 0 and summary["drafts_without_room"] > 0, summary
+    assert with_room["drafts_without_room"] == 0 and with_room["draft_tokens"] > summary["draft_tokens"]
+    assert [s["tokens"] for s in tight] == [s["tokens"] for s in roomy] == [s["tokens"] for s in plain]
+
+
 def test_the_draft_path_is_masked_in_the_summary(tmp_path):
     """The speculation line printed --draft's path raw: a name holding an escape sequence
     reached the terminal. It goes through msg_path now, as every other path does."""
