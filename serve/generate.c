@@ -481,8 +481,8 @@ static void print_summary_json(const Generation *g, const Figures *f) {
            "\"acceptance_rate\": %.4f, \"tokens_per_verify_pass\": %.4f, \"draft_ms_total\": %.3f, "
            "\"draft_time_share\": %.4f, \"drafts_without_room\": %ld",
            sch->draft_k, sch->drafted, sch->accepted, sch->drafted ? (double)sch->accepted / sch->drafted : 0.0,
-           sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0,
-           sch->draft_ms, f->steps_ms > 0 ? sch->draft_ms / f->steps_ms : 0.0, sch->drafts_without_room);
+           sch->verify_passes ? (double)(sch->accepted + sch->verify_passes) / sch->verify_passes : 0.0, sch->draft_ms,
+           f->steps_ms > 0 ? sch->draft_ms / f->steps_ms : 0.0, sch->drafts_without_room);
     if (g->profile) profile_json(g->profile);
     json_end();
 }
