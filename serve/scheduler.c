@@ -427,9 +427,10 @@ static int lay_out_draft_pass(SchedulerRun *run, int j, int first) {
         Request *r = run->running[i];
         KVCache *dc = &r->live->draft_cache;
         if (first) {
+            const int draft_left = draft_ctx + 1 - r->n_tokens; /* past the draft's context: none */
             int want = 0;
             if (r->live->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score)
-                want = min_int(K, min_int(ctx - r->n_tokens, draft_ctx + 1 - r->n_tokens));
+                want = min_int(K, min_int(ctx - r->n_tokens, draft_left > 0 ? draft_left : 0));
             if (want > 0 && kv_reserve(dc, r->n_tokens + want - 1) != 0) want = 0, run->sch->drafts_without_room++;
             run->n_drafts[i] = want;
         }

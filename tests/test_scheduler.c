@@ -445,6 +445,44 @@ static void test_draft_catches_up_on_a_prompt_past_a_pass(void **state) {
     model_free(&long_model);
 }
 
+/* A draft model of a shorter context (64) than the target's (128): a sequence drafts while
+ * its positions fit the draft's context, then decodes plainly; the tokens are those of the
+ * run without drafts, and no step counts drafts it did not make. */
+static void test_draft_of_a_shorter_context(void **state) {
+    (void)state;
+    Model long_model;
+    load_long_model(&long_model, 2 * model.cfg.max_seq_len);
+    int *tokens[2];
+    long drafted = 0, accepted = 0, passes = 0;
+    for (int k = 0; k < 2; k++) {
+        KVPool pool, draft_pool;
+        assert_int_equal(kv_pool_init(&pool, &long_model.cfg, DTYPE_F32, kv_blocks_for(long_model.cfg.max_seq_len)), 0);
+        assert_int_equal(kv_pool_init(&draft_pool, &model.cfg, DTYPE_F32, kv_blocks_for(long_model.cfg.max_seq_len)),
+                         0);
+        Request r = request(0, 10);
+        Scheduler sch = greedy(&pool, 1, 100);
+        sch.model = &long_model;
+        if (k) sch.draft_k = 4, sch.draft_model = &model, sch.draft_pool = &draft_pool;
+        assert_int_equal(scheduler_init(&sch), 0);
+        assert_int_equal(scheduler_add(&sch, &r), 0);
+        StepResult st;
+        int rc;
+        while ((rc = scheduler_step(&sch, &st)) > 0)
+            for (int i = 0; i < st.n_rows; i++) assert_true(st.rows[i].pos < r.n_tokens);
+        assert_int_equal(rc, 0);
+        assert_int_equal(r.generated, 100);
+        drafted = sch.drafted, accepted = sch.accepted, passes = sch.verify_passes;
+        tokens[k] = r.tokens;
+        scheduler_free(&sch);
+        kv_pool_free(&draft_pool);
+        kv_pool_free(&pool);
+    }
+    assert_true(drafted > 0 && accepted >= 0 && accepted <= drafted && passes > 0 && passes <= drafted);
+    assert_memory_equal(tokens[0], tokens[1], 110 * sizeof(int));
+    free(tokens[0]), free(tokens[1]);
+    model_free(&long_model);
+}
+
 int main(int argc, char **argv) {
     g_tokenizer_path = argc > 1 ? argv[1] : NULL;
     const struct CMUnitTest tests[] = {
@@ -457,6 +495,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_fill_is_regenerated_after_preemption),
         cmocka_unit_test(test_draft_model_rollback),
         cmocka_unit_test(test_draft_catches_up_on_a_prompt_past_a_pass),
+        cmocka_unit_test(test_draft_of_a_shorter_context),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
