@@ -67,6 +67,9 @@ struct SchedulerRun {
 
 static int min_int(int a, int b) { return a < b ? a : b; }
 
+/* Prompt tokens a pass computes: the context, at most SCHEDULER_PASS_TOKENS. */
+static int pass_tokens(const Config *c) { return min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS); }
+
 /* ---- the queue ---- */
 
 static void queue_push_back(SchedulerRun *run, Request *r) {
@@ -254,20 +257,23 @@ static int swap_pays(const Scheduler *sch, const Request *r) {
     return swap_ms < r->live->cache.len * (sch->prefill_ms / (double)sch->prefill_tokens);
 }
 
+/* The draft tokens r may take this step: drafts follow a decoding sequence's last token (its
+ * cache holds the rest) while the context has room for them; 0 without speculation. */
+static int draft_room(const Scheduler *sch, const Request *r) {
+    if (!sch->draft_k || r->live->cache.len != r->n_tokens - 1 || r->generated == 0 || r->score) return 0;
+    return min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens);
+}
+
 /* Reserves every running sequence's positions, preempting the latest admitted while the
  * pool is short. Returns 0, -1 when even one sequence alone does not fit, or with a
  * streamed cache reserve_streaming's error. */
 static int reserve_or_preempt(SchedulerRun *run) {
-    const Scheduler *sch = run->sch;
-    if (sch->pool->stream && run->n_running == 1 && sch->draft_k) { /* alone, as a streamed sequence is */
-        /* a decoding sequence's drafts need room behind its last token, as lay_out_pass asks:
-         * spilled for as its own tokens are, so that a cache larger than the pool still drafts */
+    /* a streamed sequence (alone) spills for its drafts' room as for its own tokens, so that a
+     * cache larger than the pool still drafts */
+    if (run->sch->pool->stream && run->n_running == 1) {
         Request *r = run->running[0];
-        const int room = min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens);
-        if (r->live->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score && room > 0) {
-            const int rc = reserve_streaming(run->sch, r, r->n_tokens + room);
-            if (rc == MODEL_ERR_TIER) return rc;
-        }
+        const int room = draft_room(run->sch, r);
+        if (room > 0 && reserve_streaming(run->sch, r, r->n_tokens + room) == MODEL_ERR_TIER) return MODEL_ERR_TIER;
     }
     for (int i = 0; i < run->n_running; i++) {
         Request *r = run->running[i];
@@ -314,9 +320,9 @@ static int lay_out_pass(SchedulerRun *run, int p) {
         /* a decoding sequence's drafts follow its last token, if the context and the pool
          * have room for them (kv_reserve changes nothing when it has not) */
         int *draft = run->drafts + (size_t)i * sch->draft_k, d = 0;
-        if (sch->draft_k && count == 1 && r->generated > 0 && !r->score) {
+        const int room = draft_room(sch, r);
+        if (room > 0) {
             const double t0 = now_ms();
-            const int room = min_int(sch->draft_k, sch->model->cfg.max_seq_len - r->n_tokens);
             d = sch->draft_model   ? run->n_drafts[i]
                 : sch->draft_table ? draft_table(sch->draft_table, r->tokens, r->n_tokens, room, draft)
                                    : draft_ngram(r->tokens, r->n_tokens, room, draft);
@@ -418,9 +424,8 @@ static void plan_passes(SchedulerRun *run) {
  * the pass's tokens (0: nothing to run). */
 static int lay_out_draft_pass(SchedulerRun *run, int j, int first) {
     const Scheduler *sch = run->sch;
-    const Config *c = &sch->model->cfg;
-    const int K = sch->draft_k, ctx = c->max_seq_len, draft_ctx = sch->draft_model->cfg.max_seq_len;
-    int T = 0, budget = min_int(ctx, SCHEDULER_PASS_TOKENS);
+    const int K = sch->draft_k, draft_ctx = sch->draft_model->cfg.max_seq_len;
+    int T = 0, budget = pass_tokens(&sch->model->cfg);
     run->n_draft_rows = 0;
     run->draft_catch_up = 0;
     for (int i = 0; i < run->n_running; i++) {
@@ -428,9 +433,7 @@ static int lay_out_draft_pass(SchedulerRun *run, int j, int first) {
         KVCache *dc = &r->live->draft_cache;
         if (first) {
             const int draft_left = draft_ctx + 1 - r->n_tokens; /* past the draft's context: none */
-            int want = 0;
-            if (r->live->cache.len == r->n_tokens - 1 && r->generated > 0 && !r->score)
-                want = min_int(K, min_int(ctx - r->n_tokens, draft_left > 0 ? draft_left : 0));
+            int want = min_int(draft_room(sch, r), draft_left > 0 ? draft_left : 0);
             if (want > 0 && kv_reserve(dc, r->n_tokens + want - 1) != 0) want = 0, run->sch->drafts_without_room++;
             run->n_drafts[i] = want;
         }
@@ -733,9 +736,7 @@ int scheduler_step(Scheduler *sch, StepResult *out) {
 
 /* ---- setting up ---- */
 
-int scheduler_max_tokens(const Config *c, int max_batch) {
-    return min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS) + max_batch;
-}
+int scheduler_max_tokens(const Config *c, int max_batch) { return pass_tokens(c) + max_batch; }
 
 static void zero_figures(Scheduler *sch) {
     sch->steps = sch->preemptions = sch->swaps = sch->swap_failures = sch->rule_recomputes = 0;
@@ -762,7 +763,7 @@ int scheduler_init(Scheduler *sch) {
     if (!run) return -1;
     run->sch = sch;
     sch->run = run;
-    run->prompt_budget = min_int(c->max_seq_len, SCHEDULER_PASS_TOKENS);
+    run->prompt_budget = pass_tokens(c);
     /* a streamed sequence's pass writes into the pool alone: what it holds, less the block in part written */
     if (sch->pool->stream) run->prompt_budget = min_int(run->prompt_budget, (sch->pool->n_blocks - 1) * KV_BLOCK_TOKENS);
     run->evicts = sch->kv && kv_evicts_by_attention(sch->pool);
